@@ -1,0 +1,1 @@
+"""The front end: spec text to parse tree (parser) and parse tree to typed IR (lower)."""

@@ -1,0 +1,327 @@
+"""Lowers a parse tree into the typed, validated IR (`Spec`), one method per grammar rule."""
+
+from __future__ import annotations
+
+import difflib
+import math
+
+from lark import Token, Tree
+
+from attngen import ir
+from attngen.errors import Position, SpecError
+
+_BUILTIN_CONSTANTS = {"true": ("bool", True), "false": ("bool", False), "inf": ("float", math.inf)}
+_BUILTIN_MASKS = ("causal", "causal_bottom_right")
+_ITEM_KEYWORDS = ("attention", "param", "input", "mask", "score", "scale", "learnable",
+                  "and", "or", "not")
+RESERVED = (set(_BUILTIN_CONSTANTS) | set(_BUILTIN_MASKS) | set(ir.INDEX_VARS) | set(ir.SIZES)
+            | set(ir.FUNCTIONS) | set(_ITEM_KEYWORDS))
+_COMPARISONS = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
+_OP_TEXT = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
+            "pow": "**", "and": "and", "or": "or"}
+_DIM_NAMES = ("B", "H", "HKV", "Q_LEN", "KV_LEN")
+
+
+def position(node: Tree | Token) -> Position:
+    """The span of a tree or token (end column kept only when it ends on the same line)."""
+    if isinstance(node, Token):
+        end = node.end_column if node.end_line == node.line else None
+        return Position(node.line, node.column, end)
+    meta = node.meta
+    end = meta.end_column if getattr(meta, "end_line", None) == meta.line else None
+    return Position(meta.line, meta.column, end)
+
+
+def _numeric(t: str) -> bool:
+    return t in ("int", "float")
+
+
+def _promote(*types: str) -> str:
+    return "float" if "float" in types else "int"
+
+
+def _number(token: Token) -> ir.Const:
+    text = str(token)
+    if any(c in text for c in ".eE"):
+        return ir.Const(type="float", value=float(text))
+    return ir.Const(type="int", value=int(text))
+
+
+class Lowerer:
+    """Walks one parse tree; `context` is the item being lowered ('mask', 'score' or 'scale')."""
+
+    def __init__(self):
+        self.params: dict[str, ir.ParamDecl] = {}
+        self.inputs: dict[str, ir.InputDecl] = {}
+        self.items: dict[str, tuple[ir.Expr, Position]] = {}
+        self.spec_name: str | None = None
+        self.context = ""
+
+    # --- the file --------------------------------------------------------------------------
+    def start(self, tree: Tree) -> ir.Spec:
+        header, *items = tree.children
+        self.header(header)
+        # Declarations first, so an item may use a name declared below it.
+        declarations = [i for i in items if i.data in ("param_decl", "input_decl")]
+        for item in declarations + [i for i in items if i not in declarations]:
+            getattr(self, item.data)(item)
+        return ir.Spec(
+            name=self.spec_name,
+            params=tuple(self.params.values()),
+            inputs=tuple(self.inputs.values()),
+            mask=self.items.get("mask", (None,))[0],
+            score=self.items.get("score", (None,))[0],
+            scale=self.items.get("scale", (None,))[0],
+        )
+
+    def header(self, tree: Tree) -> None:
+        (name,) = tree.children
+        self.spec_name = str(name)
+
+    def _declare(self, token: Token) -> str:
+        name = str(token)
+        if name in RESERVED:
+            raise SpecError(f"'{name}' is a reserved name; choose another name", position(token))
+        if name in self.params or name in self.inputs:
+            raise SpecError(f"'{name}' is declared twice", position(token))
+        return name
+
+    def param_decl(self, tree: Tree) -> None:
+        token, number = tree.children
+        name = self._declare(token)
+        value = getattr(self, number.data)(number)
+        self.params[name] = ir.ParamDecl(name=name, type=value.type, value=value.value)
+
+    def signed_number(self, tree: Tree) -> ir.Const:
+        return _number(tree.children[0])
+
+    def negative_number(self, tree: Tree) -> ir.Const:
+        const = _number(tree.children[0])
+        return ir.Const(type=const.type, value=-const.value)
+
+    def input_decl(self, tree: Tree) -> None:
+        token, dtype, *dims, learnable = tree.children
+        name = self._declare(token)
+        if str(dtype) not in ir.DTYPES:
+            raise SpecError(f"dtype must be one of {', '.join(ir.DTYPES)}, got '{dtype}'", position(dtype))
+        lowered_dims = tuple(self._dim(d) for d in dims if d is not None)
+        if learnable is not None and str(dtype) not in ir.FLOAT_DTYPES:
+            raise SpecError(f"a learnable input must have a float dtype (f32, f16, bf16), got '{dtype}'",
+                            position(learnable))
+        self.inputs[name] = ir.InputDecl(name=name, dtype=str(dtype), dims=lowered_dims,
+                                         learnable=learnable is not None)
+
+    def _dim(self, tree: Tree):
+        if tree.data == "any_dim":
+            return "*"
+        (token,) = tree.children
+        if token.type == "NUMBER":
+            if not str(token).isdigit() or int(token) < 1:
+                raise SpecError(f"a dim must be a positive integer, got '{token}'", position(token))
+            return int(token)
+        if str(token) not in _DIM_NAMES:
+            raise SpecError(f"a dim must be one of {', '.join(_DIM_NAMES)}, an integer or '*', "
+                            f"got '{token}'", position(token))
+        return str(token)
+
+    def _item(self, kind: str, tree: Tree) -> ir.Expr:
+        if kind in self.items:
+            first = self.items[kind][1].line
+            raise SpecError(f"duplicate '{kind}:' (the first is at line {first})", position(tree))
+        self.context = kind
+        expr = self.expr(tree.children[0])
+        self.items[kind] = (expr, position(tree))
+        return expr
+
+    def mask_item(self, tree: Tree) -> None:
+        expr = self._item("mask", tree)
+        if expr.type != "bool":
+            raise SpecError(f"mask must be a boolean expression, got {expr.type}",
+                            position(tree.children[0]))
+
+    def score_item(self, tree: Tree) -> None:
+        expr = self._item("score", tree)
+        if not _numeric(expr.type):
+            raise SpecError(f"score must be a number, got {expr.type}", position(tree.children[0]))
+
+    def scale_item(self, tree: Tree) -> None:
+        expr = self._item("scale", tree)
+        if not _numeric(expr.type):
+            raise SpecError(f"scale must be a number, got {expr.type}", position(tree.children[0]))
+
+    # --- expressions -----------------------------------------------------------------------
+    def expr(self, node: Tree | Token) -> ir.Expr:
+        return getattr(self, node.data)(node)
+
+    def number(self, tree: Tree) -> ir.Expr:
+        return _number(tree.children[0])
+
+    def score_ref(self, tree: Tree) -> ir.Expr:
+        if self.context != "score":
+            raise SpecError(f"'{self.context}' may not use 'score': only 'score:' can read it "
+                            "(the mask must be decidable from positions alone)", position(tree))
+        return ir.Score()
+
+    def name(self, tree: Tree) -> ir.Expr:
+        (token,) = tree.children
+        name = str(token)
+        where = position(token)
+        if name in _BUILTIN_CONSTANTS:
+            t, v = _BUILTIN_CONSTANTS[name]
+            return ir.Const(type=t, value=v)
+        if self.context == "scale" and name not in self.params and name != "D":
+            raise SpecError(f"scale may use only D, params and numbers, got '{name}'", where)
+        if name in _BUILTIN_MASKS:
+            q, k = ir.Var(name="q"), ir.Var(name="k")
+            if name == "causal_bottom_right":
+                shift = ir.Binary(type="int", op="sub", left=ir.Size(name="KV_LEN"), right=ir.Size(name="Q_LEN"))
+                q = ir.Binary(type="int", op="add", left=q, right=shift)
+            return ir.Binary(type="bool", op="ge", left=q, right=k)
+        if name in ir.INDEX_VARS:
+            return ir.Var(name=name)
+        if name in ir.SIZES:
+            return ir.Size(name=name)
+        if name in self.params:
+            return ir.Param(type=self.params[name].type, name=name)
+        if name in self.inputs:
+            decl = self.inputs[name]
+            if decl.dims:
+                raise SpecError(f"input '{name}' has {len(decl.dims)} dim(s): index it as "
+                                f"{name}[{', '.join('...' for _ in decl.dims)}]", where)
+            return ir.Load(type=decl.value_type, input=name, index=())
+        if name in ir.FUNCTIONS:
+            raise SpecError(f"'{name}' is a function: call it as {name}(...)", where)
+        known = (list(self.params) + list(self.inputs) + list(ir.INDEX_VARS) + list(ir.SIZES)
+                 + list(_BUILTIN_MASKS) + list(_BUILTIN_CONSTANTS))
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise SpecError(f"unknown name '{name}'{hint}", where)
+
+    def index(self, tree: Tree) -> ir.Expr:
+        token, *indices = tree.children
+        name = str(token)
+        if self.context == "scale":
+            raise SpecError(f"scale may use only D, params and numbers, got '{name}'", position(token))
+        if name not in self.inputs:
+            raise SpecError(f"only inputs can be indexed, and '{name}' is not an input", position(token))
+        decl = self.inputs[name]
+        indices = [i for i in indices if i is not None]
+        if len(indices) != len(decl.dims):
+            raise SpecError(f"input '{name}' has {len(decl.dims)} dim(s), indexed with {len(indices)}",
+                            position(tree))
+        lowered = []
+        for node in indices:
+            e = self.expr(node)
+            if e.type != "int":
+                raise SpecError(f"an index of '{name}' must be an int, got {e.type}", position(node))
+            lowered.append(e)
+        return ir.Load(type=decl.value_type, input=name, index=tuple(lowered))
+
+    def call(self, tree: Tree) -> ir.Expr:
+        token, *args = tree.children
+        fn = str(token)
+        if fn not in ir.FUNCTIONS:
+            close = difflib.get_close_matches(fn, list(ir.FUNCTIONS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise SpecError(f"unknown function '{fn}'{hint}; functions are {', '.join(ir.FUNCTIONS)}",
+                            position(token))
+        nodes = [a for a in args if a is not None]
+        arity, rule = ir.FUNCTIONS[fn]
+        if len(nodes) != arity:
+            raise SpecError(f"{fn}() takes {arity} argument(s), got {len(nodes)}", position(tree))
+        lowered = [self.expr(a) for a in nodes]
+        if fn == "where":
+            cond, a, b = lowered
+            if cond.type != "bool":
+                raise SpecError(f"the condition of where() must be a boolean, got {cond.type}",
+                                position(nodes[0]))
+            if a.type == "bool" and b.type == "bool":
+                return ir.Call(type="bool", fn=fn, args=tuple(lowered))
+            for arg, node in ((a, nodes[1]), (b, nodes[2])):
+                if not _numeric(arg.type):
+                    raise SpecError(f"the branches of where() must both be numbers or both booleans, "
+                                    f"got {a.type} and {b.type}", position(node))
+            return ir.Call(type=_promote(a.type, b.type), fn=fn, args=tuple(lowered))
+        for arg, node in zip(lowered, nodes):
+            if not _numeric(arg.type):
+                raise SpecError(f"the arguments of {fn}() must be numbers, got {arg.type}", position(node))
+        result = {"float": "float", "int": "int", "same": _promote(*(a.type for a in lowered))}[rule]
+        return ir.Call(type=result, fn=fn, args=tuple(lowered))
+
+    def _arithmetic(self, op: str, tree: Tree) -> ir.Expr:
+        left_node, right_node = tree.children
+        left, right = self.expr(left_node), self.expr(right_node)
+        for e, node in ((left, left_node), (right, right_node)):
+            if not _numeric(e.type):
+                raise SpecError(f"the operands of '{_OP_TEXT[op]}' must be numbers, got {e.type}",
+                                position(node))
+        if op == "div":
+            result = "float"
+        elif op == "pow":
+            exact = (left.type == right.type == "int" and isinstance(right, ir.Const) and right.value >= 0)
+            result = "int" if exact else "float"
+        else:
+            result = _promote(left.type, right.type)
+        return ir.Binary(type=result, op=op, left=left, right=right)
+
+    def add(self, tree): return self._arithmetic("add", tree)
+    def sub(self, tree): return self._arithmetic("sub", tree)
+    def mul(self, tree): return self._arithmetic("mul", tree)
+    def div(self, tree): return self._arithmetic("div", tree)
+    def floordiv(self, tree): return self._arithmetic("floordiv", tree)
+    def mod(self, tree): return self._arithmetic("mod", tree)
+    def pow(self, tree): return self._arithmetic("pow", tree)
+
+    def neg(self, tree: Tree) -> ir.Expr:
+        (node,) = tree.children
+        operand = self.expr(node)
+        if not _numeric(operand.type):
+            raise SpecError(f"the operand of unary '-' must be a number, got {operand.type}", position(node))
+        return ir.Unary(type=operand.type, op="neg", operand=operand)
+
+    def pos(self, tree: Tree) -> ir.Expr:
+        (node,) = tree.children
+        operand = self.expr(node)
+        if not _numeric(operand.type):
+            raise SpecError(f"the operand of unary '+' must be a number, got {operand.type}", position(node))
+        return operand
+
+    def compare(self, tree: Tree) -> ir.Expr:
+        nodes = tree.children
+        operands = [self.expr(n) for n in nodes[0::2]]
+        result = None
+        for i, op_token in enumerate(nodes[1::2]):
+            op = _COMPARISONS[str(op_token)]
+            left, right = operands[i], operands[i + 1]
+            both_bool = left.type == right.type == "bool"
+            if not (both_bool and op in ("eq", "ne")):
+                for e, node in ((left, nodes[2 * i]), (right, nodes[2 * i + 2])):
+                    if not _numeric(e.type):
+                        raise SpecError(f"the operands of '{op_token}' must be numbers, got {e.type}",
+                                        position(node))
+            term = ir.Binary(type="bool", op=op, left=left, right=right)
+            result = term if result is None else ir.Binary(type="bool", op="and", left=result, right=term)
+        return result
+
+    def _logical(self, op: str, tree: Tree) -> ir.Expr:
+        left_node, right_node = tree.children
+        left, right = self.expr(left_node), self.expr(right_node)
+        for e, node in ((left, left_node), (right, right_node)):
+            if e.type != "bool":
+                raise SpecError(f"the operands of '{op}' must be booleans, got {e.type}", position(node))
+        return ir.Binary(type="bool", op=op, left=left, right=right)
+
+    def and_op(self, tree): return self._logical("and", tree)
+    def or_op(self, tree): return self._logical("or", tree)
+
+    def not_op(self, tree: Tree) -> ir.Expr:
+        (node,) = tree.children
+        operand = self.expr(node)
+        if operand.type != "bool":
+            raise SpecError(f"the operand of 'not' must be a boolean, got {operand.type}", position(node))
+        return ir.Unary(type="bool", op="not", operand=operand)
+
+
+def lower(tree: Tree) -> ir.Spec:
+    """Lower a parse tree to a Spec; raise SpecError (without source attached) on a semantic error."""
+    return Lowerer().start(tree)
