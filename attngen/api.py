@@ -1,0 +1,83 @@
+"""Runs the pipeline in order: parse, lower, plan, render, load; the entry points users call."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from attngen import ir, runtime
+from attngen.errors import ArgumentError, SpecError
+from attngen.frontend.lower import lower
+from attngen.frontend.parser import parse
+from attngen.plan import Plan, plan
+from attngen.render import render
+from attngen.target import Target, get_target
+
+SpecLike = str | os.PathLike | ir.Spec
+
+
+def parse_spec(text: str, filename: str = "<spec>") -> ir.Spec:
+    """Spec text to IR; a SpecError carries the file name, position and source line."""
+    try:
+        return lower(parse(text))
+    except SpecError as e:
+        raise e.located(text, filename) from None
+
+
+def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
+    """A Spec and the text to show for it, from a path, spec source text or a Spec."""
+    if isinstance(spec, ir.Spec):
+        return spec, spec.model_dump_json(indent=2)
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and "\n" not in spec
+                                         and not spec.lstrip().startswith("attention")):
+        path = Path(spec)
+        if not path.is_file():
+            raise ArgumentError(f"spec must be a path to an .attn file, spec text or a Spec, "
+                                f"got {str(spec)!r} (no such file)")
+        text = path.read_text()
+        return parse_spec(text, str(path)), text
+    if isinstance(spec, str):
+        return parse_spec(spec), spec
+    raise ArgumentError(f"spec must be a path, spec text or a Spec, got {type(spec).__name__}")
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A built attention variant: call it as attn(q, k, v, *, return_lse=False, **inputs)."""
+    spec: ir.Spec
+    plan: Plan
+    module: ModuleType
+    path: Path
+
+    def __call__(self, q, k, v, *, return_lse: bool = False, **inputs):
+        return self.module.attn(q, k, v, return_lse=return_lse, **inputs)
+
+
+def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
+    parsed, text = load_spec(spec)
+    parsed = parsed.with_params(params)
+    tgt = target if isinstance(target, Target) else get_target(target)
+    return parsed, text, tgt, plan(tgt)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> str:
+    """The standalone module source for a spec (imports only torch and triton)."""
+    parsed, text, _, kernel_plan = _prepare(spec, params, target)
+    return render(parsed, kernel_plan, text)
+
+
+def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:
+    """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk."""
+    parsed, text, tgt, kernel_plan = _prepare(spec, params, target)
+    if tgt.interpreter and not _interpreting():
+        raise ArgumentError("target 'interpreter' needs TRITON_INTERPRET=1 set before triton is "
+                            "imported (attngen sets it itself on a machine with no CUDA GPU)")
+    key = runtime.module_key(parsed.fingerprint(), kernel_plan.model_dump_json())
+    module, path = runtime.load(parsed.name, key, lambda: render(parsed, kernel_plan, text))
+    return Attention(parsed, kernel_plan, module, path)

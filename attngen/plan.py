@@ -1,0 +1,281 @@
+"""Chooses tile sizes for the three kernels from the target's shared memory, head dims and dtype, and records why."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from attngen.target import Target
+
+PlanDtype = Literal["f16", "bf16", "f32"]
+
+DTYPES: tuple[str, ...] = ("f16", "bf16", "f32")
+HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
+KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
+ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+# Shared memory the compiler may need beyond the operand tiles (layout conversions, reductions).
+HEADROOM_BYTES = 8 * 1024
+MAX_REGISTERS_PER_THREAD = 255
+# Pointers, offsets, loop counters, m_i / l_i and the like, per thread.
+REGISTER_OVERHEAD = 32
+MAX_WARPS = 8
+MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+INTERPRETER_TILES_REASON = (
+    "interpreter: BLOCK_M=BLOCK_N=16, 4 warps, 1 stage for every kernel: the CPU interpreter "
+    "has no shared-memory or register limits, and small tiles make tests cross several tiles"
+)
+
+
+class Tiles(BaseModel):
+    """The launch shape of one kernel: its two tile sizes, warps per program and pipeline depth."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def short(self) -> str:
+        return f"{self.block_m}x{self.block_n} {self.num_warps}w/{self.num_stages}s"
+
+
+class KernelPlan(BaseModel):
+    """The tiles of all three kernels for one (padded head dim, padded value head dim, dtype)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    head_dim_pad: int
+    head_dim_v_pad: int
+    dtype: PlanDtype
+    fwd: Tiles
+    bwd_dkdv: Tiles
+    bwd_dq: Tiles
+    reasons: tuple[str, ...]
+
+
+class Plan(BaseModel):
+    """Every KernelPlan one target needs: each padded head dim pair and dtype the kernels accept."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: str
+    entries: tuple[KernelPlan, ...]
+
+    def lookup(self, head_dim: int, head_dim_v: int, dtype: str) -> KernelPlan:
+        """The entry for these (unpadded) head dims and dtype; head dims round up to a power of two >= 16."""
+        d = _pad("head_dim", head_dim)
+        dv = _pad("head_dim_v", head_dim_v)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        for entry in self.entries:
+            if (entry.head_dim_pad, entry.head_dim_v_pad, entry.dtype) == (d, dv, dtype):
+                return entry
+        raise ValueError(f"plan for target {self.target!r} has no entry for head_dim {d}, "
+                         f"head_dim_v {dv}, dtype {dtype}")
+
+    def summary(self) -> str:
+        """One line per entry: tiles as BLOCK_MxBLOCK_N warps/stages for each kernel."""
+        rows = [f"plan for {self.target}: BLOCK_MxBLOCK_N warps/stages",
+                f"{'D':>4} {'DV':>4} {'dtype':<5}  {'fwd':<16} {'bwd_dkdv':<16} bwd_dq"]
+        for e in self.entries:
+            rows.append(f"{e.head_dim_pad:>4} {e.head_dim_v_pad:>4} {e.dtype:<5}  "
+                        f"{e.fwd.short():<16} {e.bwd_dkdv.short():<16} {e.bwd_dq.short():<16}".rstrip())
+        return "\n".join(rows)
+
+
+def _pad(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > HEAD_DIMS[-1]:
+        raise ValueError(f"{name} must be at most {HEAD_DIMS[-1]}, got {value}")
+    return max(MIN_BLOCK, 1 << (value - 1).bit_length())
+
+
+# Starting points (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, keyed by the
+# larger padded head dim (the smallest key >= it applies). From FlexAttention's H100/A100
+# defaults, the Triton fused-attention tutorial and FlashAttention-2: the forward and dQ kernels
+# keep a tall query tile resident and stream thin key tiles; dK/dV keeps a tall key tile
+# resident and streams thin query tiles. f32 halves both blocks.
+_Start = tuple[int, int, int, int]
+_STARTS: dict[str, dict[str, dict[int, _Start]]] = {
+    "sm90": {
+        "fwd": {128: (128, 128, 8, 3), 256: (64, 64, 4, 3)},
+        "bwd_dkdv": {128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},
+        "bwd_dq": {128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
+    },
+    "sm80": {
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (32, 64, 4, 3)},
+        "bwd_dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},
+        "bwd_dq": {128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    },
+}
+
+
+def _family(target: Target) -> str:
+    # Hopper and datacenter Blackwell share the 227 KiB budget; anything else starts from the
+    # Ampere points and is shrunk by its own budget.
+    return "sm90" if target.capability is not None and target.capability[0] in (9, 10) else "sm80"
+
+
+def _start(family: str, kernel: str, d: int, dv: int, dtype: str) -> Tiles:
+    table = _STARTS[family][kernel]
+    key = min(k for k in table if k >= max(d, dv))
+    bm, bn, warps, stages = table[key]
+    if dtype == "f32":
+        bm, bn = max(MIN_BLOCK, bm // 2), max(MIN_BLOCK, bn // 2)
+    return Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+
+
+def _kib(n: float) -> str:
+    k = n / 1024
+    return f"{k:g} KiB" if k == int(k) else f"{k:.1f} KiB"
+
+
+def smem_bytes(kernel: str, tiles: Tiles, head_dim: int, head_dim_v: int, dtype: str) -> int:
+    """Shared memory of one program: its resident tiles plus `num_stages` copies of the streamed ones."""
+    resident, streamed = _smem_parts(kernel, tiles, head_dim, head_dim_v, dtype)
+    return resident + tiles.num_stages * streamed
+
+
+def _smem_parts(kernel: str, t: Tiles, d: int, dv: int, dtype: str) -> tuple[int, int]:
+    elt = ELEMENT_BYTES[dtype]
+    if kernel == "fwd":
+        return t.block_m * d * elt, t.block_n * (d + dv) * elt
+    if kernel == "bwd_dkdv":
+        return t.block_n * (d + dv) * elt, t.block_m * (d + dv) * elt
+    if kernel == "bwd_dq":
+        return t.block_m * (d + dv) * elt, t.block_n * (d + dv) * elt
+    raise AssertionError(kernel)
+
+
+def _smem_text(kernel: str, t: Tiles, d: int, dv: int, dtype: str) -> str:
+    resident, streamed = _smem_parts(kernel, t, d, dv, dtype)
+    names = {"fwd": ("Q tile", "(K+V)"), "bwd_dkdv": ("K+V tiles", "(Q+dO)"),
+             "bwd_dq": ("Q+dO tiles", "(K+V)")}[kernel]
+    return (f"{names[0]} {_kib(resident)} + {t.num_stages} x {names[1]} "
+            f"{_kib(t.num_stages * streamed)} = {_kib(resident + t.num_stages * streamed)}")
+
+
+def _fp32_live(kernel: str, t: Tiles, d: int, dv: int, score_cost: int) -> tuple[int, str]:
+    """fp32 values one program keeps live in registers, and what they are."""
+    score = t.block_m * t.block_n
+    extra = f" (+{score_cost} per element for the score expression)" if score_cost else ""
+    if kernel == "fwd":
+        return (score * (1 + score_cost) + t.block_m * dv,
+                f"a {t.block_m}x{t.block_n} score tile{extra} and a {t.block_m}x{dv} accumulator")
+    if kernel == "bwd_dkdv":
+        return (score * (2 + score_cost) + t.block_n * (d + dv),
+                f"two {t.block_n}x{t.block_m} tiles (P^T, dP^T){extra} and "
+                f"{t.block_n}x{d} + {t.block_n}x{dv} dK/dV accumulators")
+    return (score * (2 + score_cost) + t.block_m * d,
+            f"two {t.block_m}x{t.block_n} tiles (P, dP){extra} and a {t.block_m}x{d} dQ accumulator")
+
+
+def registers_per_thread(kernel: str, tiles: Tiles, head_dim: int, head_dim_v: int,
+                         score_cost: int = 0) -> int:
+    """A rough estimate: the live fp32 tiles spread over the program's threads, plus fixed overhead."""
+    live, _ = _fp32_live(kernel, tiles, head_dim, head_dim_v, score_cost)
+    threads = tiles.num_warps * 32
+    return -(-live // threads) + REGISTER_OVERHEAD
+
+
+def _registers_fit(target: Target, kernel: str, t: Tiles, d: int, dv: int, score_cost: int) -> bool:
+    regs = registers_per_thread(kernel, t, d, dv, score_cost)
+    return regs <= MAX_REGISTERS_PER_THREAD and regs * t.num_warps * 32 <= target.registers_per_sm
+
+
+def _halvings(n: int):
+    while n >= MIN_BLOCK:
+        yield n
+        n //= 2
+
+
+def _tiles(kernel: str, resident: int, streamed: int, warps: int, stages: int) -> Tiles:
+    if kernel == "bwd_dkdv":
+        return Tiles(block_m=streamed, block_n=resident, num_warps=warps, num_stages=stages)
+    return Tiles(block_m=resident, block_n=streamed, num_warps=warps, num_stages=stages)
+
+
+def _candidates(kernel: str, start: Tiles):
+    """Tiles from `start` down, in order of preference.
+
+    The streamed tile shrinks first (cheapest: it only shortens each loop step), then the
+    pipeline depth, then the resident tile (which sets the work and reuse per program); each
+    shape is tried with more warps before a smaller one, to spread the registers.
+    """
+    resident0, streamed0 = ((start.block_n, start.block_m) if kernel == "bwd_dkdv"
+                            else (start.block_m, start.block_n))
+    warps = dict.fromkeys((start.num_warps, max(start.num_warps, MAX_WARPS)))
+    for resident in _halvings(resident0):
+        for stages in range(start.num_stages, 0, -1):
+            for streamed in _halvings(streamed0):
+                for w in warps:
+                    yield _tiles(kernel, resident, streamed, w, stages)
+
+
+def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
+         score_cost: int) -> tuple[Tiles, list[str]]:
+    """The first candidate from the family's starting point that fits shared memory and registers."""
+    budget = target.smem_per_block - HEADROOM_BYTES
+    start = _start(family, kernel, d, dv, dtype)
+    chosen = next((t for t in _candidates(kernel, start)
+                   if smem_bytes(kernel, t, d, dv, dtype) <= budget
+                   and _registers_fit(target, kernel, t, d, dv, score_cost)), None)
+    if chosen is None:
+        raise ValueError(
+            f"target {target.name!r} must offer more than {target.smem_per_block} bytes of shared "
+            f"memory per block for {kernel} with head_dim {d}, head_dim_v {dv}, {dtype}; "
+            f"even 16x16 tiles with 1 stage do not fit")
+
+    t = chosen
+    regs = registers_per_thread(kernel, t, d, dv, score_cost)
+    _, live_text = _fp32_live(kernel, t, d, dv, score_cost)
+    reasons = [
+        f"{kernel}: BLOCK_M={t.block_m} BLOCK_N={t.block_n}, {t.num_warps} warps, "
+        f"{t.num_stages} stages: {_smem_text(kernel, t, d, dv, dtype)} <= {_kib(budget)} "
+        f"({_kib(target.smem_per_block)} per block less {_kib(HEADROOM_BYTES)} headroom)",
+        f"{kernel}: ~{regs} registers per thread <= {MAX_REGISTERS_PER_THREAD}: {live_text} "
+        f"in fp32 over {t.num_warps * 32} threads, + {REGISTER_OVERHEAD} overhead",
+    ]
+    if t != start:
+        start_smem = smem_bytes(kernel, start, d, dv, dtype)
+        if start_smem > budget:
+            why = f"needs {_kib(start_smem)} of shared memory > {_kib(budget)}"
+        else:
+            why = (f"needs ~{registers_per_thread(kernel, start, d, dv, score_cost)} registers "
+                   f"per thread > {MAX_REGISTERS_PER_THREAD}")
+        streamed_name = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
+        resident_name = "BLOCK_N" if kernel == "bwd_dkdv" else "BLOCK_M"
+        reasons.append(
+            f"{kernel}: the {family} {dtype} starting point BLOCK_M={start.block_m} "
+            f"BLOCK_N={start.block_n}, {start.num_warps} warps, {start.num_stages} stages {why}; "
+            f"tried more warps, then a smaller {streamed_name}, fewer stages, a smaller {resident_name}")
+    return t, reasons
+
+
+def plan(target: Target, *, score_cost: int = 0) -> Plan:
+    """Tiles for every padded head dim pair and dtype on `target`.
+
+    `score_cost` is a rough count of extra fp32 values live per score element that the user's
+    score expression needs; a larger cost raises the register estimate and may shrink tiles.
+    """
+    if score_cost < 0:
+        raise ValueError(f"score_cost must be >= 0, got {score_cost}")
+    entries = []
+    for d in HEAD_DIMS:
+        for dv in HEAD_DIMS:
+            for dtype in DTYPES:
+                if target.interpreter:
+                    tiles = Tiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
+                    entries.append(KernelPlan(head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
+                                              fwd=tiles, bwd_dkdv=tiles, bwd_dq=tiles,
+                                              reasons=(INTERPRETER_TILES_REASON,)))
+                    continue
+                family = _family(target)
+                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost) for k in KERNELS}
+                entries.append(KernelPlan(
+                    head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
+                    fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],
+                    reasons=tuple(r for k in KERNELS for r in fitted[k][1])))
+    return Plan(target=target.name, entries=tuple(entries))

@@ -1,0 +1,220 @@
+"""Evaluates a spec eagerly in PyTorch, N x N scores and all: the oracle that defines what a spec means."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from attngen.errors import ArgumentError
+from attngen.ir import FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Score, Size, Spec, Unary, Var, ValueType
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Env:
+    """What an expression reads: index variables, sizes, params and `score` by name, the tensor inputs,
+    and the float dtype its arithmetic runs in."""
+    values: Mapping[str, Tensor]
+    inputs: Mapping[str, Tensor]
+    float_dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+
+
+def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int,
+             inputs: Mapping[str, Tensor] | None = None, float_dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> Env:
+    """The environment of the (B, H, Q_LEN, KV_LEN) grid: each index variable varies along its own axis."""
+    def axis(n: int, dim: int) -> Tensor:
+        return torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
+
+    h = axis(H, 1)
+    values = {"b": axis(B, 0), "h": h, "hkv": h // (H // HKV), "q": axis(Q_LEN, 2), "k": axis(KV_LEN, 3)}
+    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D}
+    values |= {name: torch.tensor(n, device=device) for name, n in sizes.items()}
+    values |= {p.name: _constant(p.type, p.value, float_dtype, device) for p in spec.params}
+    return Env(values, dict(inputs or {}), float_dtype, device)
+
+
+def scale_value(spec: Spec, head_dim: int) -> float:
+    """The softmax scale for query/key head dimension `head_dim`; `1/sqrt(D)` unless the spec sets one."""
+    if spec.scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    values = {"D": torch.tensor(head_dim)}
+    values |= {p.name: _constant(p.type, p.value, torch.float64, "cpu") for p in spec.params}
+    return float(evaluate_expr(spec.scale, Env(values, {}, torch.float64)))
+
+
+def evaluate_expr(expr: Expr, env: Env) -> Tensor:
+    """The value of an expression, as a tensor broadcastable to (B, H, Q_LEN, KV_LEN)."""
+    if isinstance(expr, Const):
+        return _constant(expr.type, expr.value, env.float_dtype, env.device)
+    if isinstance(expr, (Var, Size, Param, Score)):
+        name = "score" if isinstance(expr, Score) else expr.name
+        if name not in env.values:
+            raise ValueError(f"{name!r} cannot be used here")
+        return env.values[name]
+    if isinstance(expr, Load):
+        return _load(expr, env)
+    if isinstance(expr, Unary):
+        x = evaluate_expr(expr.operand, env)
+        return torch.logical_not(x) if expr.op == "not" else -x
+    if isinstance(expr, Binary):
+        a, b = evaluate_expr(expr.left, env), evaluate_expr(expr.right, env)
+        if expr.op == "div":  # true division, also of two ints
+            a, b = _to_float(a, env), _to_float(b, env)
+        return _BINARY[expr.op](*_promote(a, b, env=env))
+    if isinstance(expr, Call):
+        args = [evaluate_expr(a, env) for a in expr.args]
+        if expr.fn == "where":
+            return torch.where(args[0], *_promote(*args[1:], env=env))
+        if FUNCTIONS[expr.fn][1] == "float":
+            args = [_to_float(a, env) for a in args]
+        return _FUNCTIONS[expr.fn](*_promote(*args, env=env))
+    raise TypeError(f"not an expression: {expr!r}")
+
+
+def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
+             inputs: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(O, LSE) of the spec, exactly as DSL.md defines them; differentiable in q, k, v and the inputs.
+
+    q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
+    q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
+    O has q's dtype, LSE that arithmetic dtype.
+    """
+    B, H, Q_LEN, D = _check_qkv(q, k, v)
+    HKV, KV_LEN = k.shape[1], k.shape[2]
+    float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    inputs = _check_inputs(spec, inputs, {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN})
+    env = make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
+                   float_dtype=float_dtype, device=q.device)
+    shape = (B, H, Q_LEN, KV_LEN)
+
+    k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    score = (q @ k.transpose(-2, -1)).to(float_dtype) * scale_value(spec, D)
+    if spec.score is not None:
+        score = evaluate_expr(spec.score, replace(env, values={**env.values, "score": score}))
+        score = _to_float(score, env)
+    score = score.expand(shape)
+    if spec.mask is not None:
+        allowed = evaluate_expr(spec.mask, env)
+        assert allowed.dtype == torch.bool, f"mask evaluated to {allowed.dtype}"
+        score = torch.where(allowed.expand(shape), score, -math.inf)
+
+    # Softmax shifted by a finite, detached row max, with a guarded divide: a row with no allowed key
+    # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
+    # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
+    row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    e = torch.exp(score - row_max)
+    total = e.sum(-1, keepdim=True)
+    nonempty = total > 0
+    total = torch.where(nonempty, total, 1.0)
+    out = ((e / total).to(v.dtype) @ v).to(q.dtype)
+    lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
+    return out, lse
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def _constant(type: ValueType, value: bool | int | float, float_dtype: torch.dtype, device) -> Tensor:
+    dtype = {"float": float_dtype, "int": torch.int64, "bool": torch.bool}[type]
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def _to_float(x: Tensor, env: Env) -> Tensor:
+    return x.to(env.float_dtype)
+
+
+def _promote(*xs: Tensor, env: Env) -> list[Tensor]:
+    """Ints mixed with floats become floats of the arithmetic dtype."""
+    if any(x.is_floating_point() for x in xs):
+        return [_to_float(x, env) for x in xs]
+    return list(xs)
+
+
+def _floor(x: Tensor) -> Tensor:
+    return torch.floor(x).long() if x.is_floating_point() else x
+
+
+def _ceil(x: Tensor) -> Tensor:
+    return torch.ceil(x).long() if x.is_floating_point() else x
+
+
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+    # Python's floor semantics, also for negative operands: -7 // 2 == -4, -7 % 2 == 1
+    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "and": torch.logical_and, "or": torch.logical_or,
+}
+
+_FUNCTIONS = {
+    "tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "abs": torch.abs,
+    "floor": _floor, "ceil": _ceil, "min": torch.minimum, "max": torch.maximum,
+    "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
+    "softcap": lambda x, cap: cap * torch.tanh(x / cap),
+}
+assert _FUNCTIONS.keys() | {"where"} == FUNCTIONS.keys()
+
+
+def _load(expr: Load, env: Env) -> Tensor:
+    """input[i0, i1, ...] by advanced indexing; indices are checked, since a negative one would wrap."""
+    name = expr.input
+    if name not in env.inputs:
+        raise ArgumentError(f"input {name!r} must be given")
+    x = env.inputs[name]
+    index = [evaluate_expr(i, env) for i in expr.index]
+    assert len(index) == x.dim(), f"input {name!r} has {x.dim()} dims, indexed with {len(index)}"
+    for dim, (i, size) in enumerate(zip(index, x.shape)):
+        assert not i.is_floating_point(), f"float index into {name!r}"
+        if i.numel() and (i.min() < 0 or i.max() >= size):
+            raise ArgumentError(f"input {name!r} indexed out of range in dim {dim}: "
+                                f"got indices in [{int(i.min())}, {int(i.max())}], size {size}")
+    value = x[tuple(index)] if index else x
+    if expr.type == "float":
+        return _to_float(value, env)
+    return value.long() if expr.type == "int" else value.bool()
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ArgumentError(f"{name} must have 4 dims (B, heads, length, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ArgumentError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), "
+                                f"got {t.dtype}, {t.device}")
+    B, H, _, D = q.shape
+    HKV, KV_LEN = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ArgumentError(f"k must have shape (B={B}, HKV, KV_LEN, D={D}), got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ArgumentError(f"v must have shape ({B}, {HKV}, {KV_LEN}, DV) like k, got {tuple(v.shape)}")
+    if HKV == 0 or H % HKV:
+        raise ArgumentError(f"the number of query heads H={H} must be a multiple of the kv heads HKV={HKV}")
+    return B, H, q.shape[2], D
+
+
+def _check_inputs(spec: Spec, inputs: Mapping[str, Tensor] | None, sizes: dict[str, int]) -> dict[str, Tensor]:
+    inputs = dict(inputs or {})
+    declared = [i.name for i in spec.inputs]
+    for name in inputs.keys() - set(declared):
+        raise ArgumentError(f"{name!r} must be one of the spec's inputs {declared}, got an unknown input")
+    for decl in spec.inputs:
+        if decl.name not in inputs:
+            raise ArgumentError(f"input {decl.name!r} must be given")
+        x = inputs[decl.name]
+        expected = [sizes.get(d, d) for d in decl.dims]
+        if x.dim() != len(expected) or any(e != "*" and e != n for e, n in zip(expected, x.shape)):
+            dims = ", ".join(f"{d}={sizes[d]}" if d in sizes else str(d) for d in decl.dims)
+            raise ArgumentError(f"input {decl.name!r} must have shape [{dims}], got {tuple(x.shape)}")
+        kind = "bool" if x.dtype == torch.bool else "float" if x.is_floating_point() else "int"
+        if kind != decl.value_type:
+            raise ArgumentError(f"input {decl.name!r} must be a {decl.value_type} tensor ({decl.dtype}), "
+                                f"got {x.dtype}")
+    return inputs

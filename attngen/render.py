@@ -1,0 +1,177 @@
+"""Renders a spec and its plan into the source of a standalone kernel module (jinja2 skeletons + IR hooks)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jinja2
+
+from attngen import __version__, analysis, grad, ir
+from attngen.codegen import Spelling, TritonEmitter, python_expr
+from attngen.plan import Plan
+
+_SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
+_UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
+# Forward and dQ tiles are (query, key); the dK/dV kernel works on transposed (key, query) tiles.
+ROW_MAJOR = Spelling(
+    names={**_SIZES, **_UNIFORM, "q": "offs_m[:, None]", "k": "offs_n[None, :]", "score": "s"},
+    dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
+    full_shape="[BLOCK_M, BLOCK_N]")
+TRANSPOSED = Spelling(
+    names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
+    dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
+    full_shape="[BLOCK_N, BLOCK_M]")
+BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.PackageLoader("attngen", "templates"),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def _params(spec: ir.Spec) -> dict[str, int | float]:
+    return {p.name: p.value for p in spec.params}
+
+
+def _emitter(spec: ir.Spec, spelling: Spelling, prefix: str) -> TritonEmitter:
+    return TritonEmitter(spelling, _params(spec), {i.name: i for i in spec.inputs}, prefix)
+
+
+def _lines_since(emitter: TritonEmitter, start: int) -> list[str]:
+    return emitter.lines[start:]
+
+
+def _score_hook(spec: ir.Spec, em: TritonEmitter) -> str:
+    """Defines s2, the modified score in base-2 units, from the raw dot product qk."""
+    if spec.score is None or spec.score == ir.Score():
+        return "s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor"
+    start = len(em.lines)
+    result = em.emit_full(spec.score)
+    return "\n".join(["s = qk * sm_scale", *_lines_since(em, start), f"s2 = {result} * LOG2E"])
+
+
+def _mask_hook(spec: ir.Spec, spelling: Spelling, q_bound: str, k_bound: str) -> str:
+    """Defines `allowed`: the spec's mask and the tile's bounds checks."""
+    bounds = f"({q_bound}) & ({k_bound})"
+    if spec.mask is None:
+        return f"allowed = {bounds}"
+    em = _emitter(spec, spelling, "mk")
+    mask = em.emit(spec.mask)
+    return "\n".join([*em.lines, f"allowed = ({mask}) & {bounds}"])
+
+
+def _dscore_hook(spec: ir.Spec, em: TritonEmitter, var: str) -> str:
+    """Turns the gradient w.r.t. the modified score into the gradient w.r.t. the raw score."""
+    if spec.score is None:
+        return f"# d score'/d score = 1: {var} is already the gradient of the raw score"
+    start = len(em.lines)
+    d = em.emit(grad.derivative(spec.score, ir.Score()))
+    return "\n".join([*_lines_since(em, start), f"{var} = {var} * {d}"])
+
+
+def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
+    """Scatters ds * d score'/d input into each learnable input's fp32 gradient."""
+    lines = []
+    for n, load in enumerate(grad.learnable_loads(spec)):
+        start = len(em.lines)
+        d = em.emit(grad.derivative(spec.score, load))
+        indices = [em.emit(i) for i in load.index]
+        dims = frozenset().union(*(em.dims_of(i) for i in indices)) if indices else frozenset()
+        offset = " + ".join(f"({i}) * stride_{load.input}_{j}" for j, i in enumerate(indices)) or "0"
+        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{load.input}_{j})" for j, i in enumerate(indices))
+        contribution = f"g{n}"
+        lines += _lines_since(em, start)
+        lines.append(f"{contribution} = ds * {d}")
+        lines.append("if MASKED:")
+        lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
+        # Reduce along the axes the index does not vary on: one atomic per distinct address.
+        if dims == frozenset("mn"):
+            value = contribution
+        elif dims == frozenset("m"):
+            value = f"tl.sum({contribution}, 1)[:, None]"
+        elif dims == frozenset("n"):
+            value = f"tl.sum({contribution}, 0)[None, :]"
+        else:
+            value = f"tl.sum(tl.sum({contribution}, 1), 0)"
+        mask = f", mask={bounds}" if bounds else ""
+        lines.append(f"tl.atomic_add(grad_{load.input}_ptr + {offset}, {value}{mask})")
+    return "\n".join(lines) if lines else "# no learnable inputs"
+
+
+def _bounds_hook(spec: ir.Spec, loop: str) -> str:
+    """Defines the element bounds of the loop over `loop` ('k' or 'q') for one tile of the other."""
+    region = analysis.region(spec.mask, loop, _params(spec))
+    em = _emitter(spec, BOUNDS, "bd")
+    other = "q" if loop == "k" else "k"
+    tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}
+    name = "kv" if loop == "k" else "q"
+    length = "KV_LEN" if loop == "k" else "Q_LEN"
+
+    def side(bound, default: str, upper: bool) -> str:
+        if bound is None:
+            return default
+        code = em.bound(bound, tile_vars)
+        return f"tl.minimum({code} + 1, {length})" if upper else f"tl.maximum({code}, 0)"
+
+    if region.visit is None:
+        assignments = [f"{name}_lo = 0", f"{name}_hi = 0"]
+    else:
+        assignments = [f"{name}_lo = {side(region.visit.lo, '0', False)}",
+                       f"{name}_hi = {side(region.visit.hi, length, True)}"]
+    if region.full is None:
+        assignments += [f"{name}_full_lo = 0", f"{name}_full_hi = 0"]
+    else:
+        assignments += [f"{name}_full_lo = {side(region.full.lo, '0', False)}",
+                        f"{name}_full_hi = {side(region.full.hi, length, True)}"]
+    return "\n".join([*em.lines, *assignments])
+
+
+def _kernel_hooks(spec: ir.Spec, spelling: Spelling, loop: str, ds_var: str) -> dict[str, str]:
+    em = _emitter(spec, spelling, "sc")
+    score = _score_hook(spec, em)
+    q_bound = "offs_m[:, None] < Q_LEN" if spelling is ROW_MAJOR else "offs_m[None, :] < Q_LEN"
+    k_bound = "offs_n[None, :] < KV_LEN" if spelling is ROW_MAJOR else "offs_n[:, None] < KV_LEN"
+    hooks = {"score": score, "mask": _mask_hook(spec, spelling, q_bound, k_bound), "allowed": "allowed",
+             "bounds": _bounds_hook(spec, loop)}
+    if ds_var == "ds":
+        hooks["learnable"] = _learnable_hook(spec, em)
+    if ds_var:
+        hooks["dscore"] = _dscore_hook(spec, em, ds_var)
+    return hooks
+
+
+def _python_tuple(values) -> str:
+    return repr(tuple(values))
+
+
+def render(spec: ir.Spec, plan: Plan, source: str) -> str:
+    """The source text of the kernel module for `spec` under `plan`; `source` is shown in its header."""
+    params = _params(spec)
+    inputs = spec.inputs
+    input_params = "".join(
+        f"{i.name}_ptr, " + "".join(f"stride_{i.name}_{d}, " for d in range(len(i.dims)))
+        + "".join(f"size_{i.name}_{d}, " for d in range(len(i.dims)))
+        for i in inputs)
+    learnable = spec.learnable_inputs
+    grad_params = "".join(f"grad_{i.name}_ptr, " for i in learnable)
+    inputs_table = "{" + ", ".join(
+        f"{i.name!r}: ({i.dtype!r}, {_python_tuple(i.dims)}, {i.learnable})" for i in inputs) + "}"
+    plan_table = "{\n" + "".join(
+        f"    ({e.head_dim_pad}, {e.head_dim_v_pad}, {e.dtype!r}): ("
+        + ", ".join(_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))
+                    for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + "),\n"
+        for e in plan.entries) + "}"
+    scale = python_expr(spec.scale, params) if spec.scale is not None else "1.0 / math.sqrt(D)"
+    context = dict(
+        name=spec.name, version=__version__, fingerprint=spec.fingerprint(), source=source.strip(),
+        plan_target=plan.target, plan_summary=plan.summary(),
+        inputs=inputs, any_learnable=bool(learnable), inputs_table=inputs_table, plan_table=plan_table,
+        scale_expr=scale, input_params=input_params, input_args=input_params,
+        grad_params=grad_params, grad_args=grad_params,
+        fwd=_kernel_hooks(spec, ROW_MAJOR, "k", ""),
+        dq=_kernel_hooks(spec, ROW_MAJOR, "k", "ds"),
+        dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
+    )
+    return _environment().get_template("module.py.jinja").render(**context)

@@ -1,0 +1,194 @@
+"""Test helpers for attngen and its users: check a kernel against the float64 reference, tolerances from data.
+
+The rule (DESIGN.md, "Testing"): a kernel's error against the reference evaluated in float64 may be at
+most a small multiple of the error that the same reference makes in the kernel's own precision, plus a
+rounding floor. It is written once, here:
+
+    max |actual - truth| <= factor * max |low_precision - truth| + floor
+
+Kernel tests call `check_against_reference`; the pieces it is built from are public too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from attngen.ir import Spec
+from attngen.reference import evaluate
+
+__all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "ReferenceRun", "assert_matches_reference",
+           "check_against_reference", "default_floor", "random_qkv", "reference_error"]
+
+
+# --- Tolerances ----------------------------------------------------------------------------------
+
+# The kernel may be a few times less accurate than the eager reference in the same precision: it sums
+# in another order (tiles, online softmax rescaling, exp2 with folded log2(e)) and rounds P and dS to the
+# input dtype before its dots. FlashAttention's own tests allow 2x; 3x leaves room for the backward,
+# whose dq/dk/dv pass through one more rounded product, without hiding a real bug (those are O(1) off).
+DEFAULT_FACTOR = 3.0
+
+# The floor covers the reference run being exact by luck (outputs that are representable, gradients
+# that are sums of few terms) while the kernel, rounding in another order, is off by its last roundings:
+# a few units in the last place of the result's dtype, relative to the tensor's largest entry.
+# That is about 5e-7 x max|truth| in float32, 4e-3 x in float16 and 3e-2 x in bfloat16.
+FLOOR_ULPS = 4.0
+
+
+def default_floor(truth: Tensor, dtype: torch.dtype) -> float:
+    """FLOOR_ULPS units in the last place of `dtype`, at the scale of the largest finite entry of `truth`."""
+    finite = truth[torch.isfinite(truth)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return FLOOR_ULPS * torch.finfo(dtype).eps * scale
+
+
+def assert_matches_reference(name: str, actual: Tensor, truth: Tensor, low_precision: Tensor, *,
+                             factor: float = DEFAULT_FACTOR, floor: float | None = None) -> None:
+    """Assert `actual` is as close to `truth` (float64) as the rule allows, given the reference's own
+    error `low_precision - truth` in the kernel's precision.
+
+    Non-finite entries of `truth` (LSE = -inf on rows with no allowed key) must be reproduced exactly,
+    and NaN anywhere in `actual` fails. `floor` defaults to `default_floor(truth, actual.dtype)`.
+    """
+    __tracebackhide__ = True
+    if tuple(actual.shape) != tuple(truth.shape):
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} does not match "
+                             f"the reference's {tuple(truth.shape)}")
+    if floor is None:
+        floor = default_floor(truth, actual.dtype)
+    a, t, lo = (x.detach().to("cpu", torch.float64) for x in (actual, truth, low_precision))
+
+    nan = torch.isnan(a)
+    if nan.any():
+        raise AssertionError(f"{name}: {int(nan.sum())} NaN value(s), the first at index {_first(nan)}")
+    finite = torch.isfinite(t)
+    wrong_inf = (finite != torch.isfinite(a)) | (~finite & (a != t))
+    if wrong_inf.any():
+        i = _first(wrong_inf)
+        raise AssertionError(f"{name}: {int(wrong_inf.sum())} value(s) differ from the reference in being "
+                             f"infinite, the first at index {i}: got {a[i].item()}, expected {t[i].item()}")
+
+    # Where the low-precision run itself overflowed, it says nothing about the expected error.
+    reference_ok = finite & torch.isfinite(lo)
+    reference_error = float((lo - t)[reference_ok].abs().max()) if reference_ok.any() else 0.0
+    bound = factor * reference_error + floor
+    error = torch.where(finite, (a - t).abs(), 0.0)
+    if error.numel() and float(error.max()) > bound:
+        i = _first(error == error.max())
+        raise AssertionError(
+            f"{name}: max error {float(error.max()):.4g} exceeds the allowed {bound:.4g} "
+            f"(= {factor} x reference error {reference_error:.4g} in low precision + floor {floor:.4g}); "
+            f"worst at index {i}: got {a[i].item():.6g}, expected {t[i].item():.6g}")
+
+
+def _first(where: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in where.nonzero()[0])
+
+
+# --- The reference in two precisions ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """The reference's outputs by name: "out", "lse", and with gradients "dq", "dk", "dv" and
+    "d_NAME" for each learnable input; `truth` in float64, `low_precision` in the kernel's dtype."""
+    truth: dict[str, Tensor]
+    low_precision: dict[str, Tensor]
+
+    def error(self, name: str) -> float:
+        """max |low_precision - truth| over the entries where both are finite."""
+        t, lo = self.truth[name].double(), self.low_precision[name].double()
+        ok = torch.isfinite(t) & torch.isfinite(lo)
+        return float((lo - t)[ok].abs().max()) if ok.any() else 0.0
+
+
+def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
+                    dtype: torch.dtype | None = None, *, dout: Tensor | None = None,
+                    dlse: Tensor | None = None) -> ReferenceRun:
+    """Run the reference in float64 (the truth) and in `dtype` (default q's dtype), forward, and
+    backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf).
+
+    q, k and v are cast to each precision. Tensor inputs enter the low-precision run as given, since the
+    kernel reads them so, and the truth with float inputs in float64; learnable ones get gradients.
+    """
+    dtype = dtype or q.dtype
+    inputs = dict(inputs or {})
+    learnable = [i.name for i in spec.learnable_inputs]
+    runs = []
+    for run_dtype in (torch.float64, dtype):
+        grad = dout is not None
+        qkv = [x.detach().to(run_dtype).requires_grad_(grad) for x in (q, k, v)]
+        run_inputs = {}
+        for name, x in inputs.items():
+            x = x.detach()
+            if x.is_floating_point() and run_dtype == torch.float64:
+                x = x.double()
+            run_inputs[name] = x.clone().requires_grad_(grad and name in learnable)
+        out, lse = evaluate(spec, *qkv, run_inputs)
+        result = {"out": out.detach(), "lse": lse.detach()}
+        if grad:
+            outputs, grads_out = [out], [dout.to(out.dtype)]
+            if dlse is not None:
+                outputs.append(lse)
+                grads_out.append(torch.where(torch.isfinite(lse), dlse.to(lse.dtype), 0.0))
+            leaves = qkv + [run_inputs[name] for name in learnable]
+            grads = torch.autograd.grad(outputs, leaves, grads_out, allow_unused=True, materialize_grads=True)
+            result |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], grads))
+        runs.append(result)
+    return ReferenceRun(*runs)
+
+
+# --- Random data ---------------------------------------------------------------------------------
+
+def random_qkv(B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int, DV: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu", seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Standard normal q (B, H, Q_LEN, D), k (B, HKV, KV_LEN, D), v (B, HKV, KV_LEN, DV); drawn on the CPU in
+    float32 so a seed gives the same values on every device and dtype."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, H, Q_LEN, D), (B, HKV, KV_LEN, D), (B, HKV, KV_LEN, DV)]
+    return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
+
+
+# --- Checking a kernel ---------------------------------------------------------------------------
+
+def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
+                            v: Tensor, inputs: Mapping[str, Tensor] | None = None, *, grads: bool = True,
+                            factor: float = DEFAULT_FACTOR, seed: int = 0) -> None:
+    """Assert that kernel `fn` computes `spec`: out and lse, and with `grads` dq, dk, dv and the gradient
+    of every learnable input, each within the data-derived tolerance of the float64 reference.
+
+    `fn` is called as `fn(q, k, v, return_lse=True, **inputs)` (an `attngen.build` callable). The
+    backward pass gets a random dO and a random dLSE on the rows where the kernel's LSE is finite.
+    """
+    __tracebackhide__ = True
+    inputs = dict(inputs or {})
+    learnable = [i.name for i in spec.learnable_inputs]
+    qkv = [x.detach().clone().requires_grad_(grads) for x in (q, k, v)]
+    kernel_inputs = {name: x.detach().clone().requires_grad_(grads and name in learnable)
+                     for name, x in inputs.items()}
+    out, lse = fn(*qkv, return_lse=True, **kernel_inputs)
+
+    expected_lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    for name, x, want in (("out", out, q.dtype), ("lse", lse, expected_lse_dtype)):
+        if x.dtype != want:
+            raise AssertionError(f"{name}: dtype must be {want}, got {x.dtype}")
+
+    dout = dlse = None
+    if grads:
+        g = torch.Generator().manual_seed(seed)
+        dout = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+        dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
+        dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
+    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse)
+
+    actual = {"out": out, "lse": lse}
+    if grads:
+        leaves = qkv + [kernel_inputs[name] for name in learnable]
+        kernel_grads = torch.autograd.grad([out, lse], leaves, [dout, dlse], allow_unused=True,
+                                           materialize_grads=True)
+        actual |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], kernel_grads))
+    for name, x in actual.items():
+        assert_matches_reference(name, x, ref.truth[name], ref.low_precision[name], factor=factor)
