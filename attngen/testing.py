@@ -17,8 +17,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-from attngen.ir import Spec
-from attngen.reference import evaluate
+from attngen.ir import Load, Spec, walk
+from attngen.reference import evaluate, evaluate_expr, make_env
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "ReferenceRun", "assert_matches_reference",
            "check_against_reference", "default_floor", "random_qkv", "reference_error"]
@@ -150,6 +150,47 @@ def random_qkv(B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int, DV: in
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, Q_LEN, D), (B, HKV, KV_LEN, D), (B, HKV, KV_LEN, DV)]
     return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
+
+
+def random_inputs(spec: Spec, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, *,
+                  device: torch.device | str = "cpu", seed: int = 0) -> dict[str, Tensor]:
+    """Plausible values for every declared tensor input, as a user would pass them.
+
+    Position-indexed ints (dims with Q_LEN or KV_LEN) are non-decreasing document ids; other
+    ints lie in [0, KV_LEN] (lengths, prefixes); floats are N(0, 0.5); bools are fair coins.
+    A `*` dim is sized to the largest index the spec uses there on this grid.
+    """
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    result: dict[str, Tensor] = {}
+    for decl in spec.inputs:
+        shape = [sizes.get(d, d) if d != "*" else _extent(spec, decl.name, i, sizes) for i, d in enumerate(decl.dims)]
+        if decl.dtype in ("i32", "i64"):
+            if any(d in ("Q_LEN", "KV_LEN") for d in decl.dims):
+                x = torch.randint(0, 4, shape, generator=g).sort(dim=-1).values
+            else:
+                x = torch.randint(0, KV_LEN + 1, shape, generator=g)
+        elif decl.dtype == "bool":
+            x = torch.rand(shape, generator=g) < 0.5
+        else:
+            x = 0.5 * torch.randn(shape, generator=g)
+        result[decl.name] = x.to(device=device, dtype=_TORCH_DTYPES[decl.dtype])
+    return result
+
+
+_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+def _extent(spec: Spec, name: str, dim: int, sizes: dict[str, int]) -> int:
+    """One more than the largest index the spec's loads of `name` use in `dim` on this grid."""
+    env = make_env(spec, D=16, **sizes)
+    largest = 0
+    for expr in (spec.mask, spec.score):
+        for node in walk(expr) if expr is not None else ():
+            if isinstance(node, Load) and node.input == name:
+                largest = max(largest, int(evaluate_expr(node.index[dim], env).max()))
+    return largest + 1
 
 
 # --- Checking a kernel ---------------------------------------------------------------------------
