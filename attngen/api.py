@@ -11,6 +11,7 @@ from attngen import ir, runtime
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
+from attngen.grad import learnable_loads
 from attngen.plan import Plan, plan
 from attngen.render import render
 from attngen.target import Target, get_target
@@ -59,7 +60,7 @@ def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     parsed, text = load_spec(spec)
     parsed = parsed.with_params(params)
     tgt = target if isinstance(target, Target) else get_target(target)
-    return parsed, text, tgt, plan(tgt)
+    return parsed, text, tgt, plan(tgt, scatters=len(learnable_loads(parsed)))
 
 
 def _interpreting() -> bool:

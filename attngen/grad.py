@@ -131,7 +131,10 @@ def derivative(expr: ir.Expr, wrt: ir.Expr) -> ir.Expr:
     if fn == "clamp":
         _, lo, hi = args
         inside = ir.Binary(type="bool", op="and", left=compare("ge", x, lo), right=compare("le", x, hi))
-        return where(inside, d(x), where(compare("lt", x, lo), d(lo), d(hi)))
+        # clamp is min(max(x, lo), hi): when lo > hi the value is hi, so lo gets the gradient
+        # only below a non-empty interval.
+        below = ir.Binary(type="bool", op="and", left=compare("lt", x, lo), right=compare("le", lo, hi))
+        return where(inside, d(x), where(below, d(lo), d(hi)))
     if fn == "softcap":
         x, cap = args
         t = call("tanh", div(x, cap))

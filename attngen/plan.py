@@ -214,13 +214,20 @@ def _candidates(kernel: str, start: Tiles):
                     yield _tiles(kernel, resident, streamed, w, stages)
 
 
+def _scatter_bytes(kernel: str, t: Tiles, scatters: int) -> int:
+    """Shared memory the dQ kernel's atomic scatters of learnable-input gradients need: the
+    compiler converts each fp32 BLOCK_M x BLOCK_N contribution tile (value and address) through
+    shared memory; measured on an H200, 128x64 with one scatter needed 68 KiB beyond the tiles."""
+    return scatters * 2 * t.block_m * t.block_n * 4 if kernel == "bwd_dq" else 0
+
+
 def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
-         score_cost: int) -> tuple[Tiles, list[str]]:
+         score_cost: int, scatters: int = 0) -> tuple[Tiles, list[str]]:
     """The first candidate from the family's starting point that fits shared memory and registers."""
-    budget = target.smem_per_block - HEADROOM_BYTES
     start = _start(family, kernel, d, dv, dtype)
+    full_budget = target.smem_per_block - HEADROOM_BYTES
     chosen = next((t for t in _candidates(kernel, start)
-                   if smem_bytes(kernel, t, d, dv, dtype) <= budget
+                   if smem_bytes(kernel, t, d, dv, dtype) + _scatter_bytes(kernel, t, scatters) <= full_budget
                    and _registers_fit(target, kernel, t, d, dv, score_cost)), None)
     if chosen is None:
         raise ValueError(
@@ -229,6 +236,7 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
             f"even 16x16 tiles with 1 stage do not fit")
 
     t = chosen
+    budget = full_budget - _scatter_bytes(kernel, t, scatters)
     regs = registers_per_thread(kernel, t, d, dv, score_cost)
     _, live_text = _fp32_live(kernel, t, d, dv, score_cost)
     reasons = [
@@ -238,6 +246,9 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
         f"{kernel}: ~{regs} registers per thread <= {MAX_REGISTERS_PER_THREAD}: {live_text} "
         f"in fp32 over {t.num_warps * 32} threads, + {REGISTER_OVERHEAD} overhead",
     ]
+    if _scatter_bytes(kernel, t, scatters):
+        reasons.append(f"{kernel}: {_kib(_scatter_bytes(kernel, t, scatters))} reserved for scattering "
+                       f"{scatters} learnable-input gradient tile(s) with atomics")
     if t != start:
         start_smem = smem_bytes(kernel, start, d, dv, dtype)
         if start_smem > budget:
@@ -254,11 +265,12 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
     return t, reasons
 
 
-def plan(target: Target, *, score_cost: int = 0) -> Plan:
+def plan(target: Target, *, score_cost: int = 0, scatters: int = 0) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
     `score_cost` is a rough count of extra fp32 values live per score element that the user's
     score expression needs; a larger cost raises the register estimate and may shrink tiles.
+    `scatters` is the number of learnable-input gradient tiles the dQ kernel scatters.
     """
     if score_cost < 0:
         raise ValueError(f"score_cost must be >= 0, got {score_cost}")
@@ -273,7 +285,7 @@ def plan(target: Target, *, score_cost: int = 0) -> Plan:
                                               reasons=(INTERPRETER_TILES_REASON,)))
                     continue
                 family = _family(target)
-                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost) for k in KERNELS}
+                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, scatters) for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                     fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],

@@ -158,8 +158,10 @@ class Lowerer:
 
     def score_ref(self, tree: Tree) -> ir.Expr:
         if self.context != "score":
-            raise SpecError(f"'{self.context}' may not use 'score': only 'score:' can read it "
-                            "(the mask must be decidable from positions alone)", position(tree))
+            why = (" (the mask must be decidable from positions alone)" if self.context == "mask"
+                   else " (the scale may use only D, params and numbers)")
+            raise SpecError(f"'{self.context}' may not use 'score': only 'score:' can read it{why}",
+                            position(tree))
         return ir.Score()
 
     def name(self, tree: Tree) -> ir.Expr:

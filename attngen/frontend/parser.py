@@ -45,9 +45,35 @@ def _parser() -> Lark:
                 postlex=_JoinBracketedLines())
 
 
+def _terminal_text(name: str) -> str:
+    if name in _TERMINAL_TEXT:
+        return _TERMINAL_TEXT[name]
+    # Keywords and anonymous operators ('//', '**'): show the literal text, not lark's name for it.
+    pattern = next((t.pattern for t in _parser().terminals if t.name == name), None)
+    return f"'{pattern.value}'" if pattern is not None and pattern.type == "str" else name.lower()
+
+
 def _describe_expected(expected) -> str:
-    names = sorted({_TERMINAL_TEXT.get(t, f"'{t.lower()}'" if t.isupper() else t) for t in expected})
-    return ", ".join(names)
+    return ", ".join(sorted({_terminal_text(t) for t in expected}))
+
+
+def _open_brackets(source: str, before: int | None = None) -> list[Token]:
+    """The brackets still open at offset `before` (the end of the text if None), innermost last."""
+    stack: list[Token] = []
+    for token in _parser().lex(source):
+        if before is not None and token.start_pos >= before:
+            break
+        if token.type in _BRACKETS_OPEN:
+            stack.append(token)
+        elif token.type in _BRACKETS_CLOSE and stack:
+            stack.pop()
+    return stack
+
+
+def _unclosed(bracket: Token, expected: str, source: str) -> SpecError:
+    # The file ended inside brackets: the bracket left open is the text to show, not the end of file.
+    return SpecError(f"'{bracket}' is never closed (unexpected end of file; expected {expected})",
+                     Position(bracket.line, bracket.column, bracket.column + 1), source=source)
 
 
 def _token_text(token: Token) -> str:
@@ -68,18 +94,35 @@ def parse(source: str) -> Tree:
                         source=source) from None
     except UnexpectedToken as e:
         token = e.token
+        # accepts (what the parser state really takes) is exact; expected may list terminals
+        # of merged LALR states, such as ')' where no bracket is open.
+        expected = _describe_expected(e.accepts or e.expected)
         if token.type == "$END":
+            opened = _open_brackets(source)
+            if opened:
+                raise _unclosed(opened[-1], expected, source) from None
             line = max(1, len(source.splitlines()))
             column = len(source.splitlines()[-1]) + 1 if source.splitlines() else 1
-            raise SpecError(f"unexpected end of file; expected {_describe_expected(e.expected)}",
+            raise SpecError(f"unexpected end of file; expected {expected}",
                             Position(line, column), source=source) from None
         line, column = token.line, token.column
         width = len(token.value) if token.type != "_NL" else 1
-        raise SpecError(f"unexpected {_token_text(token)}; expected {_describe_expected(e.expected)}",
+        note = ""
+        opened = _open_brackets(source, token.start_pos)
+        # Line breaks inside brackets are joined, so an unclosed bracket makes the next item
+        # read as more of the expression: name the bracket, not just the token.
+        if opened and opened[-1].line < line:
+            b = opened[-1]
+            note = f" (the '{b}' at line {b.line}, column {b.column} is still open)"
+        raise SpecError(f"unexpected {_token_text(token)}; expected {expected}{note}",
                         Position(line, column, column + width), source=source) from None
     except UnexpectedEOF as e:
+        expected = _describe_expected(e.expected)
+        opened = _open_brackets(source)
+        if opened:
+            raise _unclosed(opened[-1], expected, source) from None
         lines = source.splitlines() or [""]
-        raise SpecError(f"unexpected end of file; expected {_describe_expected(e.expected)}",
+        raise SpecError(f"unexpected end of file; expected {expected}",
                         Position(len(lines), len(lines[-1]) + 1), source=source) from None
     except UnexpectedInput as e:  # pragma: no cover - every lark error is one of the above
         raise SpecError(str(e), Position(e.line, e.column), source=source) from None

@@ -1,0 +1,191 @@
+"""Soundness of the mask analysis (attngen.analysis.region) against the reference mask on small grids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attngen import ir
+from attngen.analysis import Extremum, Linear, Region, Span, region
+from attngen.api import parse_spec
+from attngen.reference import evaluate_expr, make_env
+
+B, H = 2, 2
+MAX_LEN = 20
+
+HEADER = """\
+attention analysis_check
+param w = 4
+input prefix: i32[B]
+"""
+
+MASKS = [
+    "causal",
+    "causal_bottom_right",
+    "causal and q - k < w",
+    "causal_bottom_right and q + KV_LEN - Q_LEN - k < w",
+    "q - k >= 3 and q - k < 9",
+    "k < prefix[b] or causal",
+    "q >= k or k < prefix[b] and q < 3",
+    "k >= prefix[b] - 2 * h",
+    "not (k > q)",
+    "not not causal",
+    "not causal",
+    "not (q - k >= 3 and q - k < 9)",
+    "not (q < k or k < 2)",
+    "q // 4 == k // 4 and causal",
+    "k // 2 <= q",
+    "q - k < w and q * k < 20",
+    "q == k",
+    "q != k",
+    "2*q >= k",
+    "3 * k <= 2 * q + 1",
+    "3 * q - 2 * k >= -1 and 2 * k - q <= 7",
+    "-q <= -k",
+    "k - q > -w",
+    "q - k >= 0 - w * 2",
+    "k <= 5",
+    "q >= 2",
+    "q >= hkv",
+    "(q - k >= 0 and q - k < 3) or (k - q >= 5 and k - q < 7)",
+    "(q - k >= 0 and q - k < 3) or k < 2 or q - k >= 10",
+    "0 <= q - k < w or 0 <= k - q < w",
+    "k < 3 or k > 8",
+    "true",
+    "false",
+]
+# A non-affine part the analysis cannot bound must stay partial: no tile is ever called full through it.
+NON_AFFINE = {"q // 4 == k // 4 and causal", "k // 2 <= q", "q != k"}
+
+
+# --- an evaluator for the analysis' bounds -------------------------------------------------------
+
+def const_value(expr: ir.Expr | None, env, b: int, h: int) -> int:
+    """A tile-uniform int expression at batch b, head h (it must not vary with q or k)."""
+    if expr is None:
+        return 0
+    value = evaluate_expr(expr, env)
+    assert value.dtype == torch.int64, expr
+    return int(value.expand(B, H, 1, 1)[b, h, 0, 0])  # expand fails if it varies with q or k
+
+
+def bound_value(bound, tile: dict[str, int], env, b: int, h: int) -> int | None:
+    if bound is None:
+        return None
+    if isinstance(bound, Linear):
+        assert bound.den > 0 and bound.round in ("floor", "ceil") and bound.var in tile, bound
+        num = bound.coef * tile[bound.var] + const_value(bound.const, env, b, h)
+        return num // bound.den if bound.round == "floor" else -(-num // bound.den)
+    assert isinstance(bound, Extremum) and bound.op in ("min", "max"), bound
+    values = [bound_value(t, tile, env, b, h) for t in bound.terms]
+    assert all(v is not None for v in values), bound
+    return min(values) if bound.op == "min" else max(values)
+
+
+def span_range(span: Span, tile, env, b, h, n: int) -> range:
+    """The part of 0..n-1 that a span covers."""
+    lo, hi = bound_value(span.lo, tile, env, b, h), bound_value(span.hi, tile, env, b, h)
+    return range(max(0, lo if lo is not None else 0), min(n, (hi if hi is not None else n - 1) + 1))
+
+
+# --- the check -----------------------------------------------------------------------------------
+
+def allowed_grid(spec: ir.Spec, q_len: int, kv_len: int, prefix: list[int]):
+    env = make_env(spec, B=B, H=H, HKV=H, Q_LEN=q_len, KV_LEN=kv_len, D=16,
+                   inputs={"prefix": torch.tensor(prefix, dtype=torch.int32)})
+    allowed = evaluate_expr(spec.mask, env)
+    assert allowed.dtype == torch.bool
+    return env, allowed.expand(B, H, q_len, kv_len)
+
+
+def check_tile(reg: Region, loop: str, allowed, env, t0: int, t1: int) -> None:
+    """(a) every allowed element of the tile's rows lies in `visit`; (b) every element of `full`
+    (inside the grid) is allowed for every in-grid row of the tile."""
+    other = "q" if loop == "k" else "k"
+    tile = {f"{other}0": t0, f"{other}1": t1}
+    grid = allowed if loop == "k" else allowed.transpose(-1, -2)  # (B, H, tile index, looped index)
+    n = grid.shape[-1]
+    rows = grid[:, :, t0:t1 + 1, :]
+    if rows.shape[2] == 0:
+        return
+    for b in range(B):
+        for h in range(H):
+            some = rows[b, h].any(0).nonzero().flatten().tolist()
+            where = f"b={b} h={h} tile {other}=[{t0}, {t1}] looping {loop}"
+            if reg.visit is None:
+                assert not some, f"{where}: visit is None but {loop} in {some} are allowed"
+            else:
+                visit = span_range(reg.visit, tile, env, b, h, n)
+                outside = [j for j in some if j not in visit]
+                assert not outside, f"{where}: allowed {loop}={outside} outside visit {visit}"
+            if reg.full is not None:
+                every = rows[b, h].all(0)
+                full = span_range(reg.full, tile, env, b, h, n)
+                wrong = [j for j in full if not every[j]]
+                assert not wrong, f"{where}: {loop}={wrong} in full {full} but not always allowed"
+
+
+@st.composite
+def problems(draw):
+    q_len = draw(st.integers(1, MAX_LEN))
+    kv_len = draw(st.integers(1, MAX_LEN))
+    w = draw(st.integers(0, 10))
+    prefix = draw(st.lists(st.integers(0, kv_len + 2), min_size=B, max_size=B))
+    loop = draw(st.sampled_from("kq"))
+    n_other = q_len if loop == "k" else kv_len
+    t0 = draw(st.integers(0, n_other - 1))
+    t1 = draw(st.integers(t0, t0 + 8))  # a last tile may run past the end of the grid
+    block = draw(st.integers(1, 8))
+    return q_len, kv_len, w, prefix, loop, (t0, t1), block
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(problem=problems())
+def test_region_is_sound(mask, problem):
+    q_len, kv_len, w, prefix, loop, (t0, t1), block = problem
+    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params({"w": w})
+    params = {p.name: p.value for p in spec.params}
+    reg = region(spec.mask, loop, params)
+    env, allowed = allowed_grid(spec, q_len, kv_len, prefix)
+    check_tile(reg, loop, allowed, env, t0, t1)
+    # Every tile of a block-aligned tiling, as the kernels cut the grid.
+    n_other = q_len if loop == "k" else kv_len
+    for start in range(0, n_other, block):
+        check_tile(reg, loop, allowed, env, start, start + block - 1)
+    if mask in NON_AFFINE:
+        assert reg.full is None, "a mask part the analysis cannot bound must stay partial"
+
+
+# --- precision on the catalog's masks: the bounds are the tight ones -----------------------------
+
+def bounds(mask: str, loop: str, tile: tuple[int, int], q_len: int = 64, kv_len: int = 64, w: int = 4):
+    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params({"w": w})
+    reg = region(spec.mask, loop, {"w": w})
+    env, _ = allowed_grid(spec, q_len, kv_len, [0] * B)
+    other = "q" if loop == "k" else "k"
+    t = {f"{other}0": tile[0], f"{other}1": tile[1]}
+
+    def side(span):
+        return None if span is None else (bound_value(span.lo, t, env, 0, 0), bound_value(span.hi, t, env, 0, 0))
+    return side(reg.visit), side(reg.full)
+
+
+def test_causal_is_tight():
+    assert bounds("causal", "k", (16, 31)) == ((None, 31), (None, 16))
+    assert bounds("causal", "q", (16, 31)) == ((16, None), (31, None))
+    assert bounds("causal_bottom_right", "k", (0, 15), q_len=16, kv_len=64) == ((None, 63), (None, 48))
+
+
+def test_sliding_window_is_tight():
+    # causal and q - k < w: k in [q - w + 1, q]
+    assert bounds("causal and q - k < w", "k", (16, 31), w=4) == ((13, 31), (28, 16))
+    assert bounds("causal and q - k < w", "q", (16, 31), w=4) == ((16, 34), (31, 19))
+
+
+def test_mask_free_and_constant_masks():
+    assert region(None, "k", {}) == Region(Span(None, None), Span(None, None))
+    assert region(parse_spec("attention a\nmask: false\n").mask, "k", {}) == Region(None, None)
+    assert region(parse_spec("attention a\nmask: true\n").mask, "q", {}) == Region(Span(None, None), Span(None, None))

@@ -1,0 +1,105 @@
+"""The command line, the standalone module it writes, the on-disk cache, the examples and the wheel."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_compile_writes_a_standalone_module(tmp_path):
+    out = tmp_path / "alibi_kernel.py"
+    result = _run("-m", "attngen.cli", "compile", str(ROOT / "specs" / "alibi_causal.attn"), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert "score: score + slopes[h] * (k - q)" in text and "fingerprint" in text and "Plan (" in text
+    assert "attngen" not in [line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))]
+    # The module runs with attngen made unimportable: it needs only torch and triton.
+    script = f"""
+import sys, torch
+sys.modules["attngen"] = None
+sys.path.insert(0, {str(tmp_path)!r})
+import alibi_kernel
+q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+out = alibi_kernel.attn(q, k, v, slopes=torch.ones(2))
+print(tuple(out.shape))
+"""
+    result = _run("-c", script, env={"TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "(1, 2, 20, 16)" in result.stdout
+
+
+def test_spec_errors_exit_nonzero_with_position_and_no_traceback(tmp_path):
+    bad = tmp_path / "sliding.attn"
+    bad.write_text("attention sliding\nparam window = 4\nmask: causal and q - k < windw\n")
+    result = _run("-m", "attngen.cli", "compile", str(bad), "-o", str(tmp_path / "k.py"))
+    assert result.returncode == 1
+    assert f"{bad}:3:26: unknown name 'windw' (did you mean 'window'?)" in result.stderr
+    assert "^^^^^" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_defines_override_params_and_are_checked(tmp_path):
+    spec = ROOT / "specs" / "sliding_window.attn"
+    ok = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "k.py"), "-D", "window=512")
+    assert ok.returncode == 0, ok.stderr
+    assert "(fingerprint " in (tmp_path / "k.py").read_text()
+    default = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "d.py"))
+    assert (tmp_path / "k.py").read_text() != (tmp_path / "d.py").read_text()  # 512 is baked in
+    unknown = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "k.py"), "-D", "windw=3")
+    assert unknown.returncode == 1 and "unknown param 'windw'" in unknown.stderr
+    malformed = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "k.py"), "-D", "window")
+    assert malformed.returncode != 0 and "NAME=VALUE" in malformed.stderr
+    assert "Traceback" not in unknown.stderr + malformed.stderr
+
+
+def test_run_checks_the_kernel_against_the_reference():
+    result = _run("-m", "attngen.cli", "run", str(ROOT / "specs" / "learned_rel_bias.attn"), "--seq-len", "40")
+    assert result.returncode == 0, result.stderr
+    assert "out, lse, dq, dk, dv, dtable: match the float64 reference" in result.stdout
+
+
+def test_second_build_in_a_new_process_does_not_render(tmp_path):
+    spec = str(ROOT / "specs" / "causal.attn")
+    env = {"ATTNGEN_CACHE_DIR": str(tmp_path)}
+    first = _run("-c", f"import attngen; print(attngen.build({spec!r}).path)", env=env)
+    assert first.returncode == 0, first.stderr
+    path = Path(first.stdout.strip())
+    stamp = path.stat().st_mtime_ns
+    script = f"""
+import attngen.api
+def refuse(*args, **kwargs):
+    raise SystemExit("rendered again")
+attngen.api.render = refuse
+print(attngen.build({spec!r}).path)
+"""
+    second = _run("-c", script, env=env)
+    assert second.returncode == 0, second.stderr + second.stdout
+    assert Path(second.stdout.strip()) == path and path.stat().st_mtime_ns == stamp
+
+
+def test_quickstart_example_runs():
+    result = _run(str(ROOT / "examples" / "quickstart.py"))
+    assert result.returncode == 0, result.stderr
+    assert "out (1, 4, 200, 64)" in result.stdout
+
+
+def test_wheel_carries_grammar_and_templates(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and "No module named" in result.stderr:
+        pytest.fail(f"building the wheel needs setuptools and wheel installed: {result.stderr[-500:]}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    wheel = next(tmp_path.glob("attngen-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "attngen/grammar/attn.lark" in names
+    for template in ("module.py.jinja", "fwd.py.jinja", "bwd.py.jinja", "host.py.jinja", "helpers.py.jinja"):
+        assert f"attngen/templates/{template}" in names

@@ -1,0 +1,105 @@
+"""The generated kernels against the float64 reference: forward, LSE and every gradient.
+
+On the CPU these run through Triton's interpreter in fp32 and fp16 (its bf16 dot is wrong,
+see DESIGN.md); on a GPU the same tests also run in bf16.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import testing
+
+SPECS = sorted(Path(__file__).parent.parent.joinpath("specs").glob("*.attn"))
+# Small params, so the interpreter's 16 x 16 tiles see windows, chunks and blocks cross tiles.
+SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
+# (B, H, HKV, Q_LEN, KV_LEN, D, DV): lengths that are not tile multiples, odd head dims,
+# GQA, Q_LEN != KV_LEN both ways, D != DV.
+SHAPES = [
+    (1, 2, 1, 37, 45, 20, 24),
+    (2, 4, 2, 33, 19, 16, 16),
+    (1, 2, 2, 50, 50, 32, 8),
+]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _build(path):
+    declared = {p.name for p in attngen.load_spec(path)[0].params}
+    return attngen.build(path, params={k: v for k, v in SMALL_PARAMS.items() if k in declared})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_catalog_matches_reference(path, shape, dtype):
+    B, H, HKV, N, M, D, DV = shape
+    attn = _build(path)
+    if attn.spec.name == "document_causal":
+        M = N  # document ids are indexed by q and k: the spec needs Q_LEN == KV_LEN
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, DV, dtype, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+def test_fully_masked_rows_give_zero_output_and_gradient():
+    attn = attngen.build("attention padded\ninput kv_len: i32[B]\nmask: k < kv_len[b] and q < 20\n")
+    q, k, v = testing.random_qkv(2, 2, 2, 40, 30, 16, 16, torch.float32, device=DEVICE)
+    kv_len = torch.tensor([0, 17], dtype=torch.int32, device=DEVICE)  # batch 0: no key at all
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"kv_len": kv_len})
+    q.requires_grad_()
+    out, lse = attn(q, k, v, kv_len=kv_len, return_lse=True)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    assert torch.all(out[1, :, 20:] == 0) and torch.all(lse[1, :, 20:] == float("-inf"))
+    assert torch.all(q.grad[0] == 0) and torch.isfinite(q.grad).all()
+
+
+def test_score_functions_and_their_gradients():
+    spec = """
+    attention zoo
+    param t = 0.5
+    input bias: f32[H] learnable
+    input gate: f16[] learnable
+    score: where(q > k, softcap(score, 3.0), sigmoid(score) * 2.0) + exp2(-abs(score)) * t \
+           + max(bias[h], -0.2) * gate + (q - k) % 5 / 4 + min(score, 1.0) + clamp(score, -1, 1) ** 2
+    mask: k <= q + 5 and not (q - k > 30)
+    """
+    attn = attngen.build(spec.replace("\\\n", "\n   "))
+    q, k, v = testing.random_qkv(1, 2, 1, 40, 44, 24, 24, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 1, 40, 44, device=DEVICE)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+def test_arguments_are_checked_by_name():
+    attn = attngen.build(Path(__file__).parent.parent / "specs" / "alibi_causal.attn")
+    q, k, v = testing.random_qkv(1, 4, 2, 16, 16, 16, 16, torch.float32, device=DEVICE)
+    slopes = torch.ones(4, device=DEVICE)
+    cases = [
+        (dict(), "missing input(s): slopes: f32[H]"),
+        (dict(slopes=slopes, extra=slopes), "unknown input(s) 'extra'"),
+        (dict(slopes=torch.ones(3, device=DEVICE)), "input 'slopes' must have shape (4)"),
+        (dict(slopes=slopes.half()), "input 'slopes' must have dtype torch.float32"),
+        (dict(slopes=[1.0] * 4), "input 'slopes' must be a torch.Tensor"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(ValueError, match=None) as err:
+            attn(q, k, v, **inputs)
+        assert message in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match="query heads"):
+        attn(q[:, :3], k, v, slopes=slopes[:3])
+    with pytest.raises(ValueError, match="must share a dtype"):
+        attn(q.half(), k, v, slopes=slopes)
+    with pytest.raises(ValueError, match="k must have head_dim 16"):
+        attn(q, k[..., :8], v, slopes=slopes)
+    with pytest.raises(ValueError, match="4 dims"):
+        attn(q[0], k, v, slopes=slopes)
+
+
+@pytest.mark.gpu
+def test_realistic_size_bf16_on_gpu():
+    attn = attngen.build(Path(__file__).parent.parent / "specs" / "gemma2_local.attn", params={"window": 1024})
+    q, k, v = testing.random_qkv(2, 16, 8, 2048, 2048, 128, 128, torch.bfloat16, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q, k, v)
