@@ -215,10 +215,11 @@ def _candidates(kernel: str, start: Tiles):
 
 
 def _scatter_bytes(kernel: str, t: Tiles, scatters: int) -> int:
-    """Shared memory the dQ kernel's atomic scatters of learnable-input gradients need: the
-    compiler converts each fp32 BLOCK_M x BLOCK_N contribution tile (value and address) through
-    shared memory; measured on an H200, 128x64 with one scatter needed 68 KiB beyond the tiles."""
-    return scatters * 2 * t.block_m * t.block_n * 4 if kernel == "bwd_dq" else 0
+    """Shared memory the dQ kernel needs per learnable-input gradient beyond its Q/K/V tiles: the
+    fp32 BLOCK_M x BLOCK_N gather of the input, pipelined over `num_stages`, and the layout
+    conversions of the atomic scatter (value and address). Measured on an H200 (bf16, 128x64,
+    3 stages): D=DV=128 needed 68 KiB beyond the tiles, D=64/DV=128 168 KiB."""
+    return scatters * (t.num_stages + 3) * t.block_m * t.block_n * 4 if kernel == "bwd_dq" else 0
 
 
 def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,

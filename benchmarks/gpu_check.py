@@ -32,9 +32,11 @@ def spec_path(name: str) -> str:
 
 # --- correctness -------------------------------------------------------------------------------
 
-def check_catalog(shapes, dtypes) -> list[dict]:
+def check_catalog(shapes, dtypes, names=None) -> list[dict]:
     rows = []
     for path in sorted(glob.glob(os.path.join(SPEC_DIR, "*.attn"))):
+        if names and os.path.basename(path)[:-5] not in names:
+            continue
         attn = attngen.build(path)
         for (B, H, HKV, N, M, D, DV) in shapes:
             if attn.spec.name == "document_causal" and N != M:
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes only, no timing")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--only", nargs="*", help="time only these variants")
+    parser.add_argument("--check-only", nargs="*", help="check only these specs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU")
@@ -186,7 +189,7 @@ def main() -> None:
     if not args.skip_check:
         odd = [(2, 8, 2, 1000, 1000, 80, 80), (1, 4, 4, 333, 517, 64, 96)]
         big = [] if args.quick else [(2, 8, 8, 4096, 4096, 128, 128)]
-        results["check"] = check_catalog(odd + big, [torch.bfloat16, torch.float16])
+        results["check"] = check_catalog(odd + big, [torch.bfloat16, torch.float16], args.check_only)
         bad = [r for r in results["check"] if not r["ok"]]
         print(f"correctness: {len(results['check']) - len(bad)} ok, {len(bad)} failed", flush=True)
     if not args.quick:
