@@ -184,3 +184,14 @@ def learnable_loads(spec: ir.Spec) -> tuple[ir.Load, ...]:
         if isinstance(node, ir.Load) and node.input in learnable and node not in seen:
             seen.append(node)
     return tuple(seen)
+
+
+def tile_gathers(spec: ir.Spec) -> tuple[ir.Load, ...]:
+    """The distinct loads whose index varies with both q and k: each reads a whole score tile."""
+    seen: list[ir.Load] = []
+    for expr in (spec.mask, spec.score):
+        for node in ir.walk(expr) if expr is not None else ():
+            names = {n.name for i in getattr(node, "index", ()) for n in ir.walk(i) if isinstance(n, ir.Var)}
+            if isinstance(node, ir.Load) and {"q", "k"} <= names and node not in seen:
+                seen.append(node)
+    return tuple(seen)

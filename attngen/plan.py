@@ -215,11 +215,13 @@ def _candidates(kernel: str, start: Tiles):
 
 
 def _scatter_bytes(kernel: str, t: Tiles, scatters: int) -> int:
-    """Shared memory the dQ kernel needs per learnable-input gradient beyond its Q/K/V tiles: the
-    fp32 BLOCK_M x BLOCK_N gather of the input, pipelined over `num_stages`, and the layout
-    conversions of the atomic scatter (value and address). Measured on an H200 (bf16, 128x64,
-    3 stages): D=DV=128 needed 68 KiB beyond the tiles, D=64/DV=128 168 KiB."""
-    return scatters * (t.num_stages + 3) * t.block_m * t.block_n * 4 if kernel == "bwd_dq" else 0
+    """Shared memory beyond the Q/K/V tiles for `scatters` score-tile-shaped input accesses: each
+    fp32 BLOCK_M x BLOCK_N gather of an input indexed by q and k is pipelined over `num_stages`,
+    and the dQ kernel's atomic scatter of a learnable gradient converts layouts (value and
+    address). Measured on an H200 (bf16, 3 stages): learned_rel_bias needed 68 KiB beyond the
+    tiles in dQ at 128x64 and D=DV=128, and 288 KiB in all at D=64/DV=128."""
+    extra = 3 if kernel == "bwd_dq" else 1
+    return scatters * (t.num_stages + extra) * t.block_m * t.block_n * 4
 
 
 def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
