@@ -197,11 +197,15 @@ def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
               "min": "min", "max": "max"}
     if e.fn in simple:
         return f"{simple[e.fn]}({', '.join(args)})"
-    return {
-        "exp2": f"(2.0 ** {args[0]})" if args else "",
-        "rsqrt": f"(1.0 / math.sqrt({args[0]}))",
-        "sigmoid": f"(1.0 / (1.0 + math.exp(-{args[0]})))",
-        "clamp": f"min(max({args[0]}, {args[1]}), {args[2]})" if len(args) == 3 else "",
-        "where": f"({args[1]} if {args[0]} else {args[2]})" if len(args) == 3 else "",
-        "softcap": f"({args[1]} * math.tanh({args[0]} / {args[1]}))" if len(args) == 2 else "",
-    }[e.fn]
+    if e.fn == "exp2":
+        return f"(2.0 ** {args[0]})"
+    if e.fn == "rsqrt":
+        return f"(1.0 / math.sqrt({args[0]}))"
+    if e.fn == "sigmoid":
+        return f"(1.0 / (1.0 + math.exp(-{args[0]})))"
+    if e.fn == "clamp":
+        return f"min(max({args[0]}, {args[1]}), {args[2]})"
+    if e.fn == "where":
+        return f"({args[1]} if {args[0]} else {args[2]})"
+    assert e.fn == "softcap", e.fn
+    return f"({args[1]} * math.tanh({args[0]} / {args[1]}))"

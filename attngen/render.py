@@ -39,17 +39,13 @@ def _emitter(spec: ir.Spec, spelling: Spelling, prefix: str) -> TritonEmitter:
     return TritonEmitter(spelling, _params(spec), {i.name: i for i in spec.inputs}, prefix)
 
 
-def _lines_since(emitter: TritonEmitter, start: int) -> list[str]:
-    return emitter.lines[start:]
-
-
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> str:
     """Defines s2, the modified score in base-2 units, from the raw dot product qk."""
     if spec.score is None or spec.score == ir.Score():
         return "s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor"
     start = len(em.lines)
     result = em.emit_full(spec.score)
-    return "\n".join(["s = qk * sm_scale", *_lines_since(em, start), f"s2 = {result} * LOG2E"])
+    return "\n".join(["s = qk * sm_scale", *em.lines[start:], f"s2 = {result} * LOG2E"])
 
 
 def _mask_hook(spec: ir.Spec, spelling: Spelling, q_bound: str, k_bound: str) -> str:
@@ -68,7 +64,7 @@ def _dscore_hook(spec: ir.Spec, em: TritonEmitter, var: str) -> str:
         return f"# d score'/d score = 1: {var} is already the gradient of the raw score"
     start = len(em.lines)
     d = em.emit(grad.derivative(spec.score, ir.Score()))
-    return "\n".join([*_lines_since(em, start), f"{var} = {var} * {d}"])
+    return "\n".join([*em.lines[start:], f"{var} = {var} * {d}"])
 
 
 def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
@@ -82,7 +78,7 @@ def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
         offset = " + ".join(f"({i}) * stride_{load.input}_{j}" for j, i in enumerate(indices)) or "0"
         bounds = " & ".join(f"({i} >= 0) & ({i} < size_{load.input}_{j})" for j, i in enumerate(indices))
         contribution = f"g{n}"
-        lines += _lines_since(em, start)
+        lines += em.lines[start:]
         lines.append(f"{contribution} = ds * {d}")
         lines.append("if MASKED:")
         lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
