@@ -1,10 +1,14 @@
 """Static facts about a spec's mask: which stretch of keys (or queries) a tile may touch, and where it is fully allowed.
 
-A mask atom that is affine in `q` and `k` (`causal`, windows, prefixes, and their
-`and`/`or`/`not`) bounds the looped index arithmetically from the other index's tile
-bounds. The kernels loop only over the `visit` span and run mask code only outside
-the `full` span, so masked-out tiles cost nothing. Anything not understood here
-stays exact: it is visited and masked element by element.
+A mask atom that is affine in `q` and `k`, or in their floor quotients by constants
+(`causal`, windows, prefixes, chunks like `q // c == k // c`, and their `and`/`or`/`not`),
+bounds the looped index arithmetically from the other index's tile bounds. The kernels
+loop only over the `visit` span and run mask code only outside the `full` span, so
+masked-out tiles cost nothing and no mask object exists at run time. An atom that does
+not vary along the loop (`k < prefix[b]` while looping over queries) gates the whole
+loop on or off for the tile. Anything not understood here stays exact: it is visited and
+masked element by element; `needs_tile_table` then hands the mask to a tile table built
+at call time, which is exact.
 """
 
 from __future__ import annotations
@@ -13,25 +17,52 @@ from dataclasses import dataclass
 
 from attngen import ir
 
-UNIFORM_VARS = ("b", "h", "hkv")  # constant over a tile: fine inside an affine constant
+# A gate's sentinels: far outside any sequence, so a closed gate empties a span and an open one
+# leaves the other side of a min/max in charge. Kernels clamp bounds to [0, LEN] afterwards.
+OPEN_LO, CLOSED_LO = -(1 << 30), 1 << 30
+OPEN_HI, CLOSED_HI = 1 << 30, -(1 << 30)
+
+
+@dataclass(frozen=True)
+class Term:
+    """floor((var + offset) / div): an index, or its quotient by a positive constant (chunks)."""
+    var: str  # "q" or "k"
+    div: int = 1
+    offset: ir.Expr | None = None  # uniform over a tile
 
 
 @dataclass(frozen=True)
 class Affine:
-    """cq * q + ck * k + const, with const an int expression uniform over a tile (or None for 0)."""
+    """cq * Tq + ck * Tk + const; Tq and Tk are Terms of q and k (or absent when their
+    coefficient is 0), const an int expression uniform over a tile (None for 0)."""
     cq: int
     ck: int
     const: ir.Expr | None = None
+    tq: Term = Term("q")
+    tk: Term = Term("k")
 
 
 @dataclass(frozen=True)
 class Linear:
-    """round((coef * var + const) / den), var one of q0 q1 k0 k1 (a tile's first and last index)."""
+    """out_scale * round((coef * floor((var + var_offset) / var_div) + const) / den) + out_offset,
+    var one of q0 q1 k0 k1 (a tile's first and last index)."""
     coef: int
     var: str
     const: ir.Expr | None
     den: int
     round: str  # "floor" or "ceil"
+    var_div: int = 1
+    var_offset: ir.Expr | None = None
+    out_scale: int = 1
+    out_offset: ir.Expr | None = None
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Unbounded on its side while `cond >= 0` holds for the tile, else a bound that empties the
+    span (OPEN_* and CLOSED_* above)."""
+    cond: Linear
+    side: str  # "lo" or "hi"
 
 
 @dataclass(frozen=True)
@@ -40,7 +71,7 @@ class Extremum:
     terms: tuple
 
 
-Bound = Linear | Extremum | None  # None: unbounded on that side
+Bound = Linear | Gate | Extremum | None  # None: unbounded on that side
 
 
 @dataclass(frozen=True)
@@ -59,6 +90,7 @@ class Region:
     `full` lies where every element is allowed (None: nowhere)."""
     visit: Span | None
     full: Span | None
+    exact: bool = True  # visit holds only tiles with an allowed element, full every full tile's span
 
 
 def _const_add(a: ir.Expr | None, b: ir.Expr | None, sign: int = 1) -> ir.Expr | None:
@@ -79,12 +111,24 @@ def _const_scale(a: ir.Expr | None, factor: int) -> ir.Expr | None:
     return ir.Binary(type="int", op="mul", left=ir.Const(type="int", value=factor), right=a)
 
 
+def _int(value: int) -> ir.Expr | None:
+    return None if value == 0 else ir.Const(type="int", value=value)
+
+
 def _mentions_qk(expr: ir.Expr) -> bool:
     return any(isinstance(n, ir.Var) and n.name in ("q", "k") for n in ir.walk(expr))
 
 
+def _combine(a: Affine, b: Affine, s: int) -> Affine | None:
+    """a + s * b, when both use the same Term of each index they share."""
+    if (a.cq and b.cq and a.tq != b.tq) or (a.ck and b.ck and a.tk != b.tk):
+        return None
+    return Affine(a.cq + s * b.cq, a.ck + s * b.ck, _const_add(a.const, b.const, s),
+                  a.tq if a.cq else b.tq, a.tk if a.ck else b.tk)
+
+
 def affine(expr: ir.Expr, params: dict[str, int | float]) -> Affine | None:
-    """The affine form of an int expression in q and k, or None if it is not affine."""
+    """The affine form of an int expression in q and k (or their floor quotients), or None."""
     if expr.type != "int":
         return None
     if isinstance(expr, ir.Var) and expr.name == "q":
@@ -95,19 +139,30 @@ def affine(expr: ir.Expr, params: dict[str, int | float]) -> Affine | None:
         return Affine(0, 0, expr)
     if isinstance(expr, ir.Unary) and expr.op == "neg":
         a = affine(expr.operand, params)
-        return None if a is None else Affine(-a.cq, -a.ck, _const_scale(a.const, -1))
+        return None if a is None else Affine(-a.cq, -a.ck, _const_scale(a.const, -1), a.tq, a.tk)
     if isinstance(expr, ir.Binary) and expr.op in ("add", "sub"):
         a, b = affine(expr.left, params), affine(expr.right, params)
         if a is None or b is None:
             return None
-        s = 1 if expr.op == "add" else -1
-        return Affine(a.cq + s * b.cq, a.ck + s * b.ck, _const_add(a.const, b.const, s))
+        return _combine(a, b, 1 if expr.op == "add" else -1)
     if isinstance(expr, ir.Binary) and expr.op == "mul":
         for left, right in ((expr.left, expr.right), (expr.right, expr.left)):
             factor = _known_int(left, params)
             inner = affine(right, params)
             if factor is not None and inner is not None:
-                return Affine(factor * inner.cq, factor * inner.ck, _const_scale(inner.const, factor))
+                return Affine(factor * inner.cq, factor * inner.ck, _const_scale(inner.const, factor),
+                              inner.tq, inner.tk)
+    if isinstance(expr, ir.Binary) and expr.op == "floordiv":
+        # (x + offset) // d, with x a bare index and d a positive constant: a chunk number.
+        d = _known_int(expr.right, params)
+        inner = affine(expr.left, params)
+        if d is None or d <= 0 or inner is None:
+            return None
+        for var, coef, term in (("q", inner.cq, inner.tq), ("k", inner.ck, inner.tk)):
+            other = inner.ck if var == "q" else inner.cq
+            if coef == 1 and other == 0 and term.div == 1:
+                t = Term(var, d, inner.const)
+                return Affine(1, 0, None, tq=t) if var == "q" else Affine(0, 1, None, tk=t)
     return None
 
 
@@ -130,17 +185,19 @@ def atoms_ge_zero(expr: ir.Expr, params) -> list[Affine] | None:
     a, b = affine(expr.left, params), affine(expr.right, params)
     if a is None or b is None:
         return None
-    diff = Affine(a.cq - b.cq, a.ck - b.ck, _const_add(a.const, b.const, -1))  # left - right
-    negd = Affine(-diff.cq, -diff.ck, _const_scale(diff.const, -1))
+    diff = _combine(a, b, -1)  # left - right
+    if diff is None:
+        return None
+    negd = Affine(-diff.cq, -diff.ck, _const_scale(diff.const, -1), diff.tq, diff.tk)
     minus_one = ir.Const(type="int", value=-1)
     if expr.op == "ge":
         return [diff]
     if expr.op == "le":
         return [negd]
     if expr.op == "gt":  # left - right - 1 >= 0
-        return [Affine(diff.cq, diff.ck, _const_add(diff.const, minus_one))]
+        return [Affine(diff.cq, diff.ck, _const_add(diff.const, minus_one), diff.tq, diff.tk)]
     if expr.op == "lt":
-        return [Affine(negd.cq, negd.ck, _const_add(negd.const, minus_one))]
+        return [Affine(negd.cq, negd.ck, _const_add(negd.const, minus_one), negd.tq, negd.tk)]
     return [diff, negd]  # eq
 
 
@@ -155,29 +212,40 @@ def _negate(expr: ir.Expr) -> ir.Expr | None:
                          right=ir.Unary(type="bool", op="not", operand=expr.right))
     if isinstance(expr, ir.Unary) and expr.op == "not":
         return expr.operand
+    if isinstance(expr, ir.Const) and expr.type == "bool":
+        return expr.model_copy(update={"value": not expr.value})
     return None
 
 
 def _atom_region(atom: Affine, loop: str) -> Region:
-    """The region of one `cq*q + ck*k + c >= 0` atom, looping over `loop` ('k' or 'q')."""
+    """The region of one `cq*Tq + ck*Tk + c >= 0` atom, looping over `loop` ('k' or 'q')."""
     other = "q" if loop == "k" else "k"
-    c_loop = atom.ck if loop == "k" else atom.cq
-    c_other = atom.cq if loop == "k" else atom.ck
-    if c_loop == 0:
-        return Region(EVERYTHING, None)  # uniform along the loop: decided element by element
+    c_loop, t_loop = (atom.ck, atom.tk) if loop == "k" else (atom.cq, atom.tq)
+    c_other, t_other = (atom.cq, atom.tq) if loop == "k" else (atom.ck, atom.tk)
     lo_var, hi_var = f"{other}0", f"{other}1"
-    # c_loop * x >= -c - c_other * y.  Some y of the tile allows x (visit): y maximising
-    # c_other*y; every y allows x (full): y minimising it.
+    # The other index enters through a non-decreasing Term, so c_other*T(y) is extreme at a tile end.
+    # Some y of the tile allows x (visit): y maximising c_other*T(y); every y allows x (full): y minimising it.
     y_some = hi_var if c_other > 0 else lo_var
     y_all = lo_var if c_other > 0 else hi_var
+    if c_loop == 0:  # uniform along the loop: the tile either allows the whole loop or none of it
+        def gated(y: str) -> Span:
+            cond = Linear(c_other, y, atom.const, 1, "floor", t_other.div, t_other.offset)
+            return Span(Gate(cond, "lo"), Gate(cond, "hi"))
+        return Region(gated(y_some), gated(y_all))
     neg_c = _const_scale(atom.const, -1)
-    if c_loop > 0:  # x >= ceil((-c - c_other*y) / c_loop)
-        visit = Span(Linear(-c_other, y_some, neg_c, c_loop, "ceil"), None)
-        full = Span(Linear(-c_other, y_all, neg_c, c_loop, "ceil"), None)
-    else:  # x <= floor((c + c_other*y) / -c_loop)
-        visit = Span(None, Linear(c_other, y_some, atom.const, -c_loop, "floor"))
-        full = Span(None, Linear(c_other, y_all, atom.const, -c_loop, "floor"))
-    return Region(visit, full)
+    d, off = t_loop.div, t_loop.offset
+    # c_loop * T(x) >= -c - c_other * T(y), then T(x) >= m  <=>  x >= d*m - off,
+    # and T(x) <= m  <=>  x <= d*m + d - 1 - off.
+    if c_loop > 0:  # T(x) >= ceil((-c - c_other*T(y)) / c_loop)
+        def lower(y: str) -> Linear:
+            return Linear(-c_other, y, neg_c, c_loop, "ceil", t_other.div, t_other.offset,
+                          d, _const_scale(off, -1))
+        return Region(Span(lower(y_some), None), Span(lower(y_all), None))
+
+    def upper(y: str) -> Linear:  # T(x) <= floor((c + c_other*T(y)) / -c_loop)
+        return Linear(c_other, y, atom.const, -c_loop, "floor", t_other.div, t_other.offset,
+                      d, _const_add(_int(d - 1), off, -1))
+    return Region(Span(None, upper(y_some)), Span(None, upper(y_all)))
 
 
 def _extremum(op: str, a: Bound, b: Bound, absent_wins: bool) -> Bound:
@@ -201,6 +269,33 @@ def _hull(a: Span | None, b: Span | None) -> Span | None:
     return Span(_extremum("min", a.lo, b.lo, True), _extremum("max", a.hi, b.hi, True))
 
 
+def _all_or_nothing(s: Span) -> bool:
+    return isinstance(s.lo, Gate) and isinstance(s.hi, Gate)
+
+
+def _union_inside(a: Span, b: Span) -> Span:
+    """A span inside the union of two full spans. The hull is exact when one side is everything
+    or nothing (a gate), or when both are unbounded on the same side (`k < prefix or causal`);
+    otherwise keep the first."""
+    if _all_or_nothing(a) or _all_or_nothing(b):
+        return _hull(a, b)
+    if a.lo is None and b.lo is None:
+        return Span(None, _extremum("max", a.hi, b.hi, True))
+    if a.hi is None and b.hi is None:
+        return Span(_extremum("min", a.lo, b.lo, True), None)
+    return a
+
+
+def _hull_is_union(a: Span | None, b: Span | None) -> bool:
+    """Whether the hull of two visit spans adds nothing: one is empty, everything or all-or-nothing,
+    or both are unbounded on the same side (so they overlap)."""
+    if a is None or b is None or a == EVERYTHING or b == EVERYTHING:
+        return True
+    if _all_or_nothing(a) or _all_or_nothing(b):
+        return True
+    return (a.lo is None and b.lo is None) or (a.hi is None and b.hi is None)
+
+
 def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> Region:
     """Which indices along `loop` a tile of the other index visits, and which are full."""
     if mask is None:
@@ -209,18 +304,19 @@ def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> R
         return Region(EVERYTHING, EVERYTHING) if mask.value else Region(None, None)
     if isinstance(mask, ir.Binary) and mask.op == "and":
         a, b = region(mask.left, loop, params), region(mask.right, loop, params)
-        return Region(_intersect(a.visit, b.visit), _intersect(a.full, b.full))
+        return Region(_intersect(a.visit, b.visit), _intersect(a.full, b.full), a.exact and b.exact)
     if isinstance(mask, ir.Binary) and mask.op == "or":
         a, b = region(mask.left, loop, params), region(mask.right, loop, params)
-        # Either side's full span is fully allowed; their hull need not be.
-        full = a.full if b.full is None else b.full if a.full is None else _overlapping_union(a.full, b.full)
-        return Region(_hull(a.visit, b.visit), full)
+        full = a.full if b.full is None else b.full if a.full is None else _union_inside(a.full, b.full)
+        exact = a.exact and b.exact and _hull_is_union(a.visit, b.visit) and (
+            a.full is None or b.full is None or _hull_is_union(a.full, b.full))
+        return Region(_hull(a.visit, b.visit), full, exact)
     if isinstance(mask, ir.Unary) and mask.op == "not":
         pushed = _negate(mask.operand)
-        return region(pushed, loop, params) if pushed is not None else Region(EVERYTHING, None)
+        return region(pushed, loop, params) if pushed is not None else Region(EVERYTHING, None, False)
     atoms = atoms_ge_zero(mask, params)
     if atoms is None:
-        return Region(EVERYTHING, None)
+        return Region(EVERYTHING, None, False)
     result = Region(EVERYTHING, EVERYTHING)
     for atom in atoms:
         r = _atom_region(atom, loop)
@@ -228,11 +324,9 @@ def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> R
     return result
 
 
-def _overlapping_union(a: Span, b: Span) -> Span:
-    """A span inside the union of two full spans. Spans that share a side (both unbounded
-    below, say, as `k < prefix or causal` gives) union exactly; otherwise keep the first."""
-    if a.lo is None and b.lo is None:
-        return Span(None, _extremum("max", a.hi, b.hi, True))
-    if a.hi is None and b.hi is None:
-        return Span(_extremum("min", a.lo, b.lo, True), None)
-    return a
+def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
+    """Whether the kernels should follow a tile table built at call time rather than the closed-form
+    spans: the mask has a part that varies over a tile in a way `region` cannot bound exactly (it
+    reads an input at q or k, as documents and block layouts do; it is not affine, like
+    `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap)."""
+    return not (region(mask, "k", params).exact and region(mask, "q", params).exact)

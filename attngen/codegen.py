@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from attngen import ir
-from attngen.analysis import Bound, Extremum, Linear
+from attngen.analysis import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
@@ -162,17 +162,29 @@ class TritonEmitter:
             for t in terms[1:]:
                 code = self._temp(f"{fn}({code}, {t})", frozenset())
             return code
+        if isinstance(b, Gate):
+            cond = self.bound(b.cond, tile_vars)
+            opened, closed = (OPEN_LO, CLOSED_LO) if b.side == "lo" else (OPEN_HI, CLOSED_HI)
+            return self._temp(f"tl.where({cond} >= 0, {opened}, {closed})", frozenset())
         assert isinstance(b, Linear)
+        var = tile_vars[b.var]
+        if b.coef and (b.var_div != 1 or b.var_offset is not None):
+            shifted = var if b.var_offset is None else f"{var} + {self.emit(b.var_offset)}"
+            var = self._temp(f"_floordiv({shifted}, {b.var_div})", frozenset())
         parts = []
         if b.coef:
-            parts.append(f"{b.coef} * {tile_vars[b.var]}")
+            parts.append(f"{b.coef} * {var}")
         if b.const is not None:
             parts.append(self.emit(b.const))
-        numerator = " + ".join(parts) or "0"
-        if b.den == 1:
-            return self._temp(numerator, frozenset())
-        helper = "_floordiv" if b.round == "floor" else "_ceildiv"
-        return self._temp(f"{helper}({numerator}, {b.den})", frozenset())
+        code = " + ".join(parts) or "0"
+        if b.den != 1:
+            helper = "_floordiv" if b.round == "floor" else "_ceildiv"
+            code = f"{helper}({code}, {b.den})"
+        if b.out_scale != 1:
+            code = f"{b.out_scale} * {code}"
+        if b.out_offset is not None:
+            code = f"{code} + {self.emit(b.out_offset)}"
+        return self._temp(code, frozenset())
 
 
 def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attngen import ir
-from attngen.analysis import Extremum, Linear, Region, Span, region
+from attngen.analysis import Extremum, Gate, Linear, Region, Span, region
 from attngen.api import parse_spec
 from attngen.reference import evaluate_expr, make_env
 
@@ -53,11 +53,19 @@ MASKS = [
     "(q - k >= 0 and q - k < 3) or k < 2 or q - k >= 10",
     "0 <= q - k < w or 0 <= k - q < w",
     "k < 3 or k > 8",
+    "q // 4 == k // 4",
+    "(q + 1) // 3 == (k + prefix[b]) // 3 and causal",
+    "k // 3 >= q // 5 - 1",
+    "q // 3 <= k // 3 or k < 2",
+    "h < 1 or causal",
+    "k < prefix[b]",
+    "q < prefix[b] and k < 7",
+    "not (q // 4 == k // 4) and q >= k",
     "true",
     "false",
 ]
 # A non-affine part the analysis cannot bound must stay partial: no tile is ever called full through it.
-NON_AFFINE = {"q // 4 == k // 4 and causal", "k // 2 <= q", "q != k"}
+NON_AFFINE = {"q - k < w and q * k < 20", "q != k"}
 
 
 # --- an evaluator for the analysis' bounds -------------------------------------------------------
@@ -75,9 +83,15 @@ def bound_value(bound, tile: dict[str, int], env, b: int, h: int) -> int | None:
     if bound is None:
         return None
     if isinstance(bound, Linear):
-        assert bound.den > 0 and bound.round in ("floor", "ceil") and bound.var in tile, bound
-        num = bound.coef * tile[bound.var] + const_value(bound.const, env, b, h)
-        return num // bound.den if bound.round == "floor" else -(-num // bound.den)
+        assert bound.den > 0 and bound.var_div > 0 and bound.round in ("floor", "ceil") and bound.var in tile
+        y = (tile[bound.var] + const_value(bound.var_offset, env, b, h)) // bound.var_div
+        num = bound.coef * y + const_value(bound.const, env, b, h)
+        m = num // bound.den if bound.round == "floor" else -(-num // bound.den)
+        return bound.out_scale * m + const_value(bound.out_offset, env, b, h)
+    if isinstance(bound, Gate):
+        opened = bound_value(bound.cond, tile, env, b, h) >= 0
+        return {("lo", True): -(1 << 30), ("lo", False): 1 << 30,
+                ("hi", True): 1 << 30, ("hi", False): -(1 << 30)}[bound.side, opened]
     assert isinstance(bound, Extremum) and bound.op in ("min", "max"), bound
     values = [bound_value(t, tile, env, b, h) for t in bound.terms]
     assert all(v is not None for v in values), bound
