@@ -55,6 +55,10 @@ class Attention:
     def __call__(self, q, k, v, *, return_lse: bool = False, **inputs):
         return self.module.attn(q, k, v, return_lse=return_lse, **inputs)
 
+    def visit_counts(self, q, k, v, **inputs):
+        """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
+        return self.module.visit_counts(q, k, v, **inputs)
+
 
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     parsed, text = load_spec(spec)

@@ -138,6 +138,20 @@ def _kernel_hooks(spec: ir.Spec, spelling: Spelling, loop: str, ds_var: str) -> 
     return hooks
 
 
+def _table_hooks(spec: ir.Spec, spelling: Spelling, loop: str) -> dict[str, str]:
+    """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
+    q_bound = "offs_m[:, None] < Q_LEN" if spelling is ROW_MAJOR else "offs_m[None, :] < Q_LEN"
+    k_bound = "offs_n[None, :] < KV_LEN" if spelling is ROW_MAJOR else "offs_n[:, None] < KV_LEN"
+    name = "kv" if loop == "k" else "q"
+    return {"bounds": _bounds_hook(spec, loop), "mask": _mask_hook(spec, spelling, q_bound, k_bound),
+            "lo": f"{name}_lo", "hi": f"{name}_hi", "rows_ok": q_bound if loop == "k" else k_bound}
+
+
+def _table_reads(spec: ir.Spec) -> tuple[str, ...]:
+    """The inputs the mask reads, in declaration order: a cached tile table is keyed on them."""
+    return tuple(i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name))
+
+
 def _python_tuple(values) -> str:
     return repr(tuple(values))
 
@@ -160,6 +174,8 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
                     for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + "),\n"
         for e in plan.entries) + "}"
     scale = python_expr(spec.scale, params) if spec.scale is not None else "1.0 / math.sqrt(D)"
+    table = analysis.needs_tile_table(spec.mask, params)
+    mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(), source=source.strip(),
         plan_target=plan.target, plan_summary=plan.summary(),
@@ -169,5 +185,10 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         fwd=_kernel_hooks(spec, ROW_MAJOR, "k", ""),
         dq=_kernel_hooks(spec, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
+        table=table, table_params="TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, " if table else "",
+        table_reads=_python_tuple(_table_reads(spec)),
+        table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),
+        table_by_query=_table_hooks(spec, ROW_MAJOR, "k") if table else None,
+        table_by_key=_table_hooks(spec, TRANSPOSED, "q") if table else None,
     )
     return _environment().get_template("module.py.jinja").render(**context)

@@ -1,0 +1,125 @@
+"""Tile-level sparsity in the generated kernels: forward, dQ and dK/dV visit exactly the tiles
+the mask allows, and run mask code exactly on the partial ones.
+
+The kernels count their visits (`visit_counts`); the truth comes from the reference mask,
+tile by tile. For masks the analysis bounds in closed form the spans are exact; for masks that
+read inputs at q or k the tile table is built at call time and is exact by construction.
+A second check does not rely on the counters at all: K and V poisoned with NaN in the tiles
+no query may see cannot reach the output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import testing
+from attngen.reference import evaluate_expr, make_env
+
+SPECS = sorted(Path(__file__).parent.parent.joinpath("specs").glob("*.attn"))
+SMALL_PARAMS = {"window": 21, "cap": 2.0, "chunk": 24, "block": 16}
+EXTRA_MASKS = {
+    "q_mod": "mask: q % 3 == k % 3 or q - k > 40",           # not affine: a table without inputs
+    "padding": "input kv_len: i32[B]\nmask: k < kv_len[b]",   # uniform load: closed form, gated
+    "band_or": "mask: (q - k >= 0 and q - k < 9) or (k - q >= 30 and k - q < 40)",
+    "chunk_off": "param c = 12\nmask: (q + 5) // c == (k + 5) // c",
+    "not_chunk": "mask: not (q // 16 == k // 16) and causal",
+}
+
+
+def _tile_truth(allowed: torch.Tensor, block_rows: int, block_cols: int, rows_len: int, cols_len: int):
+    """Per tile of a (B, H, rows, cols) boolean grid: whether any element is allowed, and whether the
+    tile is full (every in-range row allowed everywhere, and it does not run past the columns' end)."""
+    B, H = allowed.shape[:2]
+    n_r, n_c = -(-rows_len // block_rows), -(-cols_len // block_cols)
+    pad = torch.zeros(B, H, n_r * block_rows, n_c * block_cols, dtype=torch.bool)
+    pad[:, :, :rows_len, :cols_len] = allowed
+    tiles = pad.view(B, H, n_r, block_rows, n_c, block_cols).permute(0, 1, 2, 4, 3, 5)
+    some = tiles.flatten(-2).any(-1)
+    in_rows = torch.zeros(n_r * block_rows, dtype=torch.bool)
+    in_rows[:rows_len] = True
+    in_rows = in_rows.view(n_r, 1, block_rows, 1)
+    every = (tiles | ~in_rows).flatten(-2).all(-1)
+    return some, every
+
+
+def _check_counts(name: str, counts: torch.Tensor, some: torch.Tensor, every: torch.Tensor) -> None:
+    counts = counts.cpu()
+    assert set(counts.unique().tolist()) <= {0, 1, 16}, f"{name}: a tile was visited twice"
+    visited, unmasked = counts != 0, counts == 16
+    missed = some & ~visited
+    assert not missed.any(), f"{name}: allowed tiles not visited at {missed.nonzero()[:5].tolist()}"
+    wasted = visited & ~some
+    assert not wasted.any(), f"{name}: empty tiles visited at {wasted.nonzero()[:5].tolist()}"
+    assert not (unmasked & ~every).any(), f"{name}: a tile that is not full ran without mask code"
+    assert not (every & some & ~unmasked).any(), f"{name}: a full tile ran mask code"
+
+
+def _cases():
+    for path in SPECS:
+        yield pytest.param(path, None, id=path.stem)
+    for name, body in EXTRA_MASKS.items():
+        yield pytest.param(None, f"attention {name}\n{body}\n", id=name)
+
+
+def _build(path, text):
+    if path is None:
+        return attngen.build(text)
+    declared = {p.name for p in attngen.load_spec(path)[0].params}
+    return attngen.build(path, params={k: v for k, v in SMALL_PARAMS.items() if k in declared})
+
+
+@pytest.mark.parametrize("path, text", list(_cases()))
+def test_kernels_visit_exactly_the_allowed_tiles(path, text):
+    attn = _build(path, text)
+    B, H, HKV, N, M, D = 2, 2, 1, 75, 75, 16
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
+    counts = attn.visit_counts(q, k, v, **inputs)
+    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D, inputs=inputs)
+    allowed = (evaluate_expr(attn.spec.mask, env) if attn.spec.mask is not None
+               else torch.ones((), dtype=torch.bool)).expand(B, H, N, M)
+    tiles = {kernel: attn.module._tiles(q, v, i)[:2] for i, kernel in enumerate(("fwd", "dkdv", "dq"))}
+    for kernel in ("fwd", "dq"):
+        bm, bn = tiles[kernel]
+        _check_counts(kernel, counts[kernel], *_tile_truth(allowed, bm, bn, N, M))
+    bm, bn = tiles["dkdv"]
+    _check_counts("dkdv", counts["dkdv"], *_tile_truth(allowed.transpose(-1, -2), bn, bm, M, N))
+
+
+def test_poisoned_keys_in_skipped_tiles_cannot_reach_the_output():
+    """Causal with KV_LEN > Q_LEN: key tiles past the last query are never visited, so NaN there is harmless."""
+    attn = attngen.build(Path(__file__).parent.parent / "specs" / "causal.attn")
+    q, k, v = testing.random_qkv(1, 2, 2, 40, 96, 16, 16, torch.float32)
+    block_n = attn.module._tiles(q, v, 0)[1]
+    first_skipped = -(-40 // block_n) * block_n
+    clean = attn(q, k, v)
+    k[:, :, first_skipped:] = float("nan")
+    v[:, :, first_skipped:] = float("nan")
+    poisoned = attn(q, k, v)
+    assert torch.equal(clean, poisoned)
+    v[:, :, first_skipped - 1] = float("nan")  # the control: a visited tile does spread NaN
+    assert attn(q, k, v).isnan().any()
+
+
+def test_tile_table_is_reused_for_the_same_inputs_and_rebuilt_when_they_change():
+    attn = attngen.build(Path(__file__).parent.parent / "specs" / "document_causal.attn")
+    stats = attn.module.TABLE_STATS
+    q, k, v = testing.random_qkv(1, 2, 2, 48, 48, 16, 16, torch.float32)
+    doc = torch.tensor([0] * 20 + [1] * 28, dtype=torch.int32)
+    first = attn(q, k, v, doc=doc)
+    built = stats["built"]
+    again = attn(q, k, v, doc=doc)
+    assert stats["built"] == built and torch.equal(first, again)  # reused
+    doc[10:] = 1  # in place: the version counter moves, the table must follow
+    changed = attn(q, k, v, doc=doc)
+    assert stats["built"] == built + 1
+    other = doc.clone()
+    other[30:] = 2  # a new tensor: rebuilt as well
+    attn(q, k, v, doc=other)
+    assert stats["built"] == built + 2
+    assert not torch.equal(changed, first)
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"doc": doc})  # forward and backward
