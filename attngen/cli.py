@@ -122,6 +122,34 @@ def run_command(
                    + ": match the float64 reference")
 
 
+@app.command("explain")
+def explain_command(
+    spec: Annotated[Path, typer.Argument(help="The .attn spec file.")],
+    q_len: Annotated[int, typer.Option("--q-len", help="Query length Q_LEN.")],
+    kv_len: Annotated[Optional[int], typer.Option("--kv-len", help="Key length KV_LEN (default: Q_LEN).")] = None,
+    define: DefineOption = None,
+    target: TargetOption = None,
+    head_dim: Annotated[int, typer.Option(help="D, the query/key head dim.")] = 128,
+    head_dim_v: Annotated[Optional[int], typer.Option(help="DV, the value head dim (default: D).")] = None,
+    dtype: Annotated[str, typer.Option(help="bf16, f16 or f32.")] = "bf16",
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the tile maps into this image (needs matplotlib).")] = None,
+) -> None:
+    """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
+    from attngen import ArgumentError, SpecError, explain, load_spec
+    from attngen.target import get_target
+
+    try:
+        parsed = load_spec(spec)[0].with_params(_defines(define))
+        text, maps = explain.report(parsed, get_target(target), q_len, kv_len or q_len, head_dim,
+                                    head_dim_v or head_dim, dtype)
+        typer.echo(text)
+        if plot is not None:
+            explain.plot(maps, f"{parsed.name}: Q_LEN={q_len} KV_LEN={kv_len or q_len}", plot)
+            typer.echo(f"\nwrote {plot}")
+    except (SpecError, ArgumentError, ValueError) as e:
+        _fail(e)
+
+
 def main() -> None:  # pragma: no cover - the console script calls app directly
     app()
 

@@ -1,0 +1,129 @@
+"""`attngen explain`: what the compiler decided for one spec at given lengths, and what it will cost.
+
+The report shows the IR, the plan and its reasons, each kernel's tile map (full, partial,
+empty), the FLOPs done against dense attention and the predicted HBM traffic against
+standard attention (the FlashAttention paper's IO analysis). For masks that read inputs it
+says what is decided at run time. `plot` draws the forward tile map.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attngen import analysis, ir
+from attngen.errors import ArgumentError
+from attngen.grad import tile_gathers
+from attngen.plan import ELEMENT_BYTES, plan
+from attngen.target import Target
+from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
+                             tile_map)
+
+
+def ir_tree(e: ir.Expr) -> str:
+    """An expression as a typed s-expression: `(and:bool (ge:bool q k) ...)`."""
+    if isinstance(e, ir.Const):
+        return repr(e.value) if e.type != "bool" else str(e.value).lower()
+    if isinstance(e, (ir.Var, ir.Size)):
+        return e.name
+    if isinstance(e, ir.Param):
+        return f"{e.name}"
+    if isinstance(e, ir.Score):
+        return "score"
+    if isinstance(e, ir.Load):
+        return f"{e.input}[{', '.join(ir_tree(i) for i in e.index)}]:{e.type}"
+    if isinstance(e, ir.Unary):
+        return f"({e.op}:{e.type} {ir_tree(e.operand)})"
+    if isinstance(e, ir.Binary):
+        return f"({e.op}:{e.type} {ir_tree(e.left)} {ir_tree(e.right)})"
+    return f"({e.fn}:{e.type} {' '.join(ir_tree(a) for a in e.args)})"
+
+
+def _mask_strategy(spec: ir.Spec) -> str:
+    params = {p.name: p.value for p in spec.params}
+    if spec.mask is None:
+        return "no mask: every tile is full, no mask code runs"
+    if not analysis.needs_tile_table(spec.mask, params):
+        reads = [i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name)]
+        if reads:
+            return ("closed form: the kernels compute each tile's loop bounds arithmetically; the bounds "
+                    f"read {', '.join(reads)} (one value per tile), so they are evaluated in the kernel at "
+                    "run time; no tile table")
+        return "closed form: the kernels compute each tile's loop bounds arithmetically; no tile table"
+    return ("tile table: the mask varies over a tile in a way the analysis cannot bound (it reads "
+            "inputs at q or k, or is not affine); a generated kernel evaluates it once per element at "
+            "call time and lists each row's partial and full tiles; cached until the inputs change")
+
+
+def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
+           dtype: str, batch: int = 1, heads: int = 1) -> tuple[str, dict[str, TileMap]]:
+    """The text of the explanation, and the tile maps it was computed from."""
+    for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
+        if value < 1:
+            raise ArgumentError(f"{name} must be at least 1, got {value}")
+    kernel_plan = plan(target, scatters=len(tile_gathers(spec)))
+    entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
+    sizes = {"B": batch, "H": heads, "HKV": heads, "Q_LEN": q_len, "KV_LEN": kv_len, "D": head_dim}
+    lines = [f"{spec.name}: Q_LEN={q_len} KV_LEN={kv_len} D={head_dim} DV={head_dim_v} {dtype}, "
+             f"target {target.name}", "", "IR"]
+    for p in spec.params:
+        lines.append(f"  param {p.name}: {p.type} = {p.value}")
+    for i in spec.inputs:
+        lines.append(f"  input {i.name}: {i.dtype}[{', '.join(map(str, i.dims))}]"
+                     + (" learnable" if i.learnable else ""))
+    for item in ("mask", "score", "scale"):
+        e = getattr(spec, item)
+        lines.append(f"  {item}: {ir_tree(e) if e is not None else '(none)'}")
+    lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
+              f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
+    lines += [f"  why: {r}" for r in entry.reasons]
+    lines += ["", f"mask: {_mask_strategy(spec)}"]
+    maps = {"forward": tile_map(spec, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
+            "dK/dV": tile_map(spec, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
+            "dQ": tile_map(spec, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}
+    lines.append("tile map (batch 0, head 0)")
+    for name, m in maps.items():
+        c = m.counts()
+        total = sum(c.values())
+        rows, cols = m.grid.shape
+        axes = "key x query" if name == "dK/dV" else "query x key"
+        lines.append(f"  {name:<8} {m.block_rows}x{m.block_cols} ({axes}) tiles, {rows} x {cols} = {total}: "
+                     f"full {c['full']}, partial {c['partial']}, empty {c['empty']} "
+                     f"({100 * c['empty'] / total:.1f}% skipped)")
+    ways = {m.how for m in maps.values()}
+    lines += [f"  from {how}" for how in sorted(ways)]
+    costs = forward_costs(maps["forward"], q_len, kv_len, head_dim, head_dim_v, ELEMENT_BYTES[dtype])
+    scope = "if every undecided tile is visited" if not maps["forward"].exact else "exact"
+    lines += ["", f"forward work per (batch, head) ({scope})",
+              f"  FLOPs: {describe_flops(costs.flops)} against {describe_flops(costs.dense_flops)} dense "
+              f"({100 * costs.flops / costs.dense_flops:.1f}%)",
+              f"  HBM traffic (predicted): {describe_bytes(costs.hbm_bytes)} against "
+              f"{describe_bytes(costs.standard_hbm_bytes)} for standard attention, which writes and reads "
+              f"the N x N scores and probabilities ({costs.standard_hbm_bytes / costs.hbm_bytes:.1f}x less)"]
+    return "\n".join(lines), maps
+
+
+def plot(maps: dict[str, TileMap], title: str, path: Path) -> None:
+    """Draw the tile maps (empty white, partial orange, full blue) into an image file."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise ArgumentError("--plot needs matplotlib: pip install 'attngen[plot]'") from None
+    colors = ListedColormap(["#ffffff", "#f28e2b", "#4e79a7"])  # EMPTY, PARTIAL, FULL
+    fig, axes = plt.subplots(1, len(maps), figsize=(5 * len(maps), 5), squeeze=False)
+    for ax, (name, m) in zip(axes[0], maps.items()):
+        ax.imshow(m.grid.numpy(), cmap=colors, vmin=0, vmax=FULL, interpolation="nearest", aspect="auto")
+        rows = "query" if name != "dK/dV" else "key"
+        ax.set_title(f"{name}: {m.block_rows}x{m.block_cols} ({rows} x {'query' if rows == 'key' else 'key'}) tiles")
+        ax.set_ylabel(f"{rows} tile")
+        ax.set_xlabel("key tile" if rows == "query" else "query tile")
+    fig.legend(handles=[Patch(facecolor=c, edgecolor="#999999", label=label) for c, label in
+                        (("#4e79a7", "full: no mask code"), ("#f28e2b", "partial: masked"),
+                         ("#ffffff", "empty: skipped"))], loc="lower center", ncol=3)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,177 @@
+"""The tile map of a spec at given lengths: which tiles each kernel skips, runs unmasked or masks, and what that costs.
+
+For masks the analysis bounds in closed form, the map is computed exactly as the kernels
+compute their loops (the spans of `analysis.region`, cut into tiles the way `_tile_ranges`
+in the generated module cuts them). Masks that read inputs at `q` or `k` get their tile
+table at call time; for them the map holds what is known statically (the interval
+classifier of `intervals.py`: tiles it proves empty or full whatever the inputs), and the
+rest is marked as decided at run time. `attngen explain` prints and draws this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attngen import analysis, ir
+from attngen.intervals import TileBox, TileClass, classify
+from attngen.reference import Env, evaluate_expr
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+MAX_CLASSIFIED_TILES = 1 << 18  # the interval classifier runs in Python, one call per tile
+
+
+class RuntimeDecided(Exception):
+    """A bound reads a tensor input, so only the kernel knows it."""
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """One kernel's tiles: grid[row tile, loop tile] is EMPTY, PARTIAL or FULL; `exact`: the kernels
+    visit exactly the non-empty tiles (else the partial ones are decided at run time)."""
+    block_rows: int
+    block_cols: int
+    grid: torch.Tensor  # uint8 (rows, cols)
+    exact: bool
+    how: str
+
+    def counts(self) -> dict[str, int]:
+        return {name: int((self.grid == value).sum()) for name, value in
+                (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
+
+
+def _uniform_value(expr: ir.Expr | None, env: Env) -> int:
+    if expr is None:
+        return 0
+    try:
+        return int(evaluate_expr(expr, env))
+    except (KeyError, ValueError) as e:
+        raise RuntimeDecided(str(e)) from None
+
+
+def bound_value(bound: analysis.Bound, tile: dict[str, int], env: Env) -> int | None:
+    """A bound of `analysis.region` for one tile, as the kernel computes it (None: unbounded)."""
+    if bound is None:
+        return None
+    if isinstance(bound, analysis.Extremum):
+        values = [bound_value(t, tile, env) for t in bound.terms]
+        return min(values) if bound.op == "min" else max(values)
+    if isinstance(bound, analysis.Gate):
+        opened = bound_value(bound.cond, tile, env) >= 0
+        if bound.side == "lo":
+            return analysis.OPEN_LO if opened else analysis.CLOSED_LO
+        return analysis.OPEN_HI if opened else analysis.CLOSED_HI
+    y = (tile[bound.var] + _uniform_value(bound.var_offset, env)) // bound.var_div
+    num = bound.coef * y + _uniform_value(bound.const, env)
+    m = num // bound.den if bound.round == "floor" else -(-num // bound.den)
+    return bound.out_scale * m + _uniform_value(bound.out_offset, env)
+
+
+def _span(span: analysis.Span | None, tile, env, length: int) -> tuple[int, int]:
+    """Element bounds [lo, hi) clamped to the sequence, as the generated bounds code does."""
+    if span is None:
+        return 0, 0
+    lo, hi = bound_value(span.lo, tile, env), bound_value(span.hi, tile, env)
+    return max(lo, 0) if lo is not None else 0, min(hi + 1, length) if hi is not None else length
+
+
+def tile_ranges(lo: int, hi: int, full_lo: int, full_hi: int, block: int) -> tuple[int, int, int, int]:
+    """The generated module's `_tile_ranges`: masked [t0, t1), unmasked [t1, t2), masked [t2, t3)."""
+    hi = max(hi, lo)
+    start = lo // block
+    end = -(-hi // block) if hi > lo else start
+    first_full = -(-max(full_lo, lo) // block)
+    last_full = min(full_hi, hi) // block
+    if first_full >= last_full:
+        first_full = last_full = end
+    return start, first_full, last_full, end
+
+
+def _env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int) -> Env:
+    values = {name: torch.tensor(n) for name, n in sizes.items()}
+    hkv = h // (sizes["H"] // sizes["HKV"])
+    values |= {"b": torch.tensor(b), "h": torch.tensor(h), "hkv": torch.tensor(hkv)}
+    values |= {p.name: torch.tensor(p.value) for p in spec.params}
+    return Env(values, {}, torch.float64)
+
+
+def tile_map(spec: ir.Spec, sizes: dict[str, int], block_m: int, block_n: int, by_query: bool = True,
+             b: int = 0, h: int = 0) -> TileMap:
+    """The tile map of batch b, head h for tiles (block_m, block_n); rows are query tiles (forward,
+    dQ) when by_query, else key tiles (dK/dV, block_n rows)."""
+    params = {p.name: p.value for p in spec.params}
+    q_len, kv_len = sizes["Q_LEN"], sizes["KV_LEN"]
+    rows_len, cols_len = (q_len, kv_len) if by_query else (kv_len, q_len)
+    block_rows, block_cols = (block_m, block_n) if by_query else (block_n, block_m)
+    n_rows, n_cols = -(-rows_len // block_rows), -(-cols_len // block_cols)
+    grid = torch.zeros((n_rows, n_cols), dtype=torch.uint8)
+    loop, other = ("k", "q") if by_query else ("q", "k")
+    if not analysis.needs_tile_table(spec.mask, params):
+        reg = analysis.region(spec.mask, loop, params)
+        env = _env(spec, sizes, b, h)
+        try:
+            for r in range(n_rows):
+                first = r * block_rows
+                tile = {f"{other}0": first, f"{other}1": min(first + block_rows, rows_len) - 1}
+                lo, hi = _span(reg.visit, tile, env, cols_len)
+                full_lo, full_hi = _span(reg.full, tile, env, cols_len)
+                t0, t1, t2, t3 = tile_ranges(lo, hi, full_lo, full_hi, block_cols)
+                grid[r, t0:t3] = PARTIAL
+                grid[r, t1:t2] = FULL
+            return TileMap(block_rows, block_cols, grid, True, "closed-form loop bounds (exact)")
+        except RuntimeDecided:
+            pass  # bounds read an input (prefix[b]): fall back to what is known statically
+    if n_rows * n_cols > MAX_CLASSIFIED_TILES:
+        grid.fill_(PARTIAL)
+        return TileMap(block_rows, block_cols, grid, False,
+                       f"decided at run time ({n_rows * n_cols} tiles: too many to classify here)")
+    uniform = {"b": (b, b), "h": (h, h), "hkv": (h // (sizes["H"] // sizes["HKV"]),) * 2}
+    for r in range(n_rows):
+        for c in range(n_cols):
+            rows = (r * block_rows, min((r + 1) * block_rows, rows_len) - 1)
+            cols = (c * block_cols, min((c + 1) * block_cols, cols_len) - 1)
+            q_range, k_range = (rows, cols) if by_query else (cols, rows)
+            verdict = classify(spec.mask, TileBox(q_range, k_range, params, sizes, uniform))
+            overhang = (c + 1) * block_cols > cols_len  # the kernels mask a tile that runs past the end
+            grid[r, c] = {TileClass.EMPTY: EMPTY, TileClass.PARTIAL: PARTIAL,
+                          TileClass.FULL: PARTIAL if overhang else FULL}[verdict]
+    return TileMap(block_rows, block_cols, grid, False,
+                   "interval bounds; tiles not proven full or empty are decided at run time by the tile-table kernel")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per (batch, head): FLOPs of the tiles visited against dense attention, and HBM bytes moved
+    (the FlashAttention paper's IO analysis, with the visited tiles) against standard attention."""
+    flops: float
+    dense_flops: float
+    hbm_bytes: float
+    standard_hbm_bytes: float
+
+
+def forward_costs(m: TileMap, q_len: int, kv_len: int, d: int, dv: int, element_bytes: int) -> Costs:
+    """Forward pass: each query tile reads Q once, K and V once per visited key tile, writes O and LSE.
+    Standard attention writes S and P (N x N each) to HBM and reads them back (Algorithm 0)."""
+    visited = int((m.grid != EMPTY).sum())
+    tile_elems = m.block_rows * m.block_cols
+    flops = 2.0 * visited * tile_elems * (d + dv)
+    dense = 2.0 * q_len * kv_len * (d + dv)
+    hbm = element_bytes * (q_len * d + q_len * dv + visited * m.block_cols * (d + dv)) + 4 * q_len
+    standard = element_bytes * (q_len * d + kv_len * d + kv_len * dv + q_len * dv + 4 * q_len * kv_len)
+    return Costs(flops, dense, hbm, standard)
+
+
+def describe_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def describe_flops(n: float) -> str:
+    exp = int(math.log10(n)) // 3 if n >= 1 else 0
+    unit = ["", "K", "M", "G", "T", "P"][min(exp, 5)]
+    return f"{n / 1000 ** min(exp, 5):.2f} {unit}FLOP"
