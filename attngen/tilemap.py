@@ -89,18 +89,19 @@ def tile_ranges(lo: int, hi: int, full_lo: int, full_hi: int, block: int) -> tup
     return start, first_full, last_full, end
 
 
-def _env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int) -> Env:
+def _env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs) -> Env:
     values = {name: torch.tensor(n) for name, n in sizes.items()}
     hkv = h // (sizes["H"] // sizes["HKV"])
     values |= {"b": torch.tensor(b), "h": torch.tensor(h), "hkv": torch.tensor(hkv)}
     values |= {p.name: torch.tensor(p.value) for p in spec.params}
-    return Env(values, {}, torch.float64)
+    return Env(values, {name: t.cpu() for name, t in (inputs or {}).items()}, torch.float64)
 
 
 def tile_map(spec: ir.Spec, sizes: dict[str, int], block_m: int, block_n: int, by_query: bool = True,
-             b: int = 0, h: int = 0) -> TileMap:
+             b: int = 0, h: int = 0, inputs: dict[str, torch.Tensor] | None = None) -> TileMap:
     """The tile map of batch b, head h for tiles (block_m, block_n); rows are query tiles (forward,
-    dQ) when by_query, else key tiles (dK/dV, block_n rows)."""
+    dQ) when by_query, else key tiles (dK/dV, block_n rows). Given `inputs`, loop bounds that read
+    them (prefix[b]) are evaluated too."""
     params = {p.name: p.value for p in spec.params}
     q_len, kv_len = sizes["Q_LEN"], sizes["KV_LEN"]
     rows_len, cols_len = (q_len, kv_len) if by_query else (kv_len, q_len)
@@ -110,7 +111,7 @@ def tile_map(spec: ir.Spec, sizes: dict[str, int], block_m: int, block_n: int, b
     loop, other = ("k", "q") if by_query else ("q", "k")
     if not analysis.needs_tile_table(spec.mask, params):
         reg = analysis.region(spec.mask, loop, params)
-        env = _env(spec, sizes, b, h)
+        env = _env(spec, sizes, b, h, inputs)
         try:
             for r in range(n_rows):
                 first = r * block_rows

@@ -19,6 +19,7 @@ import attngen
 from attngen import testing
 from attngen.reference import evaluate_expr, make_env
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPECS = sorted(Path(__file__).parent.parent.joinpath("specs").glob("*.attn"))
 SMALL_PARAMS = {"window": 21, "cap": 2.0, "chunk": 24, "block": 16}
 EXTRA_MASKS = {
@@ -76,10 +77,11 @@ def _build(path, text):
 def test_kernels_visit_exactly_the_allowed_tiles(path, text):
     attn = _build(path, text)
     B, H, HKV, N, M, D = 2, 2, 1, 75, 75, 16
-    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
-    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
     counts = attn.visit_counts(q, k, v, **inputs)
-    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D, inputs=inputs)
+    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D,
+                   inputs={name: t.cpu() for name, t in inputs.items()})
     allowed = (evaluate_expr(attn.spec.mask, env) if attn.spec.mask is not None
                else torch.ones((), dtype=torch.bool)).expand(B, H, N, M)
     tiles = {kernel: attn.module._tiles(q, v, i)[:2] for i, kernel in enumerate(("fwd", "dkdv", "dq"))}
@@ -93,7 +95,7 @@ def test_kernels_visit_exactly_the_allowed_tiles(path, text):
 def test_poisoned_keys_in_skipped_tiles_cannot_reach_the_output():
     """Causal with KV_LEN > Q_LEN: key tiles past the last query are never visited, so NaN there is harmless."""
     attn = attngen.build(Path(__file__).parent.parent / "specs" / "causal.attn")
-    q, k, v = testing.random_qkv(1, 2, 2, 40, 96, 16, 16, torch.float32)
+    q, k, v = testing.random_qkv(1, 2, 2, 40, 96, 16, 16, torch.float32, device=DEVICE)
     block_n = attn.module._tiles(q, v, 0)[1]
     first_skipped = -(-40 // block_n) * block_n
     clean = attn(q, k, v)
@@ -108,8 +110,8 @@ def test_poisoned_keys_in_skipped_tiles_cannot_reach_the_output():
 def test_tile_table_is_reused_for_the_same_inputs_and_rebuilt_when_they_change():
     attn = attngen.build(Path(__file__).parent.parent / "specs" / "document_causal.attn")
     stats = attn.module.TABLE_STATS
-    q, k, v = testing.random_qkv(1, 2, 2, 48, 48, 16, 16, torch.float32)
-    doc = torch.tensor([0] * 20 + [1] * 28, dtype=torch.int32)
+    q, k, v = testing.random_qkv(1, 2, 2, 48, 48, 16, 16, torch.float32, device=DEVICE)
+    doc = torch.tensor([0] * 20 + [1] * 28, dtype=torch.int32, device=DEVICE)
     first = attn(q, k, v, doc=doc)
     built = stats["built"]
     again = attn(q, k, v, doc=doc)

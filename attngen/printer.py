@@ -1,0 +1,110 @@
+"""Prints IR back to `.attn` source text that parses to the same IR: `parse_spec(to_source(s)) == s`.
+
+Fuzzing draws specs as IR, and its failure reports must show a spec a person can read, save
+and rerun; `attngen explain` shows the normalised spec the later stages see (builtin masks
+expanded, `+x` dropped, a chained comparison split into `and`). Both need IR as text.
+
+Every IR the parser can produce prints back to itself. Shapes it cannot produce print as
+near as the language allows:
+
+- a negative `Const` (the parser reads `-1` as `neg(1)`) prints as that negation: the same
+  value, but a `Unary` node on the way back; likewise `-inf`. `-0.0` prints as `0.0`.
+- NaN, and an infinite param value, have no literal: ValueError.
+- Types are not printed: the parser recomputes them from the text, so IR typed otherwise
+  than lowering types it (`Const(type="int", value=1.5)`, a `Param` whose type is not its
+  declaration's) does not come back as it was.
+"""
+
+from __future__ import annotations
+
+import math
+
+from attngen import ir
+
+# The grammar's precedence levels (attn.lark), loosest first; an atom binds tightest.
+OR, AND, NOT, COMPARISON, ARITH, TERM, FACTOR, POWER, ATOM = range(9)
+
+# op -> (text, level of the node, least level of its left operand, least level of its right).
+# Left-associative levels take their own level on the left and the next one on the right;
+# `**` is `atom ** factor`, so it is right-associative and `-x ** y` is `-(x ** y)`.
+# A comparison takes arithmetic on both sides: `a < b < c` would be a chain, `a < b and b < c`.
+_BINARY = {
+    "or": ("or", OR, OR, AND),
+    "and": ("and", AND, AND, NOT),
+    **{op: (text, COMPARISON, ARITH, ARITH) for op, text in
+       (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="))},
+    "add": ("+", ARITH, ARITH, TERM),
+    "sub": ("-", ARITH, ARITH, TERM),
+    **{op: (text, TERM, TERM, FACTOR) for op, text in
+       (("mul", "*"), ("div", "/"), ("floordiv", "//"), ("mod", "%"))},
+    "pow": ("**", POWER, ATOM, FACTOR),
+}
+
+
+def to_source(spec: ir.Spec) -> str:
+    """A whole spec file: header, params, inputs, then `mask:`, `score:` and `scale:` as present."""
+    lines = [f"attention {spec.name}"]
+    lines += [f"param {p.name} = {_number(p.value, p.type)}" for p in spec.params]
+    lines += [_input(i) for i in spec.inputs]
+    for item in ("mask", "score", "scale"):
+        expr = getattr(spec, item)
+        if expr is not None:
+            lines.append(f"{item}: {expr_to_source(expr)}")
+    return "\n".join(lines) + "\n"
+
+
+def expr_to_source(expr: ir.Expr) -> str:
+    """One expression, with only the parentheses the grammar needs to read it back the same."""
+    return _expr(expr)[0]
+
+
+def _input(decl: ir.InputDecl) -> str:
+    learnable = " learnable" if decl.learnable else ""
+    return f"input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.dims))}]{learnable}"
+
+
+def _number(value: int | float, type: ir.ValueType) -> str:
+    if type == "int":
+        return str(int(value))
+    if not math.isfinite(value):
+        raise ValueError(f"a float literal must be finite, got {value!r}")
+    # repr is the shortest text that reads back as the same float, and always has '.' or 'e'.
+    return repr(float(value))
+
+
+def _const(const: ir.Const) -> tuple[str, int]:
+    if const.type == "bool":
+        return ("true" if const.value else "false"), ATOM
+    magnitude = abs(const.value)
+    text = "inf" if const.type == "float" and math.isinf(magnitude) else _number(magnitude, const.type)
+    return (f"-{text}", FACTOR) if const.value < 0 else (text, ATOM)
+
+
+def _operand(expr: ir.Expr, least: int) -> str:
+    text, level = _expr(expr)
+    return text if level >= least else f"({text})"
+
+
+def _expr(expr: ir.Expr) -> tuple[str, int]:
+    """The text of an expression and the grammar level it parses at."""
+    match expr:
+        case ir.Const():
+            return _const(expr)
+        case ir.Var() | ir.Size() | ir.Param():
+            return expr.name, ATOM
+        case ir.Score():
+            return "score", ATOM
+        case ir.Load(index=()):
+            return expr.input, ATOM
+        case ir.Load():
+            return f"{expr.input}[{', '.join(expr_to_source(i) for i in expr.index)}]", ATOM
+        case ir.Call():
+            return f"{expr.fn}({', '.join(expr_to_source(a) for a in expr.args)})", ATOM
+        case ir.Unary(op="neg"):
+            return f"-{_operand(expr.operand, FACTOR)}", FACTOR
+        case ir.Unary(op="not"):
+            return f"not {_operand(expr.operand, NOT)}", NOT
+        case ir.Binary():
+            text, level, left, right = _BINARY[expr.op]
+            return f"{_operand(expr.left, left)} {text} {_operand(expr.right, right)}", level
+    raise AssertionError(f"unknown IR node {expr!r}")
