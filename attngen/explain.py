@@ -12,8 +12,9 @@ from pathlib import Path
 
 from attngen import analysis, ir
 from attngen.errors import ArgumentError
-from attngen.grad import tile_gathers
+from attngen.grad import gather_bytes
 from attngen.plan import ELEMENT_BYTES, plan
+from attngen.printer import to_source
 from attngen.target import Target
 from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                              tile_map)
@@ -60,16 +61,13 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
-    kernel_plan = plan(target, scatters=len(tile_gathers(spec)))
+    kernel_plan = plan(target, gather_bytes=gather_bytes(spec))
     entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
     sizes = {"B": batch, "H": heads, "HKV": heads, "Q_LEN": q_len, "KV_LEN": kv_len, "D": head_dim}
     lines = [f"{spec.name}: Q_LEN={q_len} KV_LEN={kv_len} D={head_dim} DV={head_dim_v} {dtype}, "
-             f"target {target.name}", "", "IR"]
-    for p in spec.params:
-        lines.append(f"  param {p.name}: {p.type} = {p.value}")
-    for i in spec.inputs:
-        lines.append(f"  input {i.name}: {i.dtype}[{', '.join(map(str, i.dims))}]"
-                     + (" learnable" if i.learnable else ""))
+             f"target {target.name}", "", "spec, as the compiler reads it (builtins expanded)"]
+    lines += [f"  {line}" for line in to_source(spec).splitlines()]
+    lines += ["", "IR (typed)"]
     for item in ("mask", "score", "scale"):
         e = getattr(spec, item)
         lines.append(f"  {item}: {ir_tree(e) if e is not None else '(none)'}")
