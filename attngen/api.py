@@ -11,7 +11,7 @@ from attngen import ir, runtime
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
-from attngen.grad import tile_gathers
+from attngen.grad import gather_bytes
 from attngen.plan import Plan, plan
 from attngen.render import render
 from attngen.target import Target, get_target
@@ -64,7 +64,7 @@ def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     parsed, text = load_spec(spec)
     parsed = parsed.with_params(params)
     tgt = target if isinstance(target, Target) else get_target(target)
-    return parsed, text, tgt, plan(tgt, scatters=len(tile_gathers(parsed)))
+    return parsed, text, tgt, plan(tgt, gather_bytes=gather_bytes(parsed))
 
 
 def _interpreting() -> bool:
