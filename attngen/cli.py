@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -148,6 +149,77 @@ def explain_command(
             typer.echo(f"\nwrote {plot}")
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
+
+
+@app.command("check")
+def check_command(
+    spec: Annotated[Path, typer.Argument(help="The .attn spec file.")],
+    define: DefineOption = None,
+    examples: Annotated[int, typer.Option(help="How many random cases to try.")] = 50,
+    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when there is a GPU).")] = None,
+    dtype: Annotated[Optional[list[str]], typer.Option(help="f32, f16 or bf16 (repeatable; default: f32 and f16, and bf16 on a GPU).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Draw at random from this seed (default: the same fixed cases every run).")] = None,
+    case: Annotated[Optional[str], typer.Option(help="Run just this case, as a failure prints it: B=..,H=..,...,seed=..")] = None,
+) -> None:
+    """Fuzz a spec's kernels against the float64 reference over random shapes and inputs; on failure,
+    print the smallest failing case and a command that reruns it, and exit 1."""
+    import torch
+
+    import attngen
+    from attngen import ArgumentError, SpecError, fuzz
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise typer.BadParameter(f"must be cuda or cpu, got {device!r}", param_hint="--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("no CUDA GPU here; use --device cpu (Triton's interpreter)", param_hint="--device")
+    if device == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise typer.BadParameter("the CPU needs Triton's interpreter, chosen before triton is imported: "
+                                 "run TRITON_INTERPRET=1 attngen check ... --device cpu", param_hint="--device")
+    dtypes = dtype or (["f32", "f16", "bf16"] if device == "cuda" else ["f32", "f16"])
+    for name in dtypes:
+        if name not in fuzz.DTYPES:
+            raise typer.BadParameter(f"must be one of {', '.join(fuzz.DTYPES)}, got {name!r}", param_hint="--dtype")
+        if name == "bf16" and device == "cpu":
+            raise typer.BadParameter("bf16 needs a GPU: Triton's interpreter computes bf16 dots wrongly",
+                                     param_hint="--dtype")
+    if examples < 1:
+        raise typer.BadParameter(f"must be at least 1, got {examples}", param_hint="--examples")
+    try:
+        attn = attngen.build(spec, params=_defines(define))
+        single = fuzz.Case.parse(case) if case is not None else None
+    except (SpecError, ArgumentError, ValueError) as e:
+        _fail(e)
+    defines = "".join(f" -D {d}" for d in define or [])
+    if single is not None:
+        try:
+            fuzz.check_case(attn.spec, attn, single, device)
+        except Exception as e:
+            typer.echo(f"{attn.spec.name}: FAILED on {single}\n{type(e).__name__}: {e}", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{attn.spec.name}: {single} matches the float64 reference")
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[case]}"), transient=True) as progress:
+        task = progress.add_task(f"{attn.spec.name} on {device}", total=examples, case="")
+
+        def seen(c):
+            done = progress.tasks[0].completed
+            if done >= examples:
+                progress.update(task, description=f"{attn.spec.name}: shrinking a failure")
+            progress.update(task, advance=1 if done < examples else 0, case=str(c))
+        failure = fuzz.fuzz_spec(attn.spec, attn, examples=examples, device=device, dtypes=dtypes,
+                                 seed=seed, on_example=seen)
+    if failure is None:
+        typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
+                   "float64 reference: out, lse and every gradient")
+        return
+    typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"
+               f"{type(failure.error).__name__}: {failure.error}\n\nrerun it with:\n"
+               f"  attngen check {spec}{defines} --device {device} --case '{failure.case}'", err=True)
+    raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover - the console script calls app directly

@@ -86,6 +86,20 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
     O has q's dtype, LSE that arithmetic dtype.
     """
+    p, lse = _softmax(modified_scores(spec, q, k, v, inputs))
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return (p.to(v.dtype) @ v).to(q.dtype), lse
+
+
+def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
+                  inputs: Mapping[str, Tensor] | None = None) -> Tensor:
+    """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
+    return _softmax(modified_scores(spec, q, k, v, inputs))[0]
+
+
+def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
+                    inputs: Mapping[str, Tensor] | None = None) -> Tensor:
+    """score' of every (b, h, q, k), -inf where the mask forbids the key."""
     B, H, Q_LEN, D = _check_qkv(q, k, v)
     HKV, KV_LEN = k.shape[1], k.shape[2]
     float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
@@ -94,7 +108,7 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
                    float_dtype=float_dtype, device=q.device)
     shape = (B, H, Q_LEN, KV_LEN)
 
-    k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    k = k.repeat_interleave(H // HKV, dim=1)
     score = (q @ k.transpose(-2, -1)).to(float_dtype) * scale_value(spec, D)
     if spec.score is not None:
         score = evaluate_expr(spec.score, replace(env, values={**env.values, "score": score}))
@@ -104,19 +118,22 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
         allowed = evaluate_expr(spec.mask, env)
         assert allowed.dtype == torch.bool, f"mask evaluated to {allowed.dtype}"
         score = torch.where(allowed.expand(shape), score, -math.inf)
+    return score
 
+
+def _softmax(score: Tensor) -> tuple[Tensor, Tensor]:
     # Softmax shifted by a finite, detached row max, with a guarded divide: a row with no allowed key
     # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
     # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
+    B, H, Q_LEN, KV_LEN = score.shape
     row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     e = torch.exp(score - row_max)
     total = e.sum(-1, keepdim=True)
     nonempty = total > 0
     total = torch.where(nonempty, total, 1.0)
-    out = ((e / total).to(v.dtype) @ v).to(q.dtype)
     lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
-    return out, lse
+    return e / total, lse
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ import torch
 from torch import Tensor
 
 from attngen.ir import Load, Spec, walk
-from attngen.reference import evaluate, evaluate_expr, make_env
+from attngen.reference import evaluate, evaluate_expr, make_env, probabilities, scale_value
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "ReferenceRun", "assert_matches_reference",
-           "check_against_reference", "default_floor", "random_qkv", "reference_error"]
+           "check_against_reference", "default_floor", "random_qkv", "reference_error", "summation_scales",
+           # fuzzing (attngen.fuzz): hypothesis strategies and the case runner
+           "Case", "cases", "check_case", "spec_texts", "specs"]
 
 
 # --- Tolerances ----------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
                 outputs.append(lse)
                 grads_out.append(torch.where(torch.isfinite(lse), dlse.to(lse.dtype), 0.0))
             leaves = qkv + [run_inputs[name] for name in learnable]
-            grads = torch.autograd.grad(outputs, leaves, grads_out, allow_unused=True, materialize_grads=True)
+            grads = _grads(outputs, leaves, grads_out)
             result |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], grads))
         runs.append(result)
     return ReferenceRun(*runs)
@@ -193,6 +195,52 @@ def _extent(spec: Spec, name: str, dim: int, sizes: dict[str, int]) -> int:
     return largest + 1
 
 
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
+                     *, dout: Tensor | None = None, dlse: Tensor | None = None) -> dict[str, float]:
+    """For out, dq, dk and dv: the largest sum of absolute terms the kernel adds up in fp32 for one entry.
+
+    Rounding in a sum is proportional to the sum of the absolute values of its terms, not to the
+    result: the backward forms dS = P * (dP - delta + dLSE) from dP and delta, which cancel (with a
+    single key they cancel exactly), so dq and dk can be tiny while their rounding is not. The
+    floor of the tolerance adds FLOOR_ULPS fp32 ulps of these scales (the kernels accumulate in
+    fp32 whatever their input dtype).
+    """
+    with torch.no_grad():
+        qd, kd, vd = (x.detach().to("cpu", torch.float64) for x in (q, k, v))
+        ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu())
+               for n, x in (inputs or {}).items()}
+        group = q.shape[1] // k.shape[1]
+        p = probabilities(spec, qd, kd, vd, ins)
+        k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
+        out_terms = p @ v_abs
+        scales = {"out": out_terms}
+        if dout is not None:
+            do = dout.detach().to("cpu", torch.float64).abs()
+            dl = dlse.detach().to("cpu", torch.float64).abs().unsqueeze(-1) if dlse is not None else 0.0
+            ds = p * (do @ v_abs.transpose(-2, -1) + (do * out_terms).sum(-1, keepdim=True) + dl)
+            ds = ds * abs(scale_value(spec, q.shape[-1]))
+
+            def per_kv_head(x):  # the dK/dV kernel sums the query heads of a GQA group
+                B, H, n, d = x.shape
+                return x.view(B, H // group, group, n, d).sum(2)
+            scales |= {"dq": ds @ k_abs, "dk": per_kv_head(ds.transpose(-2, -1) @ qd.abs()),
+                       "dv": per_kv_head(p.transpose(-2, -1) @ do)}
+        return {name: float(x.max()) if x.numel() else 0.0 for name, x in scales.items()}
+
+
+def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tensor]) -> tuple[Tensor, ...]:
+    """d(outputs . grad_outputs)/d leaves, zero for leaves nothing depends on. An output may depend on
+    no leaf at all (every row masked, or a score expression that ignores `score`)."""
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(leaf) for leaf in leaves)
+    return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
+                               materialize_grads=True)
+
+
 # --- Checking a kernel ---------------------------------------------------------------------------
 
 def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
@@ -224,12 +272,35 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
         dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
     ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse)
+    scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse)
 
     actual = {"out": out, "lse": lse}
     if grads:
         leaves = qkv + [kernel_inputs[name] for name in learnable]
-        kernel_grads = torch.autograd.grad([out, lse], leaves, [dout, dlse], allow_unused=True,
-                                           materialize_grads=True)
+        kernel_grads = _grads([out, lse], leaves, [dout, dlse])
         actual |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], kernel_grads))
     for name, x in actual.items():
-        assert_matches_reference(name, x, ref.truth[name], ref.low_precision[name], factor=factor)
+        floor = default_floor(ref.truth[name], x.dtype) + FLOOR_ULPS * FP32_EPS * scales.get(name, 0.0)
+        assert_matches_reference(name, x, ref.truth[name], ref.low_precision[name], factor=factor, floor=floor)
+
+
+# --- Fuzzing -------------------------------------------------------------------------------------
+# The hypothesis strategies live in attngen.fuzz (they use the helpers above); they are part of this
+# public testing API:
+#
+#     from hypothesis import given
+#     from attngen import testing
+#
+#     @given(spec=testing.specs(), case=testing.cases())
+#     def test_my_compiler_change(spec, case):
+#         testing.check_case(spec, attngen.build(spec), case)
+
+_FUZZ_NAMES = ("Case", "cases", "check_case", "spec_texts", "specs")
+
+
+def __getattr__(name: str):
+    # Resolved on first use: attngen.fuzz builds on this module, so it cannot be imported up here.
+    if name in _FUZZ_NAMES:
+        from attngen import fuzz
+        return getattr(fuzz, name)
+    raise AttributeError(f"module 'attngen.testing' has no attribute {name!r}")

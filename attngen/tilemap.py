@@ -89,7 +89,8 @@ def tile_ranges(lo: int, hi: int, full_lo: int, full_hi: int, block: int) -> tup
     return start, first_full, last_full, end
 
 
-def _env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs) -> Env:
+def uniform_env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs=None) -> Env:
+    """What a bound may read at batch b, head h: sizes, params, b, h, hkv and the inputs (on the CPU)."""
     values = {name: torch.tensor(n) for name, n in sizes.items()}
     hkv = h // (sizes["H"] // sizes["HKV"])
     values |= {"b": torch.tensor(b), "h": torch.tensor(h), "hkv": torch.tensor(hkv)}
@@ -111,7 +112,7 @@ def tile_map(spec: ir.Spec, sizes: dict[str, int], block_m: int, block_n: int, b
     loop, other = ("k", "q") if by_query else ("q", "k")
     if not analysis.needs_tile_table(spec.mask, params):
         reg = analysis.region(spec.mask, loop, params)
-        env = _env(spec, sizes, b, h, inputs)
+        env = uniform_env(spec, sizes, b, h, inputs)
         try:
             for r in range(n_rows):
                 first = r * block_rows

@@ -1,9 +1,23 @@
-"""Shared test setup: a private kernel cache per test session, and the gpu marker."""
+"""Shared test setup: a private kernel cache per test session, the gpu marker, hypothesis profiles.
+
+Fuzzing profiles (tests/test_fuzz.py): `ci`, the default, is derandomized and sized for CI's
+time limit; `pytest --hypothesis-profile=long` draws many more examples at random.
+"""
 
 import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=200,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", deadline=None, max_examples=3000,
+                          suppress_health_check=[HealthCheck.too_slow])
+# The ci examples without shrinking: tools/planted_bugs.py asks which properties fail, not how small.
+settings.register_profile("ci-noshrink", settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)

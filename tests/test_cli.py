@@ -128,3 +128,40 @@ def test_explain_says_what_is_decided_at_run_time():
     assert "empty 56" in result.stdout  # the causal part is known statically: the upper triangle
     bad = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "causal.attn"), "--q-len", "0")
     assert bad.returncode == 1 and "--q-len must be at least 1, got 0" in bad.stderr
+
+
+def test_check_fuzzes_a_spec_and_reruns_one_case():
+    spec = str(ROOT / "specs" / "sliding_window.attn")
+    ok = _run("-m", "attngen.cli", "check", spec, "-D", "window=5", "--examples", "4", "--device", "cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert "4 random cases (f32, f16, cpu) match the float64 reference" in ok.stdout
+    one = _run("-m", "attngen.cli", "check", spec, "--device", "cpu",
+               "--case", "B=1,H=2,HKV=1,Q_LEN=19,KV_LEN=33,D=12,DV=20,dtype=f32,seed=4")
+    assert one.returncode == 0 and "matches the float64 reference" in one.stdout, one.stderr
+    bad = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--case", "B=1,H=2")
+    assert bad.returncode == 1 and "a case needs exactly" in bad.stderr
+    bf16 = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--dtype", "bf16")
+    assert bf16.returncode == 2 and "bf16 needs a GPU" in bf16.stderr
+
+
+def test_check_reports_the_smallest_failure_and_how_to_rerun_it(monkeypatch):
+    """A kernel that goes wrong once a query has two keys: the report names the smallest such case."""
+    from typer.testing import CliRunner
+
+    from attngen import fuzz
+    from attngen.cli import app
+
+    real = fuzz.check_case
+
+    def broken(spec, fn, case, device="cpu"):
+        if case.KV_LEN > 1:
+            raise AssertionError("out: max error 1 exceeds the allowed 0.001")
+        real(spec, fn, case, device)
+    monkeypatch.setattr(fuzz, "check_case", broken)
+    spec = str(ROOT / "specs" / "causal.attn")
+    result = CliRunner().invoke(app, ["check", spec, "--examples", "5", "--device", "cpu", "--dtype", "f32"])
+    assert result.exit_code == 1
+    assert "FAILED. Smallest failing case hypothesis found:\n  B=1,H=1,HKV=1,Q_LEN=1,KV_LEN=2,D=1,DV=1,dtype=f32,seed=0" \
+        in result.output
+    assert f"attngen check {spec} --device cpu --case 'B=1,H=1,HKV=1,Q_LEN=1,KV_LEN=2,D=1,DV=1,dtype=f32,seed=0'" \
+        in result.output

@@ -1,0 +1,222 @@
+"""Property-based fuzzing of specs, shapes and inputs: hypothesis strategies, and `attngen check`'s runner.
+
+The strategies draw from the whole language, as users and attngen's own tests need them:
+
+- `specs()`: well-typed random specs. Masks are `and`/`or`/`not` trees over affine atoms
+  (windows, prefixes, chunks, `causal`) and data-dependent ones (document ids, block
+  layouts, flags). Score expressions use every function and operator, over params and
+  inputs of every dtype and dim form (B, H, HKV, Q_LEN, KV_LEN, a literal, `*`, a scalar),
+  learnable ones included. Each is drawn as text, so a failure shows a spec one can save
+  and rerun; its IR prints back to equal text (`printer.to_source`).
+- `cases()`: shapes and data, a `Case`. It covers B, H with a GQA ratio, and Q_LEN != KV_LEN,
+  with lengths that are not tile multiples. Head dims need not be powers of two, and DV may
+  differ from D. There is a dtype and a seed for q, k, v and the inputs (`testing.random_inputs`,
+  whose lengths and prefixes reach 0, so some rows have no allowed key).
+- `check_case(spec, fn, case)`: one case against the float64 reference, as every property uses it.
+
+A `Case` prints as `B=1,H=2,...,seed=7`, the form `attngen check --case` reads back, so a
+failure found anywhere is one command away from being rerun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from hypothesis import strategies as st
+
+from attngen import ir, testing
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+# --- specs ---------------------------------------------------------------------------------------
+
+# Every input a drawn spec may declare, with the mask atoms and score terms that read it.
+INPUT_MENU: dict[str, tuple[str, list[str], list[str]]] = {
+    "prefix": ("i32[B]", ["k < prefix[b]", "q < prefix[b] + w"], []),
+    "lens": ("i64[B]", ["k < lens[b]"], ["lens[b] * 0.01"]),
+    "flag": ("bool[B]", ["flag[b]"], ["where(flag[b], score, -score)"]),
+    "doc": ("i32[*]", ["doc[q] == doc[k]", "doc[k] <= doc[q]"], []),
+    "layout": ("bool[H, *, *]", ["layout[h, q // c, k // c]"], []),
+    "bias": ("f32[H]", [], ["bias[h]"]),
+    "slopes": ("f32[HKV]", [], ["slopes[hkv] * (k - q) * 0.1"]),
+    "qbias": ("f16[Q_LEN]", [], ["qbias[q]"]),
+    "kbias": ("bf16[KV_LEN]", ["kbias[k] > -1.0"], ["kbias[k]"]),
+    "table": ("f32[H, 17] learnable", [], ["table[h, clamp(q - k, -8, 8) + 8]"]),
+    "gate": ("f32[] learnable", [], ["score * gate"]),
+    "shift": ("f16[3] learnable", [], ["shift[(q + k) % 3]"]),
+}
+AFFINE_ATOMS = ["causal", "causal_bottom_right", "q - k < w", "k - q <= w", "q // c == k // c",
+                "k >= q - 2 * w", "q >= 3", "k < KV_LEN - 2", "h < 1", "(q + 1) // c >= k // c"]
+OTHER_ATOMS = ["q % 3 != 1", "q * k < 200"]
+# Values one off the interpreter's 16-wide tiles, where off-by-one errors in loop bounds show.
+NEAR_TILES = [15, 16, 17, 31, 32, 33, 47, 48]
+SCORE_LEAVES = ["score", "score * t", "(k - q) * 0.1", "(q - k) % 5 / 4", "(q + k) // 3 * 0.1", "t"]
+UNARY = ["tanh({})", "softcap({}, 2.0)", "sigmoid({})", "abs({})", "exp(-abs({}))", "exp2(tanh({}))",
+         "log(1.0 + abs({}))", "log2(2.0 + abs({}))", "sqrt(1.0 + ({}) * ({}))", "rsqrt(1.0 + abs({}))",
+         "({}) ** 2", "min({}, 1.0)", "max({}, -1.0)", "clamp({}, -2, 2)", "-({})", "floor({}) * 0.5",
+         "ceil({}) * 0.5"]
+BINARY = ["({}) + ({})", "({}) - ({})", "({}) * ({})", "({}) / (1.0 + abs({}))",
+          "where(q > k, {}, {})", "min({}, {})", "max({}, {})"]
+
+
+def _masks(atoms: list[str], depth: int) -> st.SearchStrategy[str]:
+    leaf = st.sampled_from(atoms)
+    if depth == 0:
+        return leaf
+    sub = _masks(atoms, depth - 1)
+    return st.one_of(
+        leaf, leaf,
+        st.tuples(sub, sub, st.sampled_from(["and", "or"])).map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
+        sub.map(lambda x: f"not ({x})"))
+
+
+def _scores(leaves: list[str], depth: int) -> st.SearchStrategy[str]:
+    leaf = st.sampled_from(leaves)
+    if depth == 0:
+        return leaf
+    sub = _scores(leaves, depth - 1)
+
+    def unary(x):
+        return x[0].replace("{}", x[1])
+
+    def binary(x):
+        return x[0].format(x[1], x[2]) if x[0].count("{}") == 2 else x[0].format(x[1], x[2], x[2])
+    return st.one_of(
+        leaf,
+        st.tuples(st.sampled_from(UNARY), sub).map(unary),
+        st.tuples(st.sampled_from(BINARY), sub, sub).map(binary))
+
+
+@st.composite
+def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_score: bool | None = None) -> str:
+    """The source text of a random well-typed spec (`with_mask`, `with_score`: always, never, or at random)."""
+    names = draw(st.lists(st.sampled_from(sorted(INPUT_MENU)), max_size=3, unique=True))
+    lines = ["attention fuzzed",
+             f"param w = {draw(st.one_of(st.integers(0, 12), st.sampled_from(NEAR_TILES)))}",
+             f"param c = {draw(st.integers(1, 9))}",
+             f"param t = {draw(st.sampled_from([0.5, -1.25, 2.0]))}"]
+    lines += [f"input {name}: {INPUT_MENU[name][0]}" for name in names]
+    atoms = AFFINE_ATOMS + OTHER_ATOMS + [a for n in names for a in INPUT_MENU[n][1]]
+    leaves = SCORE_LEAVES + [s for n in names for s in INPUT_MENU[n][2]]
+    if with_mask if with_mask is not None else draw(st.booleans()):
+        lines.append(f"mask: {draw(_masks(atoms, draw(st.integers(0, max_depth))))}")
+    if with_score if with_score is not None else draw(st.booleans()):
+        lines.append(f"score: {draw(_scores(leaves, draw(st.integers(0, max_depth))))}")
+    if draw(st.integers(0, 4)) == 0:
+        lines.append(f"scale: {draw(st.sampled_from(['0.25', 'rsqrt(D * 1.0) * t', '1.0 / D']))}")
+    return "\n".join(lines) + "\n"
+
+
+def specs(max_depth: int = 3, with_mask: bool | None = None) -> st.SearchStrategy[ir.Spec]:
+    """Random well-typed specs (parsed from `spec_texts`)."""
+    from attngen.api import parse_spec
+    return spec_texts(max_depth, with_mask).map(parse_spec)
+
+
+# --- shapes and data -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: sizes, dtype and the seed of q, k, v, dO and the inputs."""
+    B: int
+    H: int
+    HKV: int
+    Q_LEN: int
+    KV_LEN: int
+    D: int
+    DV: int
+    dtype: str
+    seed: int
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+    @classmethod
+    def parse(cls, text: str) -> "Case":
+        """The inverse of str(): `B=1,H=2,HKV=1,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3`."""
+        values = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+        names = [f.name for f in fields(cls)]
+        if sorted(values) != sorted(names):
+            raise ValueError(f"a case needs exactly {', '.join(names)}; got {', '.join(values) or 'nothing'}")
+        case = cls(**{k: (v if k == "dtype" else int(v)) for k, v in values.items()})
+        if case.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {case.dtype!r}")
+        return case
+
+
+@st.composite
+def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40) -> Case:
+    """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype and seed."""
+    hkv = draw(st.integers(1, 2))
+    return Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
+                Q_LEN=draw(_length(max_len)), KV_LEN=draw(_length(max_len)),
+                D=draw(st.integers(1, max_head_dim)), DV=draw(st.integers(1, max_head_dim)),
+                dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)))
+
+
+def _length(max_len: int) -> st.SearchStrategy[int]:
+    near = [n for n in NEAR_TILES if n <= max_len]
+    return st.one_of(st.integers(1, max_len), st.sampled_from(near)) if near else st.integers(1, max_len)
+
+
+def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
+    """q, k, v and the spec's inputs for a case, from its seed."""
+    q, k, v = testing.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
+                                 DTYPES[case.dtype], device=device, seed=case.seed)
+    inputs = testing.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
+                                   device=device, seed=case.seed)
+    return q, k, v, inputs
+
+
+def check_case(spec: ir.Spec, fn, case: Case, device: str = "cpu") -> None:
+    """Forward, LSE and every gradient of `fn` on one case, against the float64 reference."""
+    __tracebackhide__ = True
+    q, k, v, inputs = case_data(spec, case, device)
+    testing.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)
+
+
+# --- attngen check -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Failure:
+    """The smallest failing case hypothesis found, and what went wrong on it."""
+    case: Case
+    error: BaseException
+
+
+def fuzz_spec(spec: ir.Spec, fn, *, examples: int, device: str, dtypes, seed: int | None = None,
+              on_example=None) -> Failure | None:
+    """Fuzz one spec's kernels (`fn`) over random cases; None when every case passed.
+
+    Hypothesis shrinks a failure to the smallest case it can and runs it once more at the end,
+    so the last failure recorded is the one to report.
+    """
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
+
+    failures: list[Failure] = []
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
+              phases=[Phase.explicit, Phase.generate, Phase.shrink])
+    @given(case=cases(dtypes=tuple(dtypes)))
+    def run(case: Case) -> None:
+        if on_example is not None:
+            on_example(case)
+        try:
+            check_case(spec, fn, case, device)
+        except Exception as e:  # any exception is a failure of the spec's kernels on this case
+            failures.append(Failure(case, e))
+            raise
+
+    if seed is not None:
+        run = with_seed(seed)(run)
+    try:
+        run()
+    except Exception:
+        if not failures:
+            raise
+        return failures[-1]
+    return None

@@ -1,0 +1,48 @@
+"""Fuzzes drawn specs and cases on the GPU (bf16 included), printing each result as it comes, so a
+run cut short by a time limit still reports what it checked.
+
+    python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from hypothesis import HealthCheck, Phase, given, settings
+
+import attngen
+from attngen import fuzz
+from attngen.api import parse_spec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--examples", type=int, default=40)
+    parser.add_argument("--dtype", action="append", default=None)
+    args = parser.parse_args()
+    dtypes = tuple(args.dtype or ["bf16", "f16", "f32"])
+    counts = {"ok": 0, "failed": 0}
+
+    @settings(max_examples=args.examples, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(text=fuzz.spec_texts(), case=fuzz.cases(dtypes=dtypes, max_len=300, max_head_dim=128))
+    def run(text, case):
+        t0 = time.time()
+        spec = parse_spec(text)
+        try:
+            fuzz.check_case(spec, attngen.build(spec), case, device="cuda")
+            counts["ok"] += 1
+            print(f"ok   {case}  ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # report and go on: one run, many cases
+            counts["failed"] += 1
+            print(f"FAIL {case}\n{text}{type(e).__name__}: {str(e)[:400]}", flush=True)
+
+    run()
+    print(f"{counts['ok']} ok, {counts['failed']} failed", flush=True)
+    sys.exit(1 if counts["failed"] else 0)
+
+
+if __name__ == "__main__":
+    main()
