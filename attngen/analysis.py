@@ -13,6 +13,7 @@ at call time, which is exact.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from attngen import ir
@@ -330,3 +331,40 @@ def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bo
     reads an input at q or k, as documents and block layouts do; it is not affine, like
     `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap)."""
     return not (region(mask, "k", params).exact and region(mask, "q", params).exact)
+
+
+def block_steps(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[str, int | None]:
+    """For q and k: d >= 1 when the mask reads that index only as `index // d'` with constants d' that
+    d divides (so it is constant on aligned blocks of d, as block layouts are); None when it does not
+    read it at all; 0 when it reads it otherwise. A tile-table kernel then needs one point per block."""
+    divisors: dict[str, list[int]] = {"q": [], "k": []}
+    broken: set[str] = set()
+
+    def visit(node: ir.Expr) -> None:
+        if isinstance(node, ir.Binary) and node.op == "floordiv" and isinstance(node.left, ir.Var) \
+                and node.left.name in divisors:
+            d = _known_int(node.right, params)
+            if d is not None and d > 0:
+                divisors[node.left.name].append(d)
+                visit(node.right)
+                return
+        if isinstance(node, ir.Var) and node.name in divisors:
+            broken.add(node.name)
+        for child in _children(node):
+            visit(child)
+
+    if mask is not None:
+        visit(mask)
+    return {name: 0 if name in broken else (math.gcd(*ds) if ds else None) for name, ds in divisors.items()}
+
+
+def _children(node: ir.Expr) -> tuple:
+    if isinstance(node, ir.Load):
+        return node.index
+    if isinstance(node, ir.Unary):
+        return (node.operand,)
+    if isinstance(node, ir.Binary):
+        return (node.left, node.right)
+    if isinstance(node, ir.Call):
+        return node.args
+    return ()

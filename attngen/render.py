@@ -187,6 +187,7 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
         table=table, table_params="TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, " if table else "",
         table_reads=_python_tuple(_table_reads(spec)),
+        table_steps=repr(analysis.block_steps(spec.mask, params)),
         table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),
         table_by_query=_table_hooks(spec, ROW_MAJOR, "k") if table else None,
         table_by_key=_table_hooks(spec, TRANSPOSED, "q") if table else None,

@@ -203,3 +203,15 @@ def test_mask_free_and_constant_masks():
     assert region(None, "k", {}) == Region(Span(None, None), Span(None, None))
     assert region(parse_spec("attention a\nmask: false\n").mask, "k", {}) == Region(None, None)
     assert region(parse_spec("attention a\nmask: true\n").mask, "q", {}) == Region(Span(None, None), Span(None, None))
+
+
+def test_block_steps_find_block_constant_masks():
+    from attngen.analysis import block_steps
+
+    def steps(mask, header="input l: bool[H, *, *]\ninput m: bool[*]\n"):
+        return block_steps(parse_spec(f"attention a\n{header}mask: {mask}\n").mask, {})
+    assert steps("l[h, q // 128, k // 64]") == {"q": 128, "k": 64}
+    assert steps("m[k // 4] and m[k // 6]") == {"q": None, "k": 2}  # constant on blocks of gcd(4, 6)
+    assert steps("l[h, q // 8, k // 8] and q >= k") == {"q": 0, "k": 0}  # q and k read whole
+    assert steps("m[(k + 1) // 4]") == {"q": None, "k": 0}  # shifted blocks: not aligned
+    assert steps("causal") == {"q": 0, "k": 0}

@@ -28,6 +28,9 @@ EXTRA_MASKS = {
     "band_or": "mask: (q - k >= 0 and q - k < 9) or (k - q >= 30 and k - q < 40)",
     "chunk_off": "param c = 12\nmask: (q + 5) // c == (k + 5) // c",
     "not_chunk": "mask: not (q // 16 == k // 16) and causal",
+    # Block layouts not aligned with the tiles: the table kernel evaluates one point per block.
+    "layout_odd": "input layout: bool[H, *, *]\nmask: layout[h, q // 6, k // 10]",
+    "layout_k_only": "input keep: bool[*]\nmask: keep[k // 24] and not keep[k // 8]",
 }
 
 
