@@ -181,7 +181,7 @@ class TritonEmitter:
             helper = "_floordiv" if b.round == "floor" else "_ceildiv"
             code = f"{helper}({code}, {b.den})"
         if b.out_scale != 1:
-            code = f"{b.out_scale} * {code}"
+            code = f"{b.out_scale} * ({code})"
         if b.out_offset is not None:
             code = f"{code} + {self.emit(b.out_offset)}"
         return self._temp(code, frozenset())

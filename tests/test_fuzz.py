@@ -197,6 +197,10 @@ def test_fuzz_spec_reports_the_smallest_failing_case():
 # outputs with no autograd graph at all (testing._grads now returns zeros for them).
 @example(text="attention fuzzed\nmask: q >= 3\nscore: (q - k) % 5 / 4\n",
          case=fuzz.Case(B=2, H=1, HKV=1, Q_LEN=2, KV_LEN=2, D=28, DV=27, dtype="f16", seed=123))
+# Found by the long profile: the generated loop bound of `(q + 1) // c < k // c` scaled only the
+# first term of a sum by c (`3 * a + b` for `3 * (a + b)`); codegen.bound now parenthesises it.
+@example(text="attention fuzzed\nparam c = 3\nmask: not ((q + 1) // c >= k // c)\n",
+         case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=32, KV_LEN=31, D=1, DV=1, dtype="f32", seed=0))
 # Found by the long profile: a negative scale made the summation floor negative (testing.summation_scales).
 @example(text="attention fuzzed\nparam t = -1.25\nscale: rsqrt(D * 1.0) * t\n",
          case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
