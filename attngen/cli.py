@@ -199,6 +199,7 @@ def check_command(
             raise typer.Exit(1)
         typer.echo(f"{attn.spec.name}: {single} matches the float64 reference")
         return
+    from hypothesis.errors import Unsatisfiable
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -210,12 +211,22 @@ def check_command(
             if done >= examples:
                 progress.update(task, description=f"{attn.spec.name}: shrinking a failure")
             progress.update(task, advance=1 if done < examples else 0, case=str(c))
-        failure = fuzz.fuzz_spec(attn.spec, attn, examples=examples, device=device, dtypes=dtypes,
-                                 seed=seed, on_example=seen)
-    if failure is None:
+        try:
+            report = fuzz.fuzz_spec(attn.spec, attn, examples=examples, device=device, dtypes=dtypes,
+                                    seed=seed, on_example=seen)
+        except Unsatisfiable:
+            report = None
+    if report is None:
+        typer.echo(f"{attn.spec.name}: no case could be checked: the spec indexes an input out of range at "
+                   "every size tried", err=True)
+        raise typer.Exit(1)
+    skipped = (f"; {report.skipped} case(s) skipped, where the spec indexes an input out of range "
+               f"({report.skip_reason})") if report.skipped else ""
+    if report.failure is None:
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
-                   "float64 reference: out, lse and every gradient")
+                   f"float64 reference: out, lse and every gradient{skipped}")
         return
+    failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"
                f"{type(failure.error).__name__}: {failure.error}\n\nrerun it with:\n"
                f"  attngen check {spec}{defines} --device {device} --case '{failure.case}'", err=True)

@@ -48,3 +48,8 @@ class SpecError(Exception):
 
 class ArgumentError(ValueError):
     """A call or build argument that is wrong; the message names the argument."""
+
+
+class IndexOutOfRange(ArgumentError):
+    """The reference met an input indexed outside its extent (say `doc[q]` with doc sized KV_LEN and
+    Q_LEN > KV_LEN): the spec does not define attention for these sizes and inputs."""

@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from attngen.errors import ArgumentError
+from attngen.errors import ArgumentError, IndexOutOfRange
 from attngen.ir import FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Score, Size, Spec, Unary, Var, ValueType
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -191,7 +191,7 @@ def _load(expr: Load, env: Env) -> Tensor:
     for dim, (i, size) in enumerate(zip(index, x.shape)):
         assert not i.is_floating_point(), f"float index into {name!r}"
         if i.numel() and (i.min() < 0 or i.max() >= size):
-            raise ArgumentError(f"input {name!r} indexed out of range in dim {dim}: "
+            raise IndexOutOfRange(f"input {name!r} indexed out of range in dim {dim}: "
                                 f"got indices in [{int(i.min())}, {int(i.max())}], size {size}")
     value = x[tuple(index)] if index else x
     if expr.type == "float":

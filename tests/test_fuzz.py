@@ -182,12 +182,21 @@ def test_fuzz_spec_reports_the_smallest_failing_case():
     key; hypothesis shrinks that to one query and two keys."""
     causal = parse_spec("attention causal\nmask: causal\n")
     full = attngen.build("attention full\n")
-    failure = fuzz.fuzz_spec(causal, full, examples=10, device=DEVICE, dtypes=["f32"])
+    failure = fuzz.fuzz_spec(causal, full, examples=10, device=DEVICE, dtypes=["f32"]).failure
     assert failure is not None and isinstance(failure.error, AssertionError)
     c = failure.case
     assert (c.B, c.H, c.HKV, c.Q_LEN, c.KV_LEN) == (1, 1, 1, 1, 2), c  # query 0 sees key 1
     assert fuzz.Case.parse(str(c)) == c
-    assert fuzz.fuzz_spec(causal, attngen.build(causal), examples=5, device=DEVICE, dtypes=["f32"]) is None
+    assert fuzz.fuzz_spec(causal, attngen.build(causal), examples=5, device=DEVICE, dtypes=["f32"]).failure is None
+
+
+def test_fuzz_spec_skips_sizes_the_spec_does_not_define():
+    """document_causal indexes doc (KV_LEN long) at q: cases with Q_LEN > KV_LEN are skipped, not failed."""
+    path = Path(__file__).parent.parent / "specs" / "document_causal.attn"
+    attn = attngen.build(path)
+    report = fuzz.fuzz_spec(attn.spec, attn, examples=8, device=DEVICE, dtypes=["f32"])
+    assert report.failure is None and report.skipped > 0
+    assert "input 'doc' indexed out of range" in report.skip_reason
 
 
 # The costliest property last: the cheap ones above fail first on a broken compiler.
