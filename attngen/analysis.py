@@ -325,6 +325,11 @@ def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> R
     return result
 
 
+def mask_inputs(spec: ir.Spec) -> tuple[str, ...]:
+    """The inputs the mask reads, in declaration order (a tile table is keyed on them)."""
+    return tuple(i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name))
+
+
 def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
     """Whether the kernels should follow a tile table built at call time rather than the closed-form
     spans: the mask has a part that varies over a tile in a way `region` cannot bound exactly (it

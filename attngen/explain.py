@@ -44,15 +44,16 @@ def _mask_strategy(spec: ir.Spec) -> str:
     if spec.mask is None:
         return "no mask: every tile is full, no mask code runs"
     if not analysis.needs_tile_table(spec.mask, params):
-        reads = [i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name)]
+        reads = analysis.mask_inputs(spec)
         if reads:
             return ("closed form: the kernels compute each tile's loop bounds arithmetically; the bounds "
                     f"read {', '.join(reads)} (one value per tile), so they are evaluated in the kernel at "
                     "run time; no tile table")
         return "closed form: the kernels compute each tile's loop bounds arithmetically; no tile table"
     return ("tile table: the mask varies over a tile in a way the analysis cannot bound (it reads "
-            "inputs at q or k, or is not affine); a generated kernel evaluates it once per element at "
-            "call time and lists each row's partial and full tiles; cached until the inputs change")
+            "inputs at q or k, or is not affine); generated kernels evaluate it on every tile (at one "
+            "point per block for block layouts) at call time and list each row's partial and full "
+            "tiles; cached until the inputs change")
 
 
 def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,

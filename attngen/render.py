@@ -124,11 +124,17 @@ def _bounds_hook(spec: ir.Spec, loop: str) -> str:
     return "\n".join([*em.lines, *assignments])
 
 
+def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
+    """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
+    if spelling is ROW_MAJOR:
+        return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
+    return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
+
+
 def _kernel_hooks(spec: ir.Spec, spelling: Spelling, loop: str, ds_var: str) -> dict[str, str]:
     em = _emitter(spec, spelling, "sc")
     score = _score_hook(spec, em)
-    q_bound = "offs_m[:, None] < Q_LEN" if spelling is ROW_MAJOR else "offs_m[None, :] < Q_LEN"
-    k_bound = "offs_n[None, :] < KV_LEN" if spelling is ROW_MAJOR else "offs_n[:, None] < KV_LEN"
+    q_bound, k_bound = _bounds_checks(spelling)
     hooks = {"score": score, "mask": _mask_hook(spec, spelling, q_bound, k_bound), "allowed": "allowed",
              "bounds": _bounds_hook(spec, loop)}
     if ds_var == "ds":
@@ -140,16 +146,10 @@ def _kernel_hooks(spec: ir.Spec, spelling: Spelling, loop: str, ds_var: str) -> 
 
 def _table_hooks(spec: ir.Spec, spelling: Spelling, loop: str) -> dict[str, str]:
     """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
-    q_bound = "offs_m[:, None] < Q_LEN" if spelling is ROW_MAJOR else "offs_m[None, :] < Q_LEN"
-    k_bound = "offs_n[None, :] < KV_LEN" if spelling is ROW_MAJOR else "offs_n[:, None] < KV_LEN"
+    q_bound, k_bound = _bounds_checks(spelling)
     name = "kv" if loop == "k" else "q"
     return {"bounds": _bounds_hook(spec, loop), "mask": _mask_hook(spec, spelling, q_bound, k_bound),
             "lo": f"{name}_lo", "hi": f"{name}_hi", "rows_ok": q_bound if loop == "k" else k_bound}
-
-
-def _table_reads(spec: ir.Spec) -> tuple[str, ...]:
-    """The inputs the mask reads, in declaration order: a cached tile table is keyed on them."""
-    return tuple(i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name))
 
 
 def _python_tuple(values) -> str:
@@ -186,7 +186,7 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         dq=_kernel_hooks(spec, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
         table=table, table_params="TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, " if table else "",
-        table_reads=_python_tuple(_table_reads(spec)),
+        table_reads=_python_tuple(analysis.mask_inputs(spec)),
         table_steps=repr(analysis.block_steps(spec.mask, params)),
         table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),
         table_by_query=_table_hooks(spec, ROW_MAJOR, "k") if table else None,
