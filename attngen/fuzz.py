@@ -82,12 +82,10 @@ def _scores(leaves: list[str], depth: int) -> st.SearchStrategy[str]:
     def unary(x):
         return x[0].replace("{}", x[1])
 
-    def binary(x):
-        return x[0].format(x[1], x[2]) if x[0].count("{}") == 2 else x[0].format(x[1], x[2], x[2])
     return st.one_of(
         leaf,
         st.tuples(st.sampled_from(UNARY), sub).map(unary),
-        st.tuples(st.sampled_from(BINARY), sub, sub).map(binary))
+        st.tuples(st.sampled_from(BINARY), sub, sub).map(lambda x: x[0].format(x[1], x[2])))
 
 
 @st.composite

@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attngen import ir
-from attngen.analysis import Extremum, Gate, Linear, Region, Span, region
+from attngen.analysis import Region, Span, region
 from attngen.api import parse_spec
 from attngen.reference import evaluate_expr, make_env
+from attngen.tilemap import bound_value, uniform_env
 
 B, H = 2, 2
 MAX_LEN = 20
@@ -68,50 +69,26 @@ MASKS = [
 NON_AFFINE = {"q - k < w and q * k < 20", "q != k"}
 
 
-# --- an evaluator for the analysis' bounds -------------------------------------------------------
+# --- the analysis' bounds, evaluated as the kernels evaluate them (attngen.tilemap) ---------------
 
-def const_value(expr: ir.Expr | None, env, b: int, h: int) -> int:
-    """A tile-uniform int expression at batch b, head h (it must not vary with q or k)."""
-    if expr is None:
-        return 0
-    value = evaluate_expr(expr, env)
-    assert value.dtype == torch.int64, expr
-    return int(value.expand(B, H, 1, 1)[b, h, 0, 0])  # expand fails if it varies with q or k
-
-
-def bound_value(bound, tile: dict[str, int], env, b: int, h: int) -> int | None:
-    if bound is None:
-        return None
-    if isinstance(bound, Linear):
-        assert bound.den > 0 and bound.var_div > 0 and bound.round in ("floor", "ceil") and bound.var in tile
-        y = (tile[bound.var] + const_value(bound.var_offset, env, b, h)) // bound.var_div
-        num = bound.coef * y + const_value(bound.const, env, b, h)
-        m = num // bound.den if bound.round == "floor" else -(-num // bound.den)
-        return bound.out_scale * m + const_value(bound.out_offset, env, b, h)
-    if isinstance(bound, Gate):
-        opened = bound_value(bound.cond, tile, env, b, h) >= 0
-        return {("lo", True): -(1 << 30), ("lo", False): 1 << 30,
-                ("hi", True): 1 << 30, ("hi", False): -(1 << 30)}[bound.side, opened]
-    assert isinstance(bound, Extremum) and bound.op in ("min", "max"), bound
-    values = [bound_value(t, tile, env, b, h) for t in bound.terms]
-    assert all(v is not None for v in values), bound
-    return min(values) if bound.op == "min" else max(values)
-
-
-def span_range(span: Span, tile, env, b, h, n: int) -> range:
+def span_range(span: Span, tile, env, n: int) -> range:
     """The part of 0..n-1 that a span covers."""
-    lo, hi = bound_value(span.lo, tile, env, b, h), bound_value(span.hi, tile, env, b, h)
+    lo, hi = bound_value(span.lo, tile, env), bound_value(span.hi, tile, env)
     return range(max(0, lo if lo is not None else 0), min(n, (hi if hi is not None else n - 1) + 1))
 
 
 # --- the check -----------------------------------------------------------------------------------
 
 def allowed_grid(spec: ir.Spec, q_len: int, kv_len: int, prefix: list[int]):
-    env = make_env(spec, B=B, H=H, HKV=H, Q_LEN=q_len, KV_LEN=kv_len, D=16,
-                   inputs={"prefix": torch.tensor(prefix, dtype=torch.int32)})
-    allowed = evaluate_expr(spec.mask, env)
+    """The mask on the whole grid, and what a bound may read at (b, h): env_at(b, h)."""
+    sizes = dict(B=B, H=H, HKV=H, Q_LEN=q_len, KV_LEN=kv_len, D=16)
+    inputs = {"prefix": torch.tensor(prefix, dtype=torch.int32)}
+    allowed = evaluate_expr(spec.mask, make_env(spec, **sizes, inputs=inputs))
     assert allowed.dtype == torch.bool
-    return env, allowed.expand(B, H, q_len, kv_len)
+
+    def env_at(b: int, h: int):
+        return uniform_env(spec, sizes, b, h, inputs)
+    return env_at, allowed.expand(B, H, q_len, kv_len)
 
 
 def check_tile(reg: Region, loop: str, allowed, env, t0: int, t1: int) -> None:
@@ -131,12 +108,12 @@ def check_tile(reg: Region, loop: str, allowed, env, t0: int, t1: int) -> None:
             if reg.visit is None:
                 assert not some, f"{where}: visit is None but {loop} in {some} are allowed"
             else:
-                visit = span_range(reg.visit, tile, env, b, h, n)
+                visit = span_range(reg.visit, tile, env(b, h), n)
                 outside = [j for j in some if j not in visit]
                 assert not outside, f"{where}: allowed {loop}={outside} outside visit {visit}"
             if reg.full is not None:
                 every = rows[b, h].all(0)
-                full = span_range(reg.full, tile, env, b, h, n)
+                full = span_range(reg.full, tile, env(b, h), n)
                 wrong = [j for j in full if not every[j]]
                 assert not wrong, f"{where}: {loop}={wrong} in full {full} but not always allowed"
 
@@ -183,7 +160,7 @@ def bounds(mask: str, loop: str, tile: tuple[int, int], q_len: int = 64, kv_len:
     t = {f"{other}0": tile[0], f"{other}1": tile[1]}
 
     def side(span):
-        return None if span is None else (bound_value(span.lo, t, env, 0, 0), bound_value(span.hi, t, env, 0, 0))
+        return None if span is None else (bound_value(span.lo, t, env(0, 0)), bound_value(span.hi, t, env(0, 0)))
     return side(reg.visit), side(reg.full)
 
 
