@@ -1,13 +1,24 @@
-"""Sweeps tile configurations of one kernel of one spec on the GPU and times forward+backward, to
+"""Times tile configurations of the forward or backward kernels of several specs on the GPU, to
 calibrate the planner's starting points (plan.py) against measurements rather than folklore.
 
-    python benchmarks/tune_tiles.py sliding_window --kernel dkdv [--n 8192] [-D window=1024]
+    python benchmarks/tune_tiles.py --kernel bwd --specs sliding_window chunked_causal \
+        --configs one:64x128w8s3,128x64w8s3 two:32x64w4s3,128x64w8s3 [--jobs 12] [--n 8192]
+
+A forward config is BLOCK_MxBLOCK_NwWARPSsSTAGES; a backward one is `one:` (dK/dV and dQ in one
+launch) or `two:` (two launches on two streams) followed by the dK/dV tiles and the dQ tiles.
+`full` and `causal` are the catalog specs; the masked names are sparsity_bench's variants.
+With --jobs, every (spec, config) is first compiled in parallel worker processes (Triton's disk
+cache keeps the binaries), so the timing process, which runs alone on the GPU, compiles nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
 import sys
 
 import torch
@@ -19,45 +30,100 @@ from sparsity_bench import variants  # noqa: E402
 import attngen  # noqa: E402
 from attngen import testing  # noqa: E402
 
-KERNELS = {"fwd": 0, "dkdv": 1, "dq": 2}
+TILES = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
+
+
+def parse_config(text: str, kernel: str):
+    """(one_launch or None, {plan index: tiles}) from a config's text."""
+    if kernel == "fwd":
+        return None, {0: _tiles(text)}
+    launch, _, tiles = text.partition(":")
+    if launch not in ("one", "two") or tiles.count(",") != 1:
+        raise SystemExit(f"a backward config is one:DKDV,DQ or two:DKDV,DQ, got {text!r}")
+    dkdv, dq = tiles.split(",")
+    return launch == "one", {1: _tiles(dkdv), 2: _tiles(dq)}
+
+
+def _tiles(text: str) -> tuple[int, int, int, int]:
+    match = TILES.fullmatch(text)
+    if match is None:
+        raise SystemExit(f"tiles are BLOCK_MxBLOCK_NwWARPSsSTAGES (like 128x64w8s3), got {text!r}")
+    return tuple(int(g) for g in match.groups())
+
+
+def setup(name: str, n: int):
+    B, H, D = 2, 16, 128
+    path, params, _, inputs = variants(B, H, n, "cuda").get(name, (spec_path(name), {}, None, {}))
+    attn = attngen.build(path, params=params)
+    q, k, v = testing.random_qkv(B, H, H, n, n, D, D, torch.bfloat16, device="cuda", seed=2)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    return attn, q, k, v, inputs, torch.randn_like(q)
+
+
+def apply(attn, config):
+    one_launch, tiles = config
+    key = (128, 128, "bf16")
+    planned = list(attn.module.PLAN[key])
+    for index, t in tiles.items():
+        planned[index] = t
+    attn.module.PLAN[key] = tuple(planned)
+    if one_launch is not None:
+        attn.module.ONE_LAUNCH_BACKWARD = one_launch
+
+
+def measure(attn, q, k, v, inputs, do, kernel: str, time_it: bool = True) -> float:
+    if kernel == "fwd":
+        fn = lambda: attn(q, k, v, **inputs)  # noqa: E731
+        with torch.no_grad():
+            fn()
+            return bench(fn) if time_it else 0.0
+    fn = lambda: attn(q, k, v, **inputs).backward(do)  # noqa: E731
+    fn()
+    return bench(fn, grad_to_none=[q, k, v]) if time_it else 0.0
+
+
+def compile_one(spec: str, config: str, kernel: str, n: int) -> str:
+    """Runs one (spec, config) once in a worker process, so its kernels land in Triton's cache."""
+    cmd = [sys.executable, __file__, "--compile-only", "--kernel", kernel, "--n", str(n),
+           "--specs", spec, "--configs", config]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    return "" if done.returncode == 0 else f"{spec} {config}: {done.stderr.strip().splitlines()[-1:]}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("spec")
-    parser.add_argument("--kernel", choices=list(KERNELS), default="dkdv")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", choices=["fwd", "bwd"], default="bwd")
+    parser.add_argument("--specs", nargs="+", required=True)
+    parser.add_argument("--configs", nargs="+", required=True)
     parser.add_argument("--n", type=int, default=8192)
-    parser.add_argument("--bm", type=int, nargs="*", default=[32, 64, 128])
-    parser.add_argument("--bn", type=int, nargs="*", default=[64, 128])
-    parser.add_argument("--warps", type=int, nargs="*", default=[4, 8])
-    parser.add_argument("--stages", type=int, nargs="*", default=[2, 3])
+    parser.add_argument("--jobs", type=int, default=0, help="compile in this many worker processes first")
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="write the timings here as JSON")
     args = parser.parse_args()
-    B, H, N, D = 2, 16, args.n, 128
-    path, params, _, inputs = variants(B, H, N, "cuda").get(args.spec, (spec_path(args.spec), {}, None, {}))
-    attn = attngen.build(path, params=params)
-    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda", seed=2)
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn_like(q)
-    key = (128, 128, "bf16")
-    planned = list(attn.module.PLAN[key])
-    index = KERNELS[args.kernel]
-    print(f"{args.spec} {args.kernel}: planned {planned[index]}", flush=True)
-    for bm, bn, warps, stages in itertools.product(args.bm, args.bn, args.warps, args.stages):
-        tiles = list(planned)
-        tiles[index] = (bm, bn, warps, stages)
-        attn.module.PLAN[key] = tuple(tiles)
-        try:
-            fn = (lambda: attn(q, k, v, **inputs)) if args.kernel == "fwd" else \
-                (lambda: attn(q, k, v, **inputs).backward(do))
-            fn()
-            with torch.no_grad() if args.kernel == "fwd" else torch.enable_grad():
-                ms = bench(fn, grad_to_none=None if args.kernel == "fwd" else [q, k, v])
-            print(f"  {bm:>4} {bn:>4} {warps}w {stages}s  {ms:.3f} ms"
-                  + ("   <- planned" if (bm, bn, warps, stages) == tuple(planned[index]) else ""), flush=True)
-        except Exception as e:  # out of shared memory or registers: skip
-            print(f"  {bm:>4} {bn:>4} {warps}w {stages}s  -- {type(e).__name__}: {str(e)[:80]}", flush=True)
-        torch.cuda.empty_cache()
-    attn.module.PLAN[key] = tuple(planned)
+    configs = {c: parse_config(c, args.kernel) for c in args.configs}
+    if args.jobs:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            jobs = [pool.submit(compile_one, s, c, args.kernel, args.n) for s in args.specs for c in configs]
+            for failure in filter(None, (j.result() for j in jobs)):
+                print(f"compile failed: {failure}", flush=True)
+    rows = []
+    for spec in args.specs:
+        attn, q, k, v, inputs, do = setup(spec, args.n)
+        for text, config in configs.items():
+            apply(attn, config)
+            try:
+                ms = measure(attn, q, k, v, inputs, do, args.kernel, time_it=not args.compile_only)
+            except Exception as e:  # out of shared memory or registers: report and go on
+                print(f"{spec:<16} {text:<32} -- {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            if args.compile_only:
+                continue
+            rows.append(dict(spec=spec, config=text, kernel=args.kernel, n=args.n, ms=round(ms, 4)))
+            print(f"{spec:<16} {text:<32} {ms:.3f} ms", flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

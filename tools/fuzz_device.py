@@ -1,7 +1,10 @@
 """Fuzzes drawn specs and cases on the GPU (bf16 included), printing each result as it comes, so a
 run cut short by a time limit still reports what it checked.
 
-    python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16]
+    python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16] [--seed 3]
+
+Without --seed the draw is derandomized (the same cases each run); shards with different seeds
+draw different cases, so several processes can share a GPU (compiling dominates).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import argparse
 import sys
 import time
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
 import attngen
 from attngen import fuzz
@@ -21,11 +24,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--examples", type=int, default=40)
     parser.add_argument("--dtype", action="append", default=None)
+    parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     dtypes = tuple(args.dtype or ["bf16", "f16", "f32"])
     counts = {"ok": 0, "failed": 0}
 
-    @settings(max_examples=args.examples, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=args.examples, derandomize=args.seed is None, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     @given(text=fuzz.spec_texts(), case=fuzz.cases(dtypes=dtypes, max_len=300, max_head_dim=128))
     def run(text, case):
@@ -39,7 +43,7 @@ def main() -> None:
             counts["failed"] += 1
             print(f"FAIL {case}\n{text}{type(e).__name__}: {str(e)[:400]}", flush=True)
 
-    run()
+    (run if args.seed is None else seed(args.seed)(run))()
     print(f"{counts['ok']} ok, {counts['failed']} failed", flush=True)
     sys.exit(1 if counts["failed"] else 0)
 
