@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from attngen import ir
 
@@ -336,6 +337,35 @@ def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bo
     reads an input at q or k, as documents and block layouts do; it is not affine, like
     `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap)."""
     return not (region(mask, "k", params).exact and region(mask, "q", params).exact)
+
+
+# A block layout constant on aligned blocks at least this long is coarse: tiles rarely split a block.
+COARSE_BLOCK = 64
+NARROW_TEXT = ("each query tile sees a band of keys of constant width, or the mask is decided element "
+               "by element from inputs, so most visited tiles are partial: smaller starting tiles")
+DENSE_TEXT = "most visited tiles are full (no band of constant width): large starting tiles"
+
+
+def is_narrow(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
+    """Whether most visited tiles are partial, so small tiles waste less: each query tile sees only a
+    band of keys of constant width (windows, chunks), or the mask is decided element by element from
+    inputs (documents). Dense masks (none, causal, prefix-LM, coarse block layouts) want large tiles."""
+    if mask is None:
+        return False
+    if needs_tile_table(mask, params):
+        return any(step is not None and step < COARSE_BLOCK for step in block_steps(mask, params).values())
+    span = region(mask, "k", params).visit
+    return span is not None and bool(_slopes(span.lo, "lo") & _slopes(span.hi, "hi"))
+
+
+def _slopes(bound: Bound, side: str) -> set[Fraction]:
+    """How fast each bound that holds on this side moves with the query tile (keys per query). A lo
+    (hi) bound that is the max (min) of terms holds for each term; other forms give no slope."""
+    if isinstance(bound, Linear):
+        return {Fraction(bound.coef * bound.out_scale, bound.den * bound.var_div)} if bound.coef else set()
+    if isinstance(bound, Extremum) and bound.op == ("max" if side == "lo" else "min"):
+        return set().union(*(_slopes(t, side) for t in bound.terms))
+    return set()
 
 
 def block_steps(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[str, int | None]:

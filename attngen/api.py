@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 from attngen import ir, runtime
+from attngen.analysis import is_narrow
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
@@ -60,11 +61,17 @@ class Attention:
         return self.module.visit_counts(q, k, v, **inputs)
 
 
+def spec_plan(spec: ir.Spec, target: Target) -> Plan:
+    """The plan for this spec on `target`: its gathers and the shape of its mask shape the tiles."""
+    narrow = is_narrow(spec.mask, {p.name: p.value for p in spec.params})
+    return plan(target, gather_bytes=gather_bytes(spec), narrow=narrow)
+
+
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     parsed, text = load_spec(spec)
     parsed = parsed.with_params(params)
     tgt = target if isinstance(target, Target) else get_target(target)
-    return parsed, text, tgt, plan(tgt, gather_bytes=gather_bytes(parsed))
+    return parsed, text, tgt, spec_plan(parsed, tgt)
 
 
 def _interpreting() -> bool:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from attngen import analysis, ir
 from attngen.errors import ArgumentError
-from attngen.grad import gather_bytes
-from attngen.plan import ELEMENT_BYTES, plan
+from attngen.api import spec_plan
+from attngen.plan import ELEMENT_BYTES
 from attngen.printer import to_source
 from attngen.target import Target
 from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
@@ -62,7 +62,7 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
-    kernel_plan = plan(target, gather_bytes=gather_bytes(spec))
+    kernel_plan = spec_plan(spec, target)
     entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
     sizes = {"B": batch, "H": heads, "HKV": heads, "Q_LEN": q_len, "KV_LEN": kv_len, "D": head_dim}
     lines = [f"{spec.name}: Q_LEN={q_len} KV_LEN={kv_len} D={head_dim} DV={head_dim_v} {dtype}, "
@@ -75,6 +75,9 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
+    lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
+              f"{analysis.NARROW_TEXT if kernel_plan.narrow else analysis.DENSE_TEXT}",
+              f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(spec)}"]
     maps = {"forward": tile_map(spec, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(spec, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),

@@ -22,6 +22,13 @@ MAX_REGISTERS_PER_THREAD = 255
 REGISTER_OVERHEAD = 32
 MAX_WARPS = 8
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+# On the GPU, head dims that are not powers of two get tiles at least this wide. Measured on an H200
+# (Triton 3.6, plain attention, fp16, B=2 H=2 N=300, .devrun-style sweep recorded in BENCHMARKS.md):
+# with both head dims padded and the value tile narrower (D=17/DV<=12, D=40 or 65/DV<=23), the
+# forward kernel with 128-row tiles returned wrong outputs or faulted (illegal address, no
+# out-of-bounds access under compute-sanitizer: a code generation fault for narrow masked tiles).
+# Every such pair ran correctly, forward and backward, with both widths raised to 64.
+MASKED_WIDTH_FLOOR = 64
 
 INTERPRETER_TILES_REASON = (
     "interpreter: BLOCK_M=BLOCK_N=16, 4 warps, 1 stage for every kernel: the CPU interpreter "
@@ -61,11 +68,23 @@ class Plan(BaseModel):
 
     target: str
     entries: tuple[KernelPlan, ...]
+    narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
+    one_launch_backward: bool = True
+    launch_reason: str = ""
+    masked_width_floor: int = MIN_BLOCK
 
-    def lookup(self, head_dim: int, head_dim_v: int, dtype: str) -> KernelPlan:
-        """The entry for these (unpadded) head dims and dtype; head dims round up to a power of two >= 16."""
+    def widths(self, head_dim: int, head_dim_v: int) -> tuple[int, int]:
+        """The tile widths of the two head dims: each rounded up to a power of two >= 16, and when
+        either is not a power of two (its loads are masked), both at least `masked_width_floor`."""
         d = _pad("head_dim", head_dim)
         dv = _pad("head_dim_v", head_dim_v)
+        if (d, dv) != (head_dim, head_dim_v):
+            d, dv = max(d, self.masked_width_floor), max(dv, self.masked_width_floor)
+        return d, dv
+
+    def lookup(self, head_dim: int, head_dim_v: int, dtype: str) -> KernelPlan:
+        """The entry for these (unpadded) head dims and dtype, at their tile widths (`widths`)."""
+        d, dv = self.widths(head_dim, head_dim_v)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         for entry in self.entries:
@@ -101,10 +120,7 @@ _Start = tuple[int, int, int, int]
 _STARTS: dict[str, dict[str, dict[int, _Start]]] = {
     "sm90": {
         "fwd": {128: (128, 128, 8, 3), 256: (64, 64, 4, 3)},
-        # Measured on an H200 (bf16, D=128, B=2 H=16 N=8192, benchmarks/tune_tiles.py): 32x64 with
-        # 4 warps is within 1% of 64x128/8 warps on full and causal masks and 7-10% faster over
-        # all of forward+backward on banded and document masks, whose key tiles see few query tiles.
-        "bwd_dkdv": {128: (32, 64, 4, 3), 256: (64, 64, 8, 2)},
+        "bwd_dkdv": {128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},
         "bwd_dq": {128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
     },
     "sm80": {
@@ -115,14 +131,30 @@ _STARTS: dict[str, dict[str, dict[int, _Start]]] = {
 }
 
 
+# Narrow masks (analysis.is_narrow: windows, chunks, documents) start from smaller tiles, since most
+# of their tiles are partial. Measured on an H200 (bf16, D=128, B=2 H=16 N=8192, tune_tiles.py):
+# forward 64x64/4 warps against 128x128/8: sliding window 0.376 vs 0.427 ms, chunked 0.230 vs 0.290,
+# documents 0.324 vs 0.416, but full 2.384 vs 2.204; forward+backward with dK/dV at 32x64/4 warps
+# in two launches against 64x128/8 warps in one: sliding 1.581 vs 1.748, chunked 1.018 vs 1.133,
+# documents 1.392 vs 1.460, but full 9.574 vs 9.232 and causal 5.128 vs 4.963.
+_NARROW_STARTS: dict[str, dict[str, dict[int, _Start]]] = {
+    "sm90": {
+        "fwd": {128: (64, 64, 4, 3)},
+        "bwd_dkdv": {128: (32, 64, 4, 3)},
+    },
+}
+
+
 def _family(target: Target) -> str:
     # Hopper and datacenter Blackwell share the 227 KiB budget; anything else starts from the
     # Ampere points and is shrunk by its own budget.
     return "sm90" if target.capability is not None and target.capability[0] in (9, 10) else "sm80"
 
 
-def _start(family: str, kernel: str, d: int, dv: int, dtype: str) -> Tiles:
+def _start(family: str, kernel: str, d: int, dv: int, dtype: str, narrow: bool = False) -> Tiles:
     table = _STARTS[family][kernel]
+    if narrow:
+        table = {**table, **_NARROW_STARTS.get(family, {}).get(kernel, {})}
     key = min(k for k in table if k >= max(d, dv))
     bm, bn, warps, stages = table[key]
     if dtype == "f32":
@@ -229,9 +261,9 @@ def _scatter_bytes(kernel: str, t: Tiles, gather_bytes: int) -> int:
 
 
 def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
-         score_cost: int, gather_bytes: int = 0) -> tuple[Tiles, list[str]]:
+         score_cost: int, gather_bytes: int = 0, narrow: bool = False) -> tuple[Tiles, list[str]]:
     """The first candidate from the family's starting point that fits shared memory and registers."""
-    start = _start(family, kernel, d, dv, dtype)
+    start = _start(family, kernel, d, dv, dtype, narrow)
     full_budget = target.smem_per_block - HEADROOM_BYTES
     chosen = next((t for t in _candidates(kernel, start)
                    if smem_bytes(kernel, t, d, dv, dtype) + _scatter_bytes(kernel, t, gather_bytes) <= full_budget
@@ -272,12 +304,14 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
     return t, reasons
 
 
-def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0) -> Plan:
+def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: bool = False) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
     `score_cost` is a rough count of extra fp32 values live per score element that the user's
     score expression needs; a larger cost raises the register estimate and may shrink tiles.
     `gather_bytes` is what the spec's loads indexed by both q and k read per score element.
+    `narrow`: most of the mask's tiles are partial (analysis.is_narrow); smaller tiles, and the
+    backward pass as two launches so dK/dV can use fewer warps than dQ.
     """
     if score_cost < 0:
         raise ValueError(f"score_cost must be >= 0, got {score_cost}")
@@ -292,9 +326,17 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0) -> Plan:
                                               reasons=(INTERPRETER_TILES_REASON,)))
                     continue
                 family = _family(target)
-                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, gather_bytes) for k in KERNELS}
+                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, gather_bytes, narrow)
+                          for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                     fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],
                     reasons=tuple(r for k in KERNELS for r in fitted[k][1])))
-    return Plan(target=target.name, entries=tuple(entries))
+    one_launch = target.interpreter or not narrow
+    launch = ("backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's "
+              "layout: dQ programs fill the SMs that dK/dV's last wave leaves)" if one_launch else
+              "backward: dK/dV and dQ as two launches on two streams, each with its own warp count "
+              "(the mask is narrow: small dK/dV tiles with 4 warps beat one launch of 8-warp tiles)")
+    return Plan(target=target.name, entries=tuple(entries), narrow=narrow, one_launch_backward=one_launch,
+                launch_reason=launch,
+                masked_width_floor=MIN_BLOCK if target.interpreter else MASKED_WIDTH_FLOOR)

@@ -109,7 +109,7 @@ def _bounds_hook(spec: ir.Spec, loop: str) -> str:
         if bound is None:
             return default
         code = em.bound(bound, tile_vars)
-        return f"tl.minimum({code} + 1, {length})" if upper else f"tl.maximum({code}, 0)"
+        return f"_index_bound({code} + 1, {length})" if upper else f"_index_bound({code}, {length})"
 
     if region.visit is None:
         assignments = [f"{name}_lo = 0", f"{name}_hi = 0"]
@@ -152,6 +152,13 @@ def _table_hooks(spec: ir.Spec, spelling: Spelling, loop: str) -> dict[str, str]
             "lo": f"{name}_lo", "hi": f"{name}_hi", "rows_ok": q_bound if loop == "k" else k_bound}
 
 
+def _table_params(prefix: str, table: bool) -> str:
+    """A tile table's kernel parameters (counts, indices, batch and head strides, row length)."""
+    if not table:
+        return ""
+    return "".join(f"{prefix}{name}, " for name in ("TblNum", "TblIdx", "tbl_sb", "tbl_sh", "tbl_cols"))
+
+
 def _python_tuple(values) -> str:
     return repr(tuple(values))
 
@@ -178,14 +185,16 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(), source=source.strip(),
-        plan_target=plan.target, plan_summary=plan.summary(),
+        plan_target=plan.target, plan_summary=plan.summary(), masked_width_floor=plan.masked_width_floor,
+        one_launch_backward=plan.one_launch_backward, launch_reason=plan.launch_reason,
         inputs=inputs, any_learnable=bool(learnable), inputs_table=inputs_table, plan_table=plan_table,
         scale_expr=scale, input_params=input_params, input_args=input_params,
         grad_params=grad_params, grad_args=grad_params,
         fwd=_kernel_hooks(spec, ROW_MAJOR, "k", ""),
         dq=_kernel_hooks(spec, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
-        table=table, table_params="TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, " if table else "",
+        table=table, table_params=_table_params("", table), kv_table_params=_table_params("kv_", table),
+        q_table_params=_table_params("q_", table),
         table_reads=_python_tuple(analysis.mask_inputs(spec)),
         table_steps=repr(analysis.block_steps(spec.mask, params)),
         table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),

@@ -192,3 +192,24 @@ def test_block_steps_find_block_constant_masks():
     assert steps("l[h, q // 8, k // 8] and q >= k") == {"q": 0, "k": 0}  # q and k read whole
     assert steps("m[(k + 1) // 4]") == {"q": None, "k": 0}  # shifted blocks: not aligned
     assert steps("causal") == {"q": 0, "k": 0}
+
+
+@pytest.mark.parametrize("mask, narrow", [
+    ("q - k < 9 and q >= k", True),                   # sliding window: a band of constant width
+    ("q // 16 == k // 16 and q >= k", True),          # chunks: the band moves one key per query
+    ("(q + 5) // 12 == (k + 5) // 12", True),
+    ("doc[q] == doc[k]", True),                       # documents: decided element by element
+    ("l[h, q // 16, k // 16]", True),                 # a fine block layout
+    ("l[h, q // 128, k // 128]", False),              # a coarse block layout: tiles rarely split a block
+    ("q >= k", False),                                # causal: the band grows with q
+    ("q - k < 9", False),                             # one side only
+    ("k >= q // 2 and k <= q", False),                # both sides, but the band widens with q
+    ("k < lens[b] or q >= k", False),                 # prefix-LM
+    ("true", False),
+])
+def test_is_narrow_tells_banded_and_element_wise_masks_from_dense_ones(mask, narrow):
+    from attngen.analysis import is_narrow
+
+    header = "input l: bool[H, *, *]\ninput doc: i32[KV_LEN]\ninput lens: i32[B]\n"
+    assert is_narrow(parse_spec(f"attention a\n{header}mask: {mask}\n").mask, {}) is narrow
+    assert is_narrow(None, {}) is False

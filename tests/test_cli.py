@@ -112,11 +112,14 @@ def test_explain_prints_the_ir_plan_tile_map_and_costs(tmp_path):
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "mask: (and:bool (ge:bool q k) (lt:bool (sub:int q k) window))" in text
-    assert "forward 128x64 8w/3s" in text and "why: fwd:" in text
-    # 64 query tiles x 128 key tiles; the band of 1024 keys covers 16 + 1 key tiles per row at most.
-    assert "forward  128x64 (query x key) tiles, 64 x 128 = 8192: full 840, partial 240, empty 7112" in text
+    # A window is a narrow mask: smaller forward tiles, and the backward pass in two launches.
+    assert "forward 64x64 4w/3s   dK/dV 32x64 4w/3s   dQ 128x64 8w/3s" in text and "why: fwd:" in text
+    assert "why: the mask is narrow for tiling" in text and "as two launches" in text
+    # dQ: 64 query tiles x 128 key tiles; the band of 1024 keys covers 16 + 1 key tiles per row at most.
+    assert "dQ       128x64 (query x key) tiles, 64 x 128 = 8192: full 840, partial 240, empty 7112" in text
+    assert "forward  64x64 (query x key) tiles, 128 x 128 = 16384: full 1800, partial 240, empty 14344" in text
     assert "closed-form loop bounds (exact)" in text
-    assert "FLOPs: 4.53 GFLOP against 34.36 GFLOP dense (13.2%)" in text
+    assert "FLOPs: 4.28 GFLOP against 34.36 GFLOP dense (12.5%)" in text
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 

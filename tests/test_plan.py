@@ -59,9 +59,28 @@ def test_blocks_are_powers_of_two_at_least_16(plans, name):
 
 @pytest.mark.parametrize("head_dim, padded", [(1, 16), (8, 16), (16, 16), (17, 32), (80, 128), (256, 256)])
 def test_lookup_rounds_head_dims_up(plans, head_dim, padded):
-    entry = plans["h100"].lookup(head_dim, 64, "bf16")
+    entry = plans["interpreter"].lookup(head_dim, 64, "bf16")
     assert (entry.head_dim_pad, entry.head_dim_v_pad, entry.dtype) == (padded, 64, "bf16")
-    assert plans["h100"].lookup(64, head_dim, "f16").head_dim_v_pad == padded
+    assert plans["interpreter"].lookup(64, head_dim, "f16").head_dim_v_pad == padded
+
+
+@pytest.mark.parametrize("dims, widths", [((17, 8), (64, 64)), ((40, 23), (64, 64)), ((65, 8), (128, 64)),
+                                          ((65, 130), (128, 256)), ((64, 8), (64, 64)), ((64, 16), (64, 16)), ((128, 128), (128, 128)),
+                                          ((16, 256), (16, 256))])
+def test_gpu_widths_raise_masked_head_dims_to_the_floor(plans, dims, widths):
+    """Padded (masked) head dims get tiles at least 64 wide on a GPU (plan.MASKED_WIDTH_FLOOR says
+    why); powers of two keep their width, and the interpreter pads only to 16."""
+    assert plans["h200"].widths(*dims) == widths
+    assert plans["h200"].lookup(*dims, "bf16").head_dim_v_pad == widths[1]
+    assert plans["interpreter"].widths(17, 8) == (32, 16)
+
+
+def test_generated_module_pads_head_dims_as_the_plan_does():
+    import attngen
+
+    attn = attngen.build("attention plain\n", target="h200")
+    for d, dv in itertools.product([1, 8, 16, 17, 40, 64, 65, 100, 128, 129, 256], repeat=2):
+        assert attn.module._widths(d, dv) == attn.plan.widths(d, dv), (d, dv)
 
 
 def test_lookup_rejects_bad_arguments(plans):
@@ -99,10 +118,21 @@ def test_h100_and_h200_plan_alike(plans):
 
 
 def test_sm90_bf16_d128_follows_the_known_good_tiles(plans):
-    entry = plans["h100"].lookup(128, 128, "bf16")
+    """Dense masks: FlexAttention-like tiles and one backward launch; narrow masks (windows, chunks,
+    documents): small tiles and two launches (the measurements are in plan.py)."""
+    dense = plans["h100"]
+    entry = dense.lookup(128, 128, "bf16")
     assert entry.fwd == Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    assert entry.bwd_dkdv == Tiles(block_m=64, block_n=128, num_warps=8, num_stages=3)
+    assert entry.bwd_dq == Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    assert dense.one_launch_backward and not dense.narrow
+    narrow = plan(PRESETS["h100"], narrow=True)
+    entry = narrow.lookup(128, 128, "bf16")
+    assert entry.fwd == Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
     assert entry.bwd_dkdv == Tiles(block_m=32, block_n=64, num_warps=4, num_stages=3)
-    assert entry.bwd_dq.block_m == 128 and entry.bwd_dq.block_n <= 64
+    assert entry.bwd_dq == Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    assert not narrow.one_launch_backward and narrow.narrow
+    assert plan(PRESETS["interpreter"], narrow=True).one_launch_backward  # one tiling: nothing to gain
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
