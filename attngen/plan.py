@@ -22,12 +22,13 @@ MAX_REGISTERS_PER_THREAD = 255
 REGISTER_OVERHEAD = 32
 MAX_WARPS = 8
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
-# On the GPU, head dims that are not powers of two get tiles at least this wide. Measured on an H200
-# (Triton 3.6, plain attention, fp16, B=2 H=2 N=300, .devrun-style sweep recorded in BENCHMARKS.md):
-# with both head dims padded and the value tile narrower (D=17/DV<=12, D=40 or 65/DV<=23), the
-# forward kernel with 128-row tiles returned wrong outputs or faulted (illegal address, no
-# out-of-bounds access under compute-sanitizer: a code generation fault for narrow masked tiles).
-# Every such pair ran correctly, forward and backward, with both widths raised to 64.
+# On the GPU, head dims that are not powers of two get tiles at least this wide. Found by fuzzing on
+# an H200 (Triton 3.6): with both head dims padded and the value tile narrower (D=17 with DV<=12,
+# D=40 or 65 with DV<=23), the forward kernel with 128-row tiles returned wrong outputs or faulted
+# (an illegal address, though compute-sanitizer saw no out-of-bounds access: a code generation
+# fault for narrow masked tiles). In a sweep of (D, DV) (tools/head_dim_sweep.py, results in
+# benchmarks/results/2026-11-30-h200-s3-head-dims.txt) every pair ran correctly, forward and
+# backward, with both widths raised to 64.
 MASKED_WIDTH_FLOOR = 64
 
 INTERPRETER_TILES_REASON = (
