@@ -213,6 +213,13 @@ def test_fuzz_spec_skips_sizes_the_spec_does_not_define():
 # Found by the long profile: a negative scale made the summation floor negative (testing.summation_scales).
 @example(text="attention fuzzed\nparam t = -1.25\nscale: rsqrt(D * 1.0) * t\n",
          case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
+# Found on the H200 (tools/fuzz_device.py): both head dims padded and a narrower value tile gave
+# wrong outputs with 128-row forward tiles; tile widths are now raised (plan.MASKED_WIDTH_FLOOR).
+@example(text="attention fuzzed\n",
+         case=fuzz.Case(B=1, H=4, HKV=2, Q_LEN=300, KV_LEN=81, D=17, DV=12, dtype="f16", seed=3351))
+# Found on the H200 too: a bound read from an i64 input made the loop counters int64 (compile error).
+@example(text="attention fuzzed\ninput lens: i64[B]\nmask: k < lens[b]\n",
+         case=fuzz.Case(B=2, H=1, HKV=1, Q_LEN=17, KV_LEN=40, D=16, DV=16, dtype="f16", seed=0))
 def test_kernels_match_the_reference(text, case):
     note(f"spec:\n{text}\ncase: {case}")
     spec = parse_spec(text)
