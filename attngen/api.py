@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 from attngen import ir, runtime
-from attngen.analysis import is_narrow
+from attngen.analysis import block_steps, is_narrow, needs_tile_table
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
@@ -63,8 +63,10 @@ class Attention:
 
 def spec_plan(spec: ir.Spec, target: Target) -> Plan:
     """The plan for this spec on `target`: its gathers and the shape of its mask shape the tiles."""
-    narrow = is_narrow(spec.mask, {p.name: p.value for p in spec.params})
-    return plan(target, gather_bytes=gather_bytes(spec), narrow=narrow)
+    params = {p.name: p.value for p in spec.params}
+    # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
+    blocks = block_steps(spec.mask, params) if needs_tile_table(spec.mask, params) else None
+    return plan(target, gather_bytes=gather_bytes(spec), narrow=is_narrow(spec.mask, params), mask_blocks=blocks)
 
 
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):

@@ -233,17 +233,25 @@ def _tiles(kernel: str, resident: int, streamed: int, warps: int, stages: int) -
     return Tiles(block_m=resident, block_n=streamed, num_warps=warps, num_stages=stages)
 
 
-def _candidates(kernel: str, start: Tiles):
+def _candidates(kernel: str, start: Tiles, keep_streamed: bool = False):
     """Tiles from `start` down, in order of preference.
 
     The streamed tile shrinks first (cheapest: it only shortens each loop step), then the
     pipeline depth, then the resident tile (which sets the work and reuse per program); each
     shape is tried with more warps before a smaller one, to spread the registers.
+    With `keep_streamed` (the mask is constant on blocks at least as long as the streamed tile),
+    two pipeline stages come before a shorter streamed tile: a tile shorter than a block visits
+    each block in pieces and doubles the tile table.
     """
     resident0, streamed0 = ((start.block_n, start.block_m) if kernel == "bwd_dkdv"
                             else (start.block_m, start.block_n))
     warps = dict.fromkeys((start.num_warps, max(start.num_warps, MAX_WARPS)))
     for resident in _halvings(resident0):
+        if keep_streamed:
+            for streamed in _halvings(streamed0):
+                for stages in range(start.num_stages, 1, -1):
+                    for w in warps:
+                        yield _tiles(kernel, resident, streamed, w, stages)
         for stages in range(start.num_stages, 0, -1):
             for streamed in _halvings(streamed0):
                 for w in warps:
@@ -262,11 +270,15 @@ def _scatter_bytes(kernel: str, t: Tiles, gather_bytes: int) -> int:
 
 
 def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
-         score_cost: int, gather_bytes: int = 0, narrow: bool = False) -> tuple[Tiles, list[str]]:
+         score_cost: int, gather_bytes: int = 0, narrow: bool = False,
+         mask_blocks: dict[str, int | None] | None = None) -> tuple[Tiles, list[str]]:
     """The first candidate from the family's starting point that fits shared memory and registers."""
     start = _start(family, kernel, d, dv, dtype, narrow)
+    streamed_start, streamed_index = ((start.block_m, "q") if kernel == "bwd_dkdv" else (start.block_n, "k"))
+    block = (mask_blocks or {}).get(streamed_index) or 0
+    keep_streamed = block >= streamed_start
     full_budget = target.smem_per_block - HEADROOM_BYTES
-    chosen = next((t for t in _candidates(kernel, start)
+    chosen = next((t for t in _candidates(kernel, start, keep_streamed)
                    if smem_bytes(kernel, t, d, dv, dtype) + _scatter_bytes(kernel, t, gather_bytes) <= full_budget
                    and _registers_fit(target, kernel, t, d, dv, score_cost)), None)
     if chosen is None:
@@ -301,11 +313,15 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
         reasons.append(
             f"{kernel}: the {family} {dtype} starting point BLOCK_M={start.block_m} "
             f"BLOCK_N={start.block_n}, {start.num_warps} warps, {start.num_stages} stages {why}; "
-            f"tried more warps, then a smaller {streamed_name}, fewer stages, a smaller {resident_name}")
+            + (f"tried more warps, then down to 2 stages (the mask is constant on blocks of "
+               f"{block}), then a smaller {streamed_name}, a smaller {resident_name}"
+               if keep_streamed else
+               f"tried more warps, then a smaller {streamed_name}, fewer stages, a smaller {resident_name}"))
     return t, reasons
 
 
-def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: bool = False) -> Plan:
+def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: bool = False,
+         mask_blocks: dict[str, int | None] | None = None) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
     `score_cost` is a rough count of extra fp32 values live per score element that the user's
@@ -313,6 +329,8 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     `gather_bytes` is what the spec's loads indexed by both q and k read per score element.
     `narrow`: most of the mask's tiles are partial (analysis.is_narrow); smaller tiles, and the
     backward pass as two launches so dK/dV can use fewer warps than dQ.
+    `mask_blocks`: for "q" and "k", the length of aligned blocks the mask is constant on, if any
+    (analysis.block_steps of a tile-table mask); streamed tiles are kept that long if they can be.
     """
     if score_cost < 0:
         raise ValueError(f"score_cost must be >= 0, got {score_cost}")
@@ -327,8 +345,8 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
                                               reasons=(INTERPRETER_TILES_REASON,)))
                     continue
                 family = _family(target)
-                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, gather_bytes, narrow)
-                          for k in KERNELS}
+                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, gather_bytes, narrow,
+                                  mask_blocks) for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                     fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],
