@@ -92,7 +92,9 @@ def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
         else:
             value = f"tl.sum(tl.sum({contribution}, 1), 0)"
         mask = f", mask={bounds}" if bounds else ""
-        lines.append(f"tl.atomic_add(grad_{load.input}_ptr + {offset}, {value}{mask})")
+        # Relaxed: only the sum after the kernel matters, so no ordering fence per element (the
+        # default, acq_rel, orders every atomic against the program's other memory operations).
+        lines.append(f"tl.atomic_add(grad_{load.input}_ptr + {offset}, {value}{mask}, sem=\"relaxed\")")
     return "\n".join(lines) if lines else "# no learnable inputs"
 
 

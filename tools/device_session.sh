@@ -7,7 +7,7 @@
 #
 # Timing: benchmarks/sparsity_bench.py (masked variants against FlexAttention, BlockMask outside
 # and inside the timed region, tile-table kernel, bf16 checks, visit counts) and gpu_check.py for
-# full and causal (SDPA and cuDNN beside). Then pytest on the GPU-relevant test files and
+# full, causal (SDPA and cuDNN beside) and learned_rel_bias (whose backward scatters atomics). Then pytest on the GPU-relevant test files and
 # tools/fuzz_device.py in several seeded processes; each fuzz case is printed as it finishes, so
 # a run cut short still says what it checked.
 set -u
@@ -19,7 +19,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
 timeout 220 python3 benchmarks/sparsity_bench.py --out "$OUT/sparsity.json" > "$OUT/timing.log" 2>&1
-timeout 80 python3 benchmarks/gpu_check.py --skip-check --only full causal --out "$OUT/full_causal.json" >> "$OUT/timing.log" 2>&1
+timeout 120 python3 benchmarks/gpu_check.py --skip-check --only full causal learned_rel_bias --out "$OUT/gpu_timing.json" >> "$OUT/timing.log" 2>&1
 grep -v Warning "$OUT/timing.log" | tail -12
 echo "timings done at $(( $(date +%s) - T0 )) s"
 
