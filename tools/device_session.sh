@@ -7,9 +7,9 @@
 #
 # Timing: benchmarks/sparsity_bench.py (masked variants against FlexAttention, BlockMask outside
 # and inside the timed region, tile-table kernel, bf16 checks, visit counts) and gpu_check.py for
-# full, causal (SDPA and cuDNN beside) and learned_rel_bias (whose backward scatters atomics). Then pytest on the GPU-relevant test files and
-# tools/fuzz_device.py in several seeded processes; each fuzz case is printed as it finishes, so
-# a run cut short still says what it checked.
+# full, causal (SDPA and cuDNN beside) and learned_rel_bias (whose backward scatters atomics).
+# Then pytest on the GPU-relevant test files and tools/fuzz_device.py in several seeded processes;
+# each fuzz case is printed as it finishes, so a run cut short still says what it checked.
 set -u
 BUDGET=${1:-560}
 OUT=${OUT:-device-out}
