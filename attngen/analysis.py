@@ -343,7 +343,8 @@ def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bo
 COARSE_BLOCK = 64
 NARROW_TEXT = ("each query tile sees a band of keys of constant width, or the mask is decided element "
                "by element from inputs, so most visited tiles are partial: smaller starting tiles")
-DENSE_TEXT = "most visited tiles are full (no band of constant width): large starting tiles"
+DENSE_TEXT = (f"most visited tiles are full (no band of constant width; inputs at q or k, if any, are read "
+              f"in blocks at least {COARSE_BLOCK} long): large starting tiles")
 
 
 def is_narrow(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
