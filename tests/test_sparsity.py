@@ -71,6 +71,22 @@ def _check_counts(name: str, counts: torch.Tensor, some: torch.Tensor, every: to
     assert not (every & some & ~unmasked).any(), f"{name}: a full tile ran mask code"
 
 
+def _check_visits(attn, q, k, v, inputs, exact: bool = True) -> None:
+    """Each kernel's visit counts against the reference mask, tile by tile, at the kernel's own tiles
+    (dK/dV's are transposed: key tiles along rows)."""
+    counts = attn.visit_counts(q, k, v, **inputs)
+    (B, H, N, D), (HKV, M) = q.shape, k.shape[1:3]
+    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D,
+                   inputs={name: t.cpu() for name, t in inputs.items()})
+    allowed = (evaluate_expr(attn.spec.mask, env) if attn.spec.mask is not None
+               else torch.ones((), dtype=torch.bool)).expand(B, H, N, M)
+    for i, kernel in enumerate(("fwd", "dkdv", "dq")):
+        bm, bn = attn.module._tiles(q, v, i)[:2]
+        truth = (_tile_truth(allowed.transpose(-1, -2), bn, bm, M, N) if kernel == "dkdv"
+                 else _tile_truth(allowed, bm, bn, N, M))
+        _check_counts(kernel, counts[kernel], *truth, exact=exact)
+
+
 def _cases():
     for path in SPECS:
         yield pytest.param(path, None, id=path.stem)
@@ -91,17 +107,7 @@ def test_kernels_visit_exactly_the_allowed_tiles(path, text):
     B, H, HKV, N, M, D = 2, 2, 1, 75, 75, 16
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
-    counts = attn.visit_counts(q, k, v, **inputs)
-    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D,
-                   inputs={name: t.cpu() for name, t in inputs.items()})
-    allowed = (evaluate_expr(attn.spec.mask, env) if attn.spec.mask is not None
-               else torch.ones((), dtype=torch.bool)).expand(B, H, N, M)
-    tiles = {kernel: attn.module._tiles(q, v, i)[:2] for i, kernel in enumerate(("fwd", "dkdv", "dq"))}
-    for kernel in ("fwd", "dq"):
-        bm, bn = tiles[kernel]
-        _check_counts(kernel, counts[kernel], *_tile_truth(allowed, bm, bn, N, M))
-    bm, bn = tiles["dkdv"]
-    _check_counts("dkdv", counts["dkdv"], *_tile_truth(allowed.transpose(-1, -2), bn, bm, M, N))
+    _check_visits(attn, q, k, v, inputs)
 
 
 def test_poisoned_keys_in_skipped_tiles_cannot_reach_the_output():
@@ -152,18 +158,7 @@ def test_drawn_specs_visit_exactly_the_allowed_tiles(text, case):
     spec = parse_spec(text)
     attn = attngen.build(spec)
     q, k, v, inputs = fuzz.case_data(spec, case, device=DEVICE)
-    counts = attn.visit_counts(q, k, v, **inputs)
-    env = make_env(spec, B=case.B, H=case.H, HKV=case.HKV, Q_LEN=case.Q_LEN, KV_LEN=case.KV_LEN, D=case.D,
-                   inputs={name: t.cpu() for name, t in inputs.items()})
-    allowed = evaluate_expr(spec.mask, env).expand(case.B, case.H, case.Q_LEN, case.KV_LEN)
-    N, M = case.Q_LEN, case.KV_LEN
-    for i, kernel in enumerate(("fwd", "dkdv", "dq")):
-        bm, bn = attn.module._tiles(q, v, i)[:2]
-        if kernel == "dkdv":
-            _check_counts(kernel, counts[kernel], *_tile_truth(allowed.transpose(-1, -2), bn, bm, M, N),
-                          exact=False)
-        else:
-            _check_counts(kernel, counts[kernel], *_tile_truth(allowed, bm, bn, N, M), exact=False)
+    _check_visits(attn, q, k, v, inputs, exact=False)
 
 
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
@@ -182,9 +177,5 @@ def test_backward_launches_with_unequal_tiles_match_the_reference(name, one_laun
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
-    counts = attn.visit_counts(q, k, v, **inputs)
-    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D,
-                   inputs={n: t.cpu() for n, t in inputs.items()})
-    allowed = evaluate_expr(attn.spec.mask, env).expand(B, H, N, M)
-    _check_counts("dq", counts["dq"], *_tile_truth(allowed, 32, 16, N, M))
-    _check_counts("dkdv", counts["dkdv"], *_tile_truth(allowed.transpose(-1, -2), 32, 16, M, N))
+    assert module._tiles(q, v, 1)[:2] == (16, 32) and module._tiles(q, v, 2)[:2] == (32, 16)
+    _check_visits(attn, q, k, v, inputs)
