@@ -71,8 +71,16 @@ class Plan(BaseModel):
     entries: tuple[KernelPlan, ...]
     narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
     one_launch_backward: bool = True
-    launch_reason: str = ""
     masked_width_floor: int = MIN_BLOCK
+
+    @property
+    def launch_reason(self) -> str:
+        """Why the backward pass is one launch or two."""
+        if self.one_launch_backward:
+            return ("backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's "
+                    "layout: dQ programs fill the SMs that dK/dV's last wave leaves)")
+        return ("backward: dK/dV and dQ as two launches on two streams, each with its own warp count "
+                "(the mask is narrow: small dK/dV tiles with 4 warps beat one launch of 8-warp tiles)")
 
     def widths(self, head_dim: int, head_dim_v: int) -> tuple[int, int]:
         """The tile widths of the two head dims: each rounded up to a power of two >= 16, and when
@@ -351,11 +359,6 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                     fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],
                     reasons=tuple(r for k in KERNELS for r in fitted[k][1])))
-    one_launch = target.interpreter or not narrow
-    launch = ("backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's "
-              "layout: dQ programs fill the SMs that dK/dV's last wave leaves)" if one_launch else
-              "backward: dK/dV and dQ as two launches on two streams, each with its own warp count "
-              "(the mask is narrow: small dK/dV tiles with 4 warps beat one launch of 8-warp tiles)")
-    return Plan(target=target.name, entries=tuple(entries), narrow=narrow, one_launch_backward=one_launch,
-                launch_reason=launch,
+    return Plan(target=target.name, entries=tuple(entries), narrow=narrow,
+                one_launch_backward=target.interpreter or not narrow,
                 masked_width_floor=MIN_BLOCK if target.interpreter else MASKED_WIDTH_FLOOR)
