@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attngen import testing
+from attngen.api import parse_spec
 from attngen.ir import Binary, Call, Const, InputDecl, Load, Param, ParamDecl, Score, Size, Spec, Unary, Var
-from attngen.reference import evaluate, evaluate_expr, make_env, scale_value
-from attngen.testing import (ReferenceRun, assert_matches_reference, check_against_reference, random_qkv,
-                             reference_error)
+from attngen.reference import evaluate, evaluate_expr, make_env, modified_scores, scale_value
+from attngen.testing import (ReferenceRun, assert_matches_reference, check_against_reference,
+                             output_error_effect, random_qkv, reference_error)
 
 F64 = torch.float64
 
@@ -319,3 +321,82 @@ def test_check_against_reference_catches_a_wrong_kernel(bug):
 
     with pytest.raises(AssertionError, match="out" if bug == "scale" else "d_table"):
         check_against_reference(REL_BIAS, kernel, q_, k_, v_, {"table": table})
+
+
+# Found by bf16 fuzzing on the H200: a learned bias shared by a band of keys (`clamp(q - k, -8, 8)`)
+# sums dS over most of every row, so the error of delta = rowsum(dO * O) from the bf16 output adds up.
+BAND_BIAS_TEXT = """attention band_bias
+input doc: i32[*]
+input table: f32[H, 17] learnable
+mask: doc[q] == doc[k]
+score: min((k - q) * 0.1 + table[h, clamp(q - k, -8, 8) + 8], table[h, clamp(q - k, -8, 8) + 8]) - (q + k) // 3 * 0.1
+"""
+
+
+def flash_style_kernel(spec, dtype):
+    """The reference as a FlashAttention kernel computes it: O rounded to `dtype` (from P rounded to it)
+    and a backward that is exact but for reading delta = rowsum(dO * O) from that rounded O."""
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q_, k_, v_, table, doc):
+            qd, kd, vd, td = (x.detach().double() for x in (q_, k_, v_, table))
+            score = modified_scores(spec, qd, kd, vd, {"table": td, "doc": doc})
+            p, lse = torch.softmax(score, -1), torch.logsumexp(score, -1)
+            out = (p.to(dtype).double() @ vd).to(dtype)
+            ctx.save_for_backward(q_, k_, v_, table, doc, out)
+            return out, lse.float()
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q_, k_, v_, table, doc, out = ctx.saved_tensors
+            with torch.enable_grad():
+                leaves = [x.detach().double().requires_grad_() for x in (q_, k_, v_, table)]
+                score = modified_scores(spec, *leaves[:3], {"table": leaves[3], "doc": doc})
+                p = torch.softmax(score, -1)
+                dp = dout.double() @ leaves[2].detach().transpose(-2, -1)
+                delta = (dout.double() * out.double()).sum(-1, keepdim=True)
+                ds = p.detach() * (dp - delta + dlse.double().unsqueeze(-1))
+                dq, dk, dtable = torch.autograd.grad(score, [leaves[0], leaves[1], leaves[3]], ds,
+                                                     allow_unused=True, materialize_grads=True)
+            dv = p.detach().transpose(-2, -1) @ dout.double()
+            return dq.to(q_.dtype), dk.to(k_.dtype), dv.to(v_.dtype), dtable.float(), None
+
+    def kernel(q_, k_, v_, *, return_lse=False, table, doc):
+        return Attention.apply(q_, k_, v_, table, doc)
+    return kernel
+
+
+@pytest.mark.parametrize("count_the_effect", [True, False])
+def test_tolerance_counts_the_output_error_the_backward_reads(count_the_effect, monkeypatch):
+    spec = parse_spec(BAND_BIAS_TEXT)
+    q_, k_, v_ = random_qkv(2, 2, 2, 47, 4, 28, 95, torch.bfloat16, seed=832)
+    inputs = {"table": 0.5 * torch.randn(2, 17, generator=torch.Generator().manual_seed(1)),
+              "doc": torch.zeros(47, dtype=torch.int32)}
+    kernel = flash_style_kernel(spec, torch.bfloat16)
+    effect = output_error_effect(spec, q_, k_, v_, inputs, kernel(q_, k_, v_, **inputs)[0],
+                                 torch.randn(2, 2, 47, 95).to(torch.bfloat16))
+    assert effect["d_table"] > 0.01
+    if count_the_effect:
+        check_against_reference(spec, kernel, q_, k_, v_, inputs, seed=832)
+    else:  # without it the tolerance is too tight for an exact backward: the term is needed
+        monkeypatch.setattr(testing, "output_error_effect", lambda *args: {})
+        with pytest.raises(AssertionError, match="d_table"):
+            check_against_reference(spec, kernel, q_, k_, v_, inputs, seed=832)
+
+
+@pytest.mark.parametrize("lse_error, passes", [(2.4e-8, True), (1e-4, False)])
+def test_lse_that_is_exactly_zero_may_be_off_by_ulps_of_one(lse_error, passes):
+    # Found by bf16 fuzzing on the H200: one allowed key whose score is 0 (score - score) has LSE 0
+    # exactly, which the kernel's exp2/log2 arithmetic gives as -2.3e-8.
+    spec = parse_spec("attention zero\nmask: k == 0\nscore: score - score\n")
+    q_, k_, v_ = random_qkv(1, 1, 1, 4, 2, 2, 1, torch.bfloat16, seed=1)
+
+    def kernel(q_, k_, v_, *, return_lse=False):
+        out, lse = evaluate(spec, q_, k_, v_)
+        return out, lse - lse_error
+
+    if passes:
+        check_against_reference(spec, kernel, q_, k_, v_, seed=1)
+    else:
+        with pytest.raises(AssertionError, match="lse"):
+            check_against_reference(spec, kernel, q_, k_, v_, seed=1)
