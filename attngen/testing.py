@@ -6,6 +6,9 @@ rounding floor. It is written once, here:
 
     max |actual - truth| <= factor * max |low_precision - truth| + floor
 
+The floor is a few ulps of the result's scale and of the sums the kernel forms, plus, for gradients
+that go through dS, the exact effect of the kernel's own output error on them (the backward reads
+delta = rowsum(dO * O) from the rounded output, as FlashAttention's does: `output_error_effect`).
 Kernel tests call `check_against_reference`; the pieces it is built from are public too.
 """
 
