@@ -250,7 +250,7 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
     as the vector-Jacobian product of the scores with dS' = -P * rowsum(dO * (out - O_true)).
     """
     learnable = [i.name for i in spec.learnable_inputs]
-    qd, kd, vd = (x.detach().to("cpu", torch.float64).requires_grad_(name in "qk")
+    qd, kd, vd = (x.detach().to("cpu", torch.float64).requires_grad_(name != "v")
                   for name, x in zip("qkv", (q, k, v)))
     ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()).requires_grad_(n in learnable)
            for n, x in (inputs or {}).items()}
