@@ -172,6 +172,14 @@ def time_variants(B, H, N, D, dtype, names) -> list[dict]:
     return rows
 
 
+def run_info() -> dict:
+    """What a result file must say about where it was measured; printed as the run's first line."""
+    info = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, attngen=attngen.__version__, python=platform.python_version())
+    print(json.dumps(info), flush=True)
+    return info
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="gpu_results.json")
@@ -182,9 +190,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU")
-    info = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, attngen=attngen.__version__, python=platform.python_version())
-    print(json.dumps(info), flush=True)
+    info = run_info()
     results = dict(info=info)
     if not args.skip_check:
         odd = [(2, 8, 2, 1000, 1000, 80, 80), (1, 4, 4, 333, 517, 64, 96)]

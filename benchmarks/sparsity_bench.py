@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 import traceback
-from datetime import date
 
 import torch
 import triton
@@ -23,7 +21,7 @@ from attngen import testing
 from attngen.tilemap import EMPTY, FULL, tile_map
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_check import bench, spec_path  # noqa: E402
+from gpu_check import bench, run_info, spec_path  # noqa: E402
 
 
 def variants(B, H, N, device):
@@ -158,9 +156,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("sparsity_bench needs a CUDA GPU")
     names = args.only or ["sliding_window", "document_causal", "prefix_lm", "block_sparse", "chunked_causal"]
-    info = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, attngen=attngen.__version__, python=platform.python_version())
-    print(json.dumps(info), flush=True)
+    info = run_info()
     results = dict(info=info)
     t0 = time.time()
     if not args.skip_check:
