@@ -386,21 +386,9 @@ def block_steps(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[st
                 return
         if isinstance(node, ir.Var) and node.name in divisors:
             broken.add(node.name)
-        for child in _children(node):
+        for child in ir.children(node):
             visit(child)
 
     if mask is not None:
         visit(mask)
     return {name: 0 if name in broken else (math.gcd(*ds) if ds else None) for name, ds in divisors.items()}
-
-
-def _children(node: ir.Expr) -> tuple:
-    if isinstance(node, ir.Load):
-        return node.index
-    if isinstance(node, ir.Unary):
-        return (node.operand,)
-    if isinstance(node, ir.Binary):
-        return (node.left, node.right)
-    if isinstance(node, ir.Call):
-        return node.args
-    return ()

@@ -175,20 +175,24 @@ class Spec(Node):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def children(expr: Expr) -> tuple[Expr, ...]:
+    """The direct subexpressions of a node, in source order."""
+    if isinstance(expr, Load):
+        return expr.index
+    if isinstance(expr, Unary):
+        return (expr.operand,)
+    if isinstance(expr, Binary):
+        return (expr.left, expr.right)
+    if isinstance(expr, Call):
+        return expr.args
+    return ()
+
+
 def walk(expr: Expr):
     """Every node of an expression tree, parents before children."""
     yield expr
-    if isinstance(expr, Load):
-        for i in expr.index:
-            yield from walk(i)
-    elif isinstance(expr, Unary):
-        yield from walk(expr.operand)
-    elif isinstance(expr, Binary):
-        yield from walk(expr.left)
-        yield from walk(expr.right)
-    elif isinstance(expr, Call):
-        for a in expr.args:
-            yield from walk(a)
+    for child in children(expr):
+        yield from walk(child)
 
 
 def uses(expr: Expr | None, cls: type, name: str | None = None) -> bool:
