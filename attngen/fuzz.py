@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-import torch
 from hypothesis import strategies as st
 
 from attngen import ir, testing
 from attngen.errors import IndexOutOfRange
 
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {name: testing.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
 
 
 # --- specs ---------------------------------------------------------------------------------------

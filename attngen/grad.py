@@ -197,9 +197,6 @@ def tile_gathers(spec: ir.Spec) -> tuple[ir.Load, ...]:
     return tuple(seen)
 
 
-_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
-
-
 def gather_bytes(spec: ir.Spec) -> int:
     """Bytes per score element read by the spec's tile gathers (the planner reserves room for them)."""
-    return sum(_ELEMENT_BYTES[spec.input(load.input).dtype] for load in tile_gathers(spec))
+    return sum(ir.DTYPE_BYTES[spec.input(load.input).dtype] for load in tile_gathers(spec))

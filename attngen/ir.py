@@ -16,6 +16,7 @@ INDEX_VARS = ("b", "h", "hkv", "q", "k")
 SIZES = ("B", "H", "HKV", "Q_LEN", "KV_LEN", "D")
 DTYPES = ("f32", "f16", "bf16", "i32", "i64", "bool")
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
 DTYPE_VALUE_TYPE: dict[str, ValueType] = {
     "f32": "float", "f16": "float", "bf16": "float", "i32": "int", "i64": "int", "bool": "bool",
 }

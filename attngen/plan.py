@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from attngen import ir
 from attngen.target import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
@@ -13,7 +14,7 @@ PlanDtype = Literal["f16", "bf16", "f32"]
 DTYPES: tuple[str, ...] = ("f16", "bf16", "f32")
 HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
-ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+ELEMENT_BYTES = {dtype: ir.DTYPE_BYTES[dtype] for dtype in DTYPES}
 
 # Shared memory the compiler may need beyond the operand tiles (layout conversions, reductions).
 HEADROOM_BYTES = 8 * 1024

@@ -181,11 +181,12 @@ def random_inputs(spec: Spec, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int,
             x = torch.rand(shape, generator=g) < 0.5
         else:
             x = 0.5 * torch.randn(shape, generator=g)
-        result[decl.name] = x.to(device=device, dtype=_TORCH_DTYPES[decl.dtype])
+        result[decl.name] = x.to(device=device, dtype=TORCH_DTYPES[decl.dtype])
     return result
 
 
-_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+# The torch dtype of each DSL dtype (ir.DTYPES).
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
                  "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
 
 
