@@ -6,14 +6,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
 from attngen.errors import SpecError
+from attngen.plan import DTYPES, HEAD_DIMS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+try:  # typer >= 0.26 vendors click; its usage errors derive from TyperException
+    from typer import TyperException as UsageFailure
+except ImportError:  # earlier typer raises click's own
+    from click import ClickException as UsageFailure
+
+app = typer.Typer(add_completion=False,
                   help="Compile attention variants written in the .attn language into fused Triton kernels.")
+
+MAX_LENGTH = 2 ** 31 - 1  # the kernels index a head's rows with int32 offsets
 
 DefineOption = Annotated[Optional[list[str]], typer.Option(
     "-D", "--define", metavar="NAME=VALUE", help="Override a param of the spec (repeatable).")]
@@ -21,24 +29,47 @@ TargetOption = Annotated[Optional[str], typer.Option(
     help="Plan for this GPU: a100, h100, h200 or interpreter (default: the GPU here, else the interpreter).")]
 
 
+def _usage_error(message: str) -> NoReturn:
+    """A bad argument: one `error:` line and exit status 2, as `main` reports typer's own usage errors."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_size(option: str, value: int | None, most: int | None = None) -> None:
+    """A size given on the command line (None: not given, a default applies) is in [1, most]."""
+    if value is None:
+        return
+    if value < 1:
+        _usage_error(f"{option} must be at least 1, got {value}")
+    if most is not None and value > most:
+        _usage_error(f"{option} must be at most {most}, got {value}")
+
+
+def _check_output(option: str, path: Path | None) -> None:
+    # Checked before the work, which can take long, rather than when writing at the end.
+    if path is not None and (path.is_dir() or not path.parent.is_dir()):
+        _usage_error(f"{option} must be a file in an existing folder, got {str(path)!r}")
+
+
 def _defines(items: list[str] | None) -> dict[str, int | float]:
     params: dict[str, int | float] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
-            raise typer.BadParameter(f"must be NAME=VALUE, got {item!r}", param_hint="-D")
+            _usage_error(f"-D must be NAME=VALUE, got {item!r}")
         try:
             params[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
         except ValueError:
-            raise typer.BadParameter(f"the value of {name.strip()!r} must be a number, got {value!r}",
-                                     param_hint="-D") from None
+            _usage_error(f"-D: the value of {name.strip()!r} must be a number, got {value!r}")
     return params
 
 
-def _fail(error: Exception) -> None:
-    # Spec errors already read `file:line:col: ...`; argument errors name the argument.
-    typer.echo(str(error) if isinstance(error, SpecError) else f"error: {error}", err=True)
-    raise typer.Exit(1)
+def _fail(error: Exception) -> NoReturn:
+    # Spec errors already read `file:line:col: ...` (exit 1); argument errors name the argument.
+    if isinstance(error, SpecError):
+        typer.echo(str(error), err=True)
+        raise typer.Exit(1)
+    _usage_error(str(error))
 
 
 @app.command("compile")
@@ -51,11 +82,14 @@ def compile_command(
     """Write a standalone, readable kernel module (imports only torch and triton) exposing attn()."""
     from attngen import ArgumentError, SpecError, compile_source
 
+    _check_output("--output", output)
     try:
         source = compile_source(spec, params=_defines(define), target=target)
+        output.write_text(source)
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
-    output.write_text(source)
+    except OSError as e:
+        _usage_error(f"--output must be a file one can write, got {str(output)!r} ({e.strerror})")
     typer.echo(f"wrote {output} ({len(source.splitlines())} lines)")
 
 
@@ -77,25 +111,37 @@ def run_command(
     import attngen
     from attngen import ArgumentError, SpecError, testing
 
+    for option, value, most in (("--batch", batch, None), ("--heads", heads, None),
+                                ("--kv-heads", kv_heads, None), ("--seq-len", seq_len, MAX_LENGTH),
+                                ("--head-dim", head_dim, HEAD_DIMS[-1])):
+        _check_size(option, value, most)
     gpu = torch.cuda.is_available()
-    B = batch or (2 if gpu else 1)
-    H = heads or (16 if gpu else 2)
-    HKV = kv_heads or H
-    N = seq_len or (4096 if gpu else 80)
-    D = head_dim or (128 if gpu else 32)
+    B = batch if batch is not None else (2 if gpu else 1)
+    H = heads if heads is not None else (16 if gpu else 2)
+    HKV = kv_heads if kv_heads is not None else H
+    N = seq_len if seq_len is not None else (4096 if gpu else 80)
+    D = head_dim if head_dim is not None else (128 if gpu else 32)
+    if H % HKV:
+        _usage_error(f"--heads must be a multiple of --kv-heads, got {H} and {HKV}")
     dtypes = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
     name = dtype or ("bf16" if gpu else "f16")
     if name not in dtypes:
-        raise typer.BadParameter(f"must be one of bf16, f16, f32, got {name!r}", param_hint="--dtype")
+        _usage_error(f"--dtype must be one of bf16, f16, f32, got {name!r}")
     device = "cuda" if gpu else "cpu"
     try:
         t0 = time.perf_counter()
         attn = attngen.build(spec, params=_defines(define))
         built = time.perf_counter() - t0
-        q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtypes[name], device=device)
-        inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device=device)
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
+    try:
+        q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtypes[name], device=device)
+        inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device=device)
+    except (ArgumentError, ValueError) as e:
+        _fail(e)
+    except RuntimeError as e:  # the allocator refusing sizes that passed the checks above
+        _usage_error(f"--batch, --heads, --seq-len and --head-dim must give tensors this machine can allocate, "
+                     f"got B={B} H={H} HKV={HKV} N={N} D={D}: {str(e).splitlines()[0]}")
     where = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter)"
     typer.echo(f"{attn.spec.name}: B={B} H={H} HKV={HKV} N={N} D={D} {name} on {where}")
     typer.echo(f"  kernels: {attn.path} (built in {built:.2f} s)")
@@ -139,16 +185,26 @@ def explain_command(
     from attngen import ArgumentError, SpecError, explain, load_spec
     from attngen.target import get_target
 
+    for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
+                                ("--head-dim", head_dim, HEAD_DIMS[-1]),
+                                ("--head-dim-v", head_dim_v, HEAD_DIMS[-1])):
+        _check_size(option, value, most)
+    if dtype not in DTYPES:
+        _usage_error(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    _check_output("--plot", plot)
+    kv_len = kv_len if kv_len is not None else q_len
     try:
         parsed = load_spec(spec)[0].with_params(_defines(define))
-        text, maps = explain.report(parsed, get_target(target), q_len, kv_len or q_len, head_dim,
-                                    head_dim_v or head_dim, dtype)
+        text, maps = explain.report(parsed, get_target(target), q_len, kv_len, head_dim,
+                                    head_dim_v if head_dim_v is not None else head_dim, dtype)
         typer.echo(text)
         if plot is not None:
-            explain.plot(maps, f"{parsed.name}: Q_LEN={q_len} KV_LEN={kv_len or q_len}", plot)
+            explain.plot(maps, f"{parsed.name}: Q_LEN={q_len} KV_LEN={kv_len}", plot)
             typer.echo(f"\nwrote {plot}")
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
+    except OSError as e:
+        _usage_error(f"--plot must be a file one can write, got {str(plot)!r} ({e.strerror})")
 
 
 @app.command("check")
@@ -168,26 +224,32 @@ def check_command(
     import attngen
     from attngen import ArgumentError, SpecError, fuzz
 
+    _check_size("--examples", examples)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cuda", "cpu"):
-        raise typer.BadParameter(f"must be cuda or cpu, got {device!r}", param_hint="--device")
+        _usage_error(f"--device must be cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter("no CUDA GPU here; use --device cpu (Triton's interpreter)", param_hint="--device")
+        _usage_error("--device must be cpu (Triton's interpreter) on a machine with no CUDA GPU, got 'cuda'")
     if device == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise typer.BadParameter("the CPU needs Triton's interpreter, chosen before triton is imported: "
-                                 "run TRITON_INTERPRET=1 attngen check ... --device cpu", param_hint="--device")
+        _usage_error("--device cpu must run in Triton's interpreter, chosen before triton is imported: "
+                     "run TRITON_INTERPRET=1 attngen check ... --device cpu")
     dtypes = dtype or (["f32", "f16", "bf16"] if device == "cuda" else ["f32", "f16"])
     for name in dtypes:
         if name not in fuzz.DTYPES:
-            raise typer.BadParameter(f"must be one of {', '.join(fuzz.DTYPES)}, got {name!r}", param_hint="--dtype")
+            _usage_error(f"--dtype must be one of {', '.join(fuzz.DTYPES)}, got {name!r}")
         if name == "bf16" and device == "cpu":
-            raise typer.BadParameter("bf16 needs a GPU: Triton's interpreter computes bf16 dots wrongly",
-                                     param_hint="--dtype")
-    if examples < 1:
-        raise typer.BadParameter(f"must be at least 1, got {examples}", param_hint="--examples")
+            _usage_error("--dtype must be f32 or f16 on the CPU, got 'bf16': bf16 needs a GPU "
+                         "(Triton's interpreter computes bf16 dots wrongly)")
+    try:
+        single = fuzz.Case.parse(case) if case is not None else None
+    except ValueError as e:
+        _usage_error(f"--case: {e}")
+    if single is not None:
+        for field, value, most in (("Q_LEN", single.Q_LEN, MAX_LENGTH), ("KV_LEN", single.KV_LEN, MAX_LENGTH),
+                                   ("D", single.D, HEAD_DIMS[-1]), ("DV", single.DV, HEAD_DIMS[-1])):
+            _check_size(f"--case's {field}", value, most)
     try:
         attn = attngen.build(spec, params=_defines(define))
-        single = fuzz.Case.parse(case) if case is not None else None
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
     defines = "".join(f" -D {d}" for d in define or [])
@@ -233,8 +295,15 @@ def check_command(
     raise typer.Exit(1)
 
 
-def main() -> None:  # pragma: no cover - the console script calls app directly
-    app()
+def main() -> int:
+    """The console script: typer's own usage errors (not an integer, a missing or unknown option) come
+    out as one `error:` line with exit status 2, like attngen's checks, instead of typer's panel."""
+    try:
+        # A bare `attngen` shows the help, as `attngen --help` does.
+        return app(args=sys.argv[1:] or ["--help"], standalone_mode=False) or 0
+    except UsageFailure as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,9 @@ from attngen.target import Target
 from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                              tile_map)
 
+# Each map is a dense uint8 grid (one byte a tile), filled a row of tiles at a time in Python.
+MAX_MAP_TILES = 1 << 26
+
 
 def ir_tree(e: ir.Expr) -> str:
     """An expression as a typed s-expression: `(and:bool (ge:bool q k) ...)`."""
@@ -64,6 +67,11 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
             raise ArgumentError(f"{name} must be at least 1, got {value}")
     kernel_plan = spec_plan(spec, target)
     entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
+    for kernel in (entry.fwd, entry.bwd_dkdv, entry.bwd_dq):
+        tiles = -(-q_len // kernel.block_m) * -(-kv_len // kernel.block_n)
+        if tiles > MAX_MAP_TILES:
+            raise ArgumentError(f"--q-len and --kv-len must give at most {MAX_MAP_TILES} tiles per map, got "
+                                f"{q_len} x {kv_len} in {kernel.block_m}x{kernel.block_n} tiles = {tiles}")
     sizes = {"B": batch, "H": heads, "HKV": heads, "Q_LEN": q_len, "KV_LEN": kv_len, "D": head_dim}
     lines = [f"{spec.name}: Q_LEN={q_len} KV_LEN={kv_len} D={head_dim} DV={head_dim_v} {dtype}, "
              f"target {target.name}", "", "spec, as the compiler reads it (builtins expanded)"]

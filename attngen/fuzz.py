@@ -133,14 +133,29 @@ class Case:
 
     @classmethod
     def parse(cls, text: str) -> "Case":
-        """The inverse of str(): `B=1,H=2,HKV=1,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3`."""
-        values = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+        """The inverse of str(), as `example` below; a ValueError says what is wrong and shows it."""
+        example = "B=1,H=2,HKV=1,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3"
+
+        def wrong(why: str) -> ValueError:
+            return ValueError(f"{why} (a case looks like {example})")
+        items = [item for item in text.replace(" ", "").split(",") if item]
+        for item in items:
+            if "=" not in item:
+                raise wrong(f"each item of a case must be NAME=VALUE, got {item!r}")
+        values = dict(item.split("=", 1) for item in items)
         names = [f.name for f in fields(cls)]
-        if sorted(values) != sorted(names):
-            raise ValueError(f"a case needs exactly {', '.join(names)}; got {', '.join(values) or 'nothing'}")
+        if len(items) != len(names) or sorted(values) != sorted(names):
+            given = ", ".join(item.split("=", 1)[0] for item in items) or "nothing"
+            raise wrong(f"a case needs exactly {', '.join(names)}, once each; got {given}")
+        for name in names:
+            value, least = values[name], 0 if name == "seed" else 1
+            if name != "dtype" and not (value.isascii() and value.isdigit() and int(value) >= least):
+                raise wrong(f"{name} must be an integer >= {least}, got {value!r}")
         case = cls(**{k: (v if k == "dtype" else int(v)) for k, v in values.items()})
+        if case.H % case.HKV:
+            raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
         if case.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {case.dtype!r}")
+            raise wrong(f"dtype must be one of {', '.join(DTYPES)}, got {case.dtype!r}")
         return case
 
 

@@ -21,7 +21,7 @@ def test_compile_writes_a_standalone_module(tmp_path):
     result = _run("-m", "attngen.cli", "compile", str(ROOT / "specs" / "alibi_causal.attn"), "-o", str(out))
     assert result.returncode == 0, result.stderr
     text = out.read_text()
-    assert "score: score + slopes[h] * (k - q)" in text and "fingerprint" in text and "Plan (" in text
+    assert "score: score + slopes[h] * (k - q)" in text and "fingerprint" in text and "# Plan:" in text
     assert "attngen" not in [line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))]
     # The module runs with attngen made unimportable: it needs only torch and triton.
     script = f"""
@@ -55,9 +55,9 @@ def test_defines_override_params_and_are_checked(tmp_path):
     default = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "d.py"))
     assert (tmp_path / "k.py").read_text() != (tmp_path / "d.py").read_text()  # 512 is baked in
     unknown = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "k.py"), "-D", "windw=3")
-    assert unknown.returncode == 1 and "unknown param 'windw'" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown param 'windw'" in unknown.stderr
     malformed = _run("-m", "attngen.cli", "compile", str(spec), "-o", str(tmp_path / "k.py"), "-D", "window")
-    assert malformed.returncode != 0 and "NAME=VALUE" in malformed.stderr
+    assert malformed.returncode == 2 and "NAME=VALUE" in malformed.stderr
     assert "Traceback" not in unknown.stderr + malformed.stderr
 
 
@@ -130,7 +130,7 @@ def test_explain_says_what_is_decided_at_run_time():
     assert "tile table" in result.stdout and "decided at run time" in result.stdout
     assert "empty 56" in result.stdout  # the causal part is known statically: the upper triangle
     bad = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "causal.attn"), "--q-len", "0")
-    assert bad.returncode == 1 and "--q-len must be at least 1, got 0" in bad.stderr
+    assert bad.returncode == 2 and "--q-len must be at least 1, got 0" in bad.stderr
 
 
 def test_check_fuzzes_a_spec_and_reruns_one_case():
@@ -142,7 +142,7 @@ def test_check_fuzzes_a_spec_and_reruns_one_case():
                "--case", "B=1,H=2,HKV=1,Q_LEN=19,KV_LEN=33,D=12,DV=20,dtype=f32,seed=4")
     assert one.returncode == 0 and "matches the float64 reference" in one.stdout, one.stderr
     bad = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--case", "B=1,H=2")
-    assert bad.returncode == 1 and "a case needs exactly" in bad.stderr
+    assert bad.returncode == 2 and "a case needs exactly" in bad.stderr
     bf16 = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--dtype", "bf16")
     assert bf16.returncode == 2 and "bf16 needs a GPU" in bf16.stderr
 
@@ -168,3 +168,95 @@ def test_check_reports_the_smallest_failure_and_how_to_rerun_it(monkeypatch):
         in result.output
     assert f"attngen check {spec} --device cpu --case 'B=1,H=1,HKV=1,Q_LEN=1,KV_LEN=2,D=1,DV=1,dtype=f32,seed=0'" \
         in result.output
+
+
+# --- bad arguments: one `error:` line on stderr and exit status 2, never a traceback or a default ------
+
+CAUSAL = str(ROOT / "specs" / "causal.attn")
+
+
+def _attngen(monkeypatch, capsys, *args):
+    """`attngen ARGS` run in this process through the console script's entry point: (status, stdout, stderr)."""
+    from attngen.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["attngen", *args])
+    status = main()
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _assert_usage_error(result, message):
+    status, _, err = result
+    assert "Traceback" not in err
+    assert (status, err) == (2, f"error: {message}\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["explain", CAUSAL, "--q-len", "8", "--kv-len", "0"], "--kv-len must be at least 1, got 0"),
+    (["run", CAUSAL, "--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    (["run", CAUSAL, "--seq-len", "-4"], "--seq-len must be at least 1, got -4"),
+    (["run", CAUSAL, "--heads", "3", "--kv-heads", "2"], "--heads must be a multiple of --kv-heads, got 3 and 2"),
+])
+def test_sizes_below_one_are_refused_not_replaced_by_defaults(monkeypatch, capsys, args, message):
+    _assert_usage_error(_attngen(monkeypatch, capsys, *args), message)
+
+
+def test_output_files_must_be_in_an_existing_folder(monkeypatch, capsys, tmp_path):
+    module, image = tmp_path / "missing_dir" / "k.py", tmp_path / "nonexistent" / "map.png"
+    _assert_usage_error(_attngen(monkeypatch, capsys, "compile", CAUSAL, "-o", str(module)),
+                        f"--output must be a file in an existing folder, got {str(module)!r}")
+    _assert_usage_error(_attngen(monkeypatch, capsys, "explain", CAUSAL, "--q-len", "8", "--plot", str(image)),
+                        f"--plot must be a file in an existing folder, got {str(image)!r}")
+
+
+def test_lengths_fit_int32_and_tile_maps_are_capped(monkeypatch, capsys):
+    _assert_usage_error(_attngen(monkeypatch, capsys, "explain", CAUSAL, "--q-len", "10000000000"),
+                        "--q-len must be at most 2147483647, got 10000000000")
+    # The longest length allowed still asks for 2**49 tiles of 128x64 (h200's causal forward tiles).
+    _assert_usage_error(_attngen(monkeypatch, capsys, "explain", CAUSAL, "--q-len", "2147483647", "--target", "h200"),
+                        "--q-len and --kv-len must give at most 67108864 tiles per map, got 2147483647 x 2147483647 "
+                        "in 128x64 tiles = 562949953421312")
+
+
+@pytest.mark.parametrize("case, why", [
+    ("garbage", "each item of a case must be NAME=VALUE, got 'garbage'"),
+    ("B=x,H=2,HKV=1,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3", "B must be an integer >= 1, got 'x'"),
+    ("B=1,H=3,HKV=2,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3", "H must be a multiple of HKV, got H=3 and HKV=2"),
+])
+def test_a_bad_case_says_what_a_case_looks_like(monkeypatch, capsys, case, why):
+    _assert_usage_error(_attngen(monkeypatch, capsys, "check", CAUSAL, "--case", case),
+                        f"--case: {why} (a case looks like B=1,H=2,HKV=1,Q_LEN=17,KV_LEN=5,D=24,DV=8,dtype=f32,seed=3)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", CAUSAL, "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["run", CAUSAL, "--heads", "0"], "--heads must be at least 1, got 0"),
+    (["run", CAUSAL, "--kv-heads", "-1"], "--kv-heads must be at least 1, got -1"),
+    (["run", CAUSAL, "--head-dim", "300"], "--head-dim must be at most 256, got 300"),
+    (["explain", CAUSAL, "--q-len", "8", "--head-dim", "0"], "--head-dim must be at least 1, got 0"),
+    (["explain", CAUSAL, "--q-len", "8", "--head-dim-v", "257"], "--head-dim-v must be at most 256, got 257"),
+    (["check", CAUSAL, "--examples", "0"], "--examples must be at least 1, got 0"),
+    (["explain", CAUSAL, "--q-len", "8", "--target", "b200"],
+     "target must be one of a100, h100, h200, interpreter, got 'b200'"),
+])
+def test_every_numeric_option_and_library_argument_error_is_a_usage_error(monkeypatch, capsys, args, message):
+    _assert_usage_error(_attngen(monkeypatch, capsys, *args), message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["explain", CAUSAL, "--q-len", "1e10"], "Invalid value for '--q-len'"),  # the rest is typer's wording
+    (["explain", CAUSAL], "Missing option '--q-len'."),
+    (["explain", CAUSAL, "--q-len", "8", "--bogus"], "No such option: --bogus"),
+])
+def test_typer_usage_errors_are_one_error_line(monkeypatch, capsys, args, message):
+    status, _, err = _attngen(monkeypatch, capsys, *args)
+    assert status == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_help_still_works_and_python_m_uses_the_same_entry_point(monkeypatch, capsys):
+    status, out, _ = _attngen(monkeypatch, capsys, "explain", "--help")
+    assert status == 0 and "--q-len" in out
+    result = _run("-m", "attngen.cli", "explain", CAUSAL, "--q-len", "1e10")
+    assert result.returncode == 2 and result.stderr.startswith("error: Invalid value for '--q-len'")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
