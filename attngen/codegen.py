@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from attngen import ir
 from attngen.analysis import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
+from attngen.integers import INT32_RANGE, Ranges
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
@@ -25,6 +27,12 @@ def literal(value, type_: str) -> str:
     return repr(float(value))
 
 
+def int64(code: str) -> str:
+    """`code` (a literal, constexpr, scalar or tensor) as int64. tl.cast takes all of them; a literal
+    at or above 2**31 becomes int64 through it too (alone Triton types 2**31..2**32-1 as uint32)."""
+    return f"tl.cast({code}, tl.int64)"
+
+
 @dataclass
 class Spelling:
     """How one kernel names the things an expression may use; `dims` says which index varies
@@ -36,19 +44,26 @@ class Spelling:
 
 @dataclass
 class TritonEmitter:
-    """Emits one expression (and what it depends on) as SSA statements; equal subtrees are shared."""
+    """Emits one expression (and what it depends on) as SSA statements; equal subtrees are shared.
+
+    Ints are computed as the reference computes them, exactly: in int32 where `ranges` proves the
+    value fits, else in int64 (operands cast up; `wide` holds the names of int64 values)."""
     spelling: Spelling
     params: dict[str, int | float]
     inputs: dict[str, ir.InputDecl]
     prefix: str
+    ranges: Ranges
     lines: list[str] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
+    wide: set = field(default_factory=set)
 
-    def _temp(self, code: str, dims: frozenset) -> str:
+    def _temp(self, code: str, dims: frozenset, wide: bool = False) -> str:
         name = f"{self.prefix}{len(self.lines)}"
         self.lines.append(f"{name} = {code}")
         self.shapes[name] = dims
+        if wide:
+            self.wide.add(name)
         return name
 
     def dims_of(self, code: str) -> frozenset:
@@ -69,23 +84,50 @@ class TritonEmitter:
                               frozenset("mn"))
         return code
 
+    def _int_literal(self, value: int) -> str:
+        # Beyond int32 a literal is spelled int64 outright (see `int64`).
+        return str(value) if INT32_RANGE[0] <= value <= INT32_RANGE[1] else int64(str(value))
+
+    def _is_float(self, e: ir.Expr) -> bool:
+        """Whether the reference computes `e` as a float (torch keeps int ** int an int, see `integers`)."""
+        return e.type == "float" and not self.ranges.is_int(e)
+
+    def _operands(self, e: ir.Expr, codes: list[str], nodes) -> tuple[list[str], bool]:
+        """The operand codes of `e`, cast to int64 where `e` is an int that needs it; and whether
+        the result is int64 (it needs it, or an operand already is, and Triton promotes)."""
+        if not self.ranges.is_int(e):
+            return codes, False
+        if any(c in self.wide for c in codes):
+            return codes, True
+        if not self.ranges.wide(e):
+            return codes, False
+        # One int64 operand is enough: Triton computes int32 op int64 in int64.
+        first = next(i for i, n in enumerate(nodes) if self.ranges.is_int(n))
+        return [int64(c) if i == first else c for i, c in enumerate(codes)], True
+
     def _emit(self, e: ir.Expr) -> str:
         sp = self.spelling
-        if isinstance(e, ir.Const):
-            return literal(e.value, e.type)
+        if isinstance(e, (ir.Const, ir.Param)):
+            value = e.value if isinstance(e, ir.Const) else self.params[e.name]
+            if e.type != "int":
+                return literal(value, e.type)
+            code = self._int_literal(int(value))
+            if code != str(int(value)):
+                self.wide.add(code)
+            return code
         if isinstance(e, (ir.Var, ir.Size, ir.Score)):
             key = "score" if isinstance(e, ir.Score) else e.name
             code = sp.names[key]
             self.shapes[code] = sp.dims.get(key, frozenset())
             return code
-        if isinstance(e, ir.Param):
-            return literal(self.params[e.name], e.type)
         if isinstance(e, ir.Load):
             return self._load(e)
         if isinstance(e, ir.Unary):
             x = self.emit(e.operand)
+            dims = self.dims_of(x)
+            (x,), wide = self._operands(e, [x], [e.operand])
             code = f"({x} == 0)" if e.op == "not" else f"-{x}"
-            return self._temp(code, self.dims_of(x))
+            return self._temp(code, dims, wide)
         if isinstance(e, ir.Binary):
             return self._binary(e)
         return self._call(e)
@@ -103,30 +145,57 @@ class TritonEmitter:
             code = f"({code} != 0)"
         elif decl.dtype in ("f16", "bf16"):
             code = f"{code}.to(tl.float32)"
-        return self._temp(code, dims)
+        return self._temp(code, dims, decl.dtype == "i64")
 
     def _binary(self, e: ir.Binary) -> str:
+        if e.op == "pow" and self.ranges.is_int(e):
+            return self._int_pow(e)
         a, b = self.emit(e.left), self.emit(e.right)
         dims = self.dims_of(a) | self.dims_of(b)
+        (a, b), wide = self._operands(e, [a, b], [e.left, e.right])
         if e.op in _BINARY:
-            return self._temp(f"{a} {_BINARY[e.op]} {b}", dims)
+            return self._temp(f"{a} {_BINARY[e.op]} {b}", dims, wide)
         if e.op == "div":
-            if e.left.type != "float" and e.right.type != "float":
+            if not (self._is_float(e.left) or self._is_float(e.right)):
                 a = f"({a}) * 1.0"  # true division, as in Python
             return self._temp(f"{a} / {b}", dims)
         if e.op in ("floordiv", "mod"):
             helper = {"floordiv": "_floordiv", "mod": "_floormod"}[e.op]
-            if e.type == "float":
+            if not self.ranges.is_int(e):
                 helper += "_f"
-            return self._temp(f"{helper}({a}, {b})", dims)
+            return self._temp(f"{helper}({a}, {b})", dims, wide)
         assert e.op == "pow"
         exponent = e.right
         if isinstance(exponent, ir.Const) and float(exponent.value).is_integer() and 0 <= exponent.value <= 4:
             n = int(exponent.value)
             if n == 0:
-                return self._temp(f"{a} * 0 + 1" if e.type == "int" else f"{a} * 0.0 + 1.0", self.dims_of(a))
+                return self._temp(f"{a} * 0.0 + 1.0", self.dims_of(a))
             return self._temp(" * ".join([a] * n), self.dims_of(a))
+        # A float power (an int to a negative power too: torch refuses it, the IR types it float).
+        a, b = (x if self._is_float(node) else f"({x}) * 1.0" for x, node in ((a, e.left), (b, e.right)))
         return self._temp(f"_pow({a}, {b})", dims)
+
+    def _int_pow(self, e: ir.Binary) -> str:
+        """An int to a constant power n >= 0, exactly, by repeated squaring. When x ** n fits, so
+        does every power of x on the way (each is x ** m with m <= n)."""
+        n = self.ranges.value(e.right)
+        assert n.lo == n.hi and n.lo >= 0, f"an int power needs a constant exponent: {e}"
+        n = int(n.lo)
+        x = self.emit(e.left)
+        dims = self.dims_of(x)
+        (cast,), wide = self._operands(e, [x], [e.left])
+        if cast != x:
+            x = self._temp(cast, dims, wide)
+        if n == 0:
+            return self._temp(f"{x} * 0 + 1", dims, wide)
+        base, result = x, None
+        while True:
+            if n & 1:
+                result = x if result is None else self._temp(f"{result} * {x}", dims, wide)
+            n >>= 1
+            if not n:
+                return self._temp(result, dims, wide) if result == base else result
+            x = self._temp(f"{x} * {x}", dims, wide)
 
     def _call(self, e: ir.Call) -> str:
         args = [self.emit(a) for a in e.args]
@@ -134,33 +203,37 @@ class TritonEmitter:
         fn = e.fn
         if fn in _UNARY_FN:
             x = args[0]
-            if e.args[0].type != "float" and fn != "abs":
+            if not self._is_float(e.args[0]) and fn != "abs":
                 x = self._temp(f"({x}) * 1.0", self.dims_of(x))
-            return self._temp(f"{_UNARY_FN[fn]}({x})", dims)
+            (x,), wide = self._operands(e, [x], e.args)
+            return self._temp(f"{_UNARY_FN[fn]}({x})", dims, wide)
         if fn in ("floor", "ceil"):
-            if e.args[0].type == "int":
+            if self.ranges.is_int(e.args[0]):
                 return args[0]
-            return self._temp(f"tl.{fn}({args[0]}).to(tl.int32)", dims)
-        if fn == "min":
-            return self._temp(f"tl.minimum({args[0]}, {args[1]})", dims)
-        if fn == "max":
-            return self._temp(f"tl.maximum({args[0]}, {args[1]})", dims)
-        if fn == "clamp":
-            return self._temp(f"tl.minimum(tl.maximum({args[0]}, {args[1]}), {args[2]})", dims)
-        if fn == "where":
-            return self._temp(f"tl.where({args[0]}, {args[1]}, {args[2]})", dims)
+            width = "tl.int64" if self.ranges.wide(e) else "tl.int32"
+            return self._temp(f"tl.{fn}({args[0]}).to({width})", dims, self.ranges.wide(e))
         if fn == "softcap":
             return self._temp(f"{args[1]} * _tanh({args[0]} / {args[1]})", dims)
-        raise AssertionError(fn)
+        # min, max, clamp and where: the result is one of the operands, so it fits where they do.
+        wide = self.ranges.is_int(e) and any(a in self.wide for a in args)
+        if fn == "min":
+            return self._temp(f"tl.minimum({args[0]}, {args[1]})", dims, wide)
+        if fn == "max":
+            return self._temp(f"tl.maximum({args[0]}, {args[1]})", dims, wide)
+        if fn == "clamp":
+            return self._temp(f"tl.minimum(tl.maximum({args[0]}, {args[1]}), {args[2]})", dims, wide)
+        assert fn == "where", fn
+        return self._temp(f"tl.where({args[0]}, {args[1]}, {args[2]})", dims, wide)
 
     def bound(self, b: Bound, tile_vars: dict[str, str]) -> str:
-        """A loop bound from the analysis, as a scalar statement."""
+        """A loop bound from the analysis, as a scalar int64 statement (made exact by `integers.exact_span`;
+        `integers.linear_steps` follows these steps)."""
         if isinstance(b, Extremum):
             terms = [self.bound(t, tile_vars) for t in b.terms]
             fn = "tl.minimum" if b.op == "min" else "tl.maximum"
             code = terms[0]
             for t in terms[1:]:
-                code = self._temp(f"{fn}({code}, {t})", frozenset())
+                code = self._temp(f"{fn}({code}, {t})", frozenset(), code in self.wide or t in self.wide)
             return code
         if isinstance(b, Gate):
             cond = self.bound(b.cond, tile_vars)
@@ -168,23 +241,34 @@ class TritonEmitter:
             return self._temp(f"tl.where({cond} >= 0, {opened}, {closed})", frozenset())
         assert isinstance(b, Linear)
         var = tile_vars[b.var]
-        if b.coef and (b.var_div != 1 or b.var_offset is not None):
-            shifted = var if b.var_offset is None else f"{var} + {self.emit(b.var_offset)}"
-            var = self._temp(f"_floordiv({shifted}, {b.var_div})", frozenset())
+        if b.coef:
+            var = self._temp(int64(var), frozenset(), True)
+            if b.var_div != 1 or b.var_offset is not None:
+                shifted = var if b.var_offset is None else f"{var} + {self.emit(b.var_offset)}"
+                var = self._temp(f"_floordiv({shifted}, {self._int_literal(b.var_div)})", frozenset(), True)
         parts = []
         if b.coef:
-            parts.append(f"{b.coef} * {var}")
+            parts.append(f"{self._int_literal(b.coef)} * {var}")
         if b.const is not None:
-            parts.append(self.emit(b.const))
-        code = " + ".join(parts) or "0"
+            const = self.emit(b.const)
+            parts.append(const if const in self.wide or parts else int64(const))
+        code = " + ".join(parts) or int64("0")
         if b.den != 1:
             helper = "_floordiv" if b.round == "floor" else "_ceildiv"
-            code = f"{helper}({code}, {b.den})"
+            code = f"{helper}({code}, {self._int_literal(b.den)})"
         if b.out_scale != 1:
-            code = f"{b.out_scale} * ({code})"
+            code = f"{self._int_literal(b.out_scale)} * ({code})"
         if b.out_offset is not None:
             code = f"{code} + {self.emit(b.out_offset)}"
-        return self._temp(code, frozenset())
+        return self._temp(code, frozenset(), True)
+
+
+def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], float]:
+    """The generated module's softmax_scale(D) for a `scale:` expression, as a function of D: the same
+    text (names are validated identifiers, numbers are literals), so compile-time checks run what
+    a call will run."""
+    return eval(f"lambda D: float({python_expr(e, params)})",
+                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max}})
 
 
 def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:

@@ -8,7 +8,8 @@ either", so a tile may be called partial when it is full or empty, never the rev
 Float comparisons are decided only with a margin, so fp32 rounding in the kernels
 cannot flip a tile's class. Tensor inputs are unknown here (any value of their
 dtype); masks that read them at `q` or `k` are classified at call time by the tile
-table kernel instead.
+table kernel instead. The same values, over every tile at once and sizes given as ranges,
+bound each int of a spec for `attngen.integers`.
 
 This is what `attngen explain` shows and what the analysis' loop bounds are tested
 against; the kernels themselves use the closed-form spans of `analysis.region`.
@@ -17,7 +18,7 @@ against; the kernels themselves use the closed-form spans of `analysis.region`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Mapping
 
@@ -27,6 +28,7 @@ INF = math.inf
 # Relative margin for deciding float comparisons: far above fp32 rounding of a short expression.
 FLOAT_MARGIN = 1e-5
 I64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+_INT_DTYPE_RANGES = {"i32": (-(2 ** 31), 2 ** 31 - 1), "i64": I64_RANGE}
 
 
 class TileClass(str, Enum):
@@ -61,8 +63,11 @@ class TileBox:
     q: tuple[int, int]
     k: tuple[int, int]
     params: Mapping[str, int | float]
-    sizes: Mapping[str, int]          # known sizes (B, H, HKV, Q_LEN, KV_LEN, D); others unknown
+    # Sizes (B, H, HKV, Q_LEN, KV_LEN, D): a value, an inclusive range, or missing (unknown).
+    sizes: Mapping[str, int | tuple[int, int]]
     uniform: Mapping[str, tuple[int, int]]  # ranges of b, h, hkv (missing: from the sizes, or unknown)
+    # Int inputs' dtypes by name ("i32" or "i64"); a missing one may hold any int64.
+    dtypes: Mapping[str, str] = field(default_factory=dict)
 
 
 def classify(mask: ir.Expr | None, box: TileBox) -> TileClass:
@@ -79,6 +84,11 @@ def classify(mask: ir.Expr | None, box: TileBox) -> TileClass:
 
 
 def value(e: ir.Expr, box: TileBox) -> Num | Truth:
+    return node_value(e, [value(c, box) for c in ir.children(e)], box)
+
+
+def node_value(e: ir.Expr, args: list, box: TileBox) -> Num | Truth:
+    """The value of node `e` from the values `args` of its children (`ir.children` order)."""
     if isinstance(e, ir.Const):
         if e.type == "bool":
             return Truth(bool(e.value), not e.value)
@@ -86,22 +96,21 @@ def value(e: ir.Expr, box: TileBox) -> Num | Truth:
     if isinstance(e, ir.Var):
         return _var(e.name, box)
     if isinstance(e, ir.Size):
-        n = box.sizes.get(e.name)
-        return Num(n, n) if n is not None else Num(1, INF)
+        return Num(*_size(e.name, box))
     if isinstance(e, ir.Param):
         return _point(box.params[e.name], e.type == "float")
     if isinstance(e, ir.Score):
         return ANY_FLOAT
     if isinstance(e, ir.Load):
-        return _load(e)
+        return _load(e, box)
     if isinstance(e, ir.Unary):
-        x = value(e.operand, box)
+        (x,) = args
         if e.op == "not":
             return Truth(x.may_false, x.may_true)
         return Num(-x.hi, -x.lo, x.is_float, x.nan)
     if isinstance(e, ir.Binary):
-        return _binary(e, value(e.left, box), value(e.right, box))
-    return _call(e, [value(a, box) for a in e.args])
+        return _binary(e, *args)
+    return _call(e, args)
 
 
 def _point(v, is_float: bool) -> Num:
@@ -118,15 +127,21 @@ def _var(name: str, box: TileBox) -> Num:
         lo, hi = box.uniform[name]
         return Num(lo, hi)
     size = {"b": "B", "h": "H", "hkv": "HKV"}[name]
-    n = box.sizes.get(size)
-    return Num(0, n - 1) if n is not None else Num(0, INF)
+    return Num(0, _size(size, box)[1] - 1)
 
 
-def _load(e: ir.Load) -> Num | Truth:
+def _size(name: str, box: TileBox) -> tuple[float, float]:
+    n = box.sizes.get(name)
+    if n is None:
+        return 1, INF
+    return n if isinstance(n, tuple) else (n, n)
+
+
+def _load(e: ir.Load, box: TileBox) -> Num | Truth:
     if e.type == "bool":
         return UNKNOWN_BOOL
     if e.type == "int":
-        return Num(*I64_RANGE)  # i32 or i64: the IR keeps only the value type
+        return Num(*_INT_DTYPE_RANGES.get(box.dtypes.get(e.input), I64_RANGE))
     return ANY_FLOAT
 
 
@@ -162,6 +177,8 @@ def _binary(e: ir.Binary, a, b):
         return _binary(e.model_copy(update={"op": "add"}), a, Num(-b.hi, -b.lo, b.is_float, b.nan))
     if op == "mul":
         return _hull([_mul(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)], is_float, nan)
+    if op == "floordiv" and not is_float:
+        return _int_floordiv(a, b, nan)
     if op in ("div", "floordiv"):
         if b.lo <= 0 <= b.hi:
             return Num(-INF, INF, is_float, True)  # may divide by zero
@@ -178,12 +195,38 @@ def _binary(e: ir.Binary, a, b):
     return _pow(a, b, is_float, nan)
 
 
+def _nonzero_divisors(b: Num) -> list[float]:
+    """The ends of the int divisor range with 0 taken out: an int divided by 0 has no value (the
+    reference raises), and a quotient or remainder is monotone in the divisor on each side of 0."""
+    return [d for d in (b.lo, -1, 1, b.hi) if b.lo <= d <= b.hi and d != 0]
+
+
+def _int_floordiv(a: Num, b: Num, nan: bool) -> Num:
+    divisors = _nonzero_divisors(b)
+    if not divisors:
+        return Num(-INF, INF, False, True)
+    # Monotone in the dividend, and in the divisor on each side of 0: the extremes lie at corners.
+    return _hull([_floor_quotient(x, y) for x in (a.lo, a.hi) for y in divisors], False, nan)
+
+
+def _floor_quotient(x: float, y: float) -> float:
+    if math.isinf(x) or math.isinf(y):
+        v = x / y if not (math.isinf(x) and math.isinf(y)) else math.nan
+        return math.floor(v) if math.isfinite(v) else v
+    return x // y  # exact for ints of any size
+
+
 def _add(x: float, y: float, on_nan: float) -> float:
     s = x + y
     return on_nan if isinstance(s, float) and math.isnan(s) else s
 
 
 def _mod(a: Num, b: Num, is_float: bool, nan: bool) -> Num:
+    if not is_float and b.lo <= 0 <= b.hi:
+        if not _nonzero_divisors(b):
+            return Num(-INF, INF, False, True)
+        # Nonzero divisors only (as for //); the remainder has the divisor's sign and is smaller.
+        return Num(min(0, b.lo + 1), max(0, b.hi - 1), False, nan)
     if b.lo <= 0 <= b.hi or math.isinf(a.lo) or math.isinf(a.hi):
         return Num(-INF, INF, is_float, True)
     if b.lo == b.hi and not is_float:
@@ -197,7 +240,7 @@ def _mod(a: Num, b: Num, is_float: bool, nan: bool) -> Num:
 
 
 def _pow(a: Num, b: Num, is_float: bool, nan: bool) -> Num:
-    if b.lo == b.hi and float(b.lo).is_integer() and 0 <= b.lo <= 64 and not math.isinf(b.lo):
+    if b.lo == b.hi and not math.isinf(b.lo) and float(b.lo).is_integer() and b.lo >= 0:
         n = int(b.lo)
         if n == 0:
             return Num(1, 1, is_float, False)
@@ -211,10 +254,17 @@ def _pow(a: Num, b: Num, is_float: bool, nan: bool) -> Num:
 
 
 def _ipow(x: float, n: int) -> float:
+    """x ** n for an integral n >= 0; beyond 2 ** 256 in magnitude it is as good as infinite (and
+    computing it exactly could take forever: think 3 ** 10 ** 18)."""
+    huge = INF if x > 0 or n % 2 == 0 else -INF
+    if abs(x) > 1 and n * math.log2(abs(x)) > 256:
+        return huge
+    if abs(x) <= 1 and not isinstance(x, float):
+        return x ** (n % 2 + 2 if n > 2 else n)  # 0, 1 or -1: the parity of n is all that matters
     try:
         return x ** n
     except OverflowError:
-        return INF if x > 0 or n % 2 == 0 else -INF
+        return huge
 
 
 def _fpow(x: float, y: float) -> float:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import keyword
+import re
+import sys
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attngen.errors import ArgumentError
 
@@ -30,6 +33,45 @@ FUNCTIONS: dict[str, tuple[int, str]] = {
     "min": (2, "same"), "max": (2, "same"), "clamp": (3, "same"), "softcap": (2, "float"),
     "where": (3, "same"),
 }
+
+# Names the language itself gives a meaning: no param or input may take one.
+BUILTIN_NAMES = frozenset({"true", "false", "inf", "causal", "causal_bottom_right", "attention", "param",
+                           "input", "mask", "score", "scale", "learnable", "and", "or", "not",
+                           *INDEX_VARS, *SIZES, *FUNCTIONS})
+# Inputs are passed by keyword beside these: attn(q, k, v, *, return_lse=..., tile_tables=..., **inputs),
+# and Attention.__call__ takes `self`; an input of one of these names could never be passed.
+CALL_ARGUMENTS = frozenset({"q", "k", "v", "self", "return_lse", "tile_tables"})
+# Names become parts of file names, module names and kernel parameter names (`doc_ptr`): ASCII
+# identifiers of bounded length, so no name can carry a path, a quote or code.
+MAX_NAME_LENGTH = 64
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def name_problem(name: object, declared: bool = True) -> str | None:
+    """Why `name` cannot name a spec (declared=False) or one of its params or inputs, or None if it can."""
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        return f"a name must be an ASCII identifier (letters, digits, '_'), got {name!r}"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"a name must be at most {MAX_NAME_LENGTH} characters, got {len(name)}"
+    if keyword.iskeyword(name):
+        return f"'{name}' is a Python keyword (it could not be passed as a keyword argument); choose another name"
+    if declared and name in BUILTIN_NAMES:
+        return f"'{name}' is a reserved name; choose another name"
+    if declared and name in CALL_ARGUMENTS:
+        return f"'{name}' is an argument of the attention call itself; choose another name"
+    return None
+
+
+def _checked_name(name: str, declared: bool = True) -> str:
+    problem = name_problem(name, declared)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+# The name of a param or input, as every IR node that carries one declares it.
+DeclaredName = Annotated[str, AfterValidator(lambda name: _checked_name(name))]
+
 
 ARITHMETIC_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow")
 COMPARISON_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -73,14 +115,14 @@ class Param(Node):
     """A compile-time constant; its value lives in Spec.params."""
     kind: Literal["param"] = "param"
     type: ValueType
-    name: str
+    name: DeclaredName
 
 
 class Load(Node):
     """An element of a tensor input; one int index per declared dim (none for a scalar)."""
     kind: Literal["load"] = "load"
     type: ValueType
-    input: str
+    input: DeclaredName
     index: tuple["Expr", ...]
 
 
@@ -116,13 +158,13 @@ Dim = Union[int, Literal["B", "H", "HKV", "Q_LEN", "KV_LEN", "*"]]
 
 
 class ParamDecl(Node):
-    name: str
+    name: DeclaredName
     type: ValueType
     value: Union[int, float]
 
 
 class InputDecl(Node):
-    name: str
+    name: DeclaredName
     dtype: Literal["f32", "f16", "bf16", "i32", "i64", "bool"]
     dims: tuple[Dim, ...]
     learnable: bool = False
@@ -140,6 +182,44 @@ class Spec(Node):
     mask: Expr | None = None
     score: Expr | None = None
     scale: Expr | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _spec_name(cls, name: str) -> str:
+        return _checked_name(name, declared=False)
+
+    @model_validator(mode="after")
+    def _references(self) -> "Spec":
+        # A Spec may be built in Python, not only lowered from text: every name an expression uses
+        # must be declared, with its declared type and arity, so later stages can trust the IR.
+        declared = [p.name for p in self.params] + [i.name for i in self.inputs]
+        twice = sorted({n for n in declared if declared.count(n) > 1})
+        if twice:
+            raise ValueError(f"names must be declared once, got {', '.join(map(repr, twice))} twice")
+        params = {p.name: p for p in self.params}
+        inputs = {i.name: i for i in self.inputs}
+        for item, expected in (("mask", ("bool",)), ("score", ("int", "float")), ("scale", ("int", "float"))):
+            expr = getattr(self, item)
+            if expr is None:
+                continue
+            if expr.type not in expected:
+                raise ValueError(f"{item} must be of type {' or '.join(expected)}, got {expr.type}")
+            for node in walk(expr):
+                if isinstance(node, Score) and item != "score":
+                    raise ValueError(f"{item} may not use 'score'")
+                if isinstance(node, Param) and (node.name not in params or params[node.name].type != node.type):
+                    raise ValueError(f"{item} uses param {node.name!r} as {node.type}, but the spec declares "
+                                     + (f"it {params[node.name].type}" if node.name in params else "no such param"))
+                if isinstance(node, Load):
+                    decl = inputs.get(node.input)
+                    if decl is None or len(decl.dims) != len(node.index) or decl.value_type != node.type:
+                        raise ValueError(f"{item} reads input {node.input!r} with {len(node.index)} index(es) as "
+                                         f"{node.type}, but the spec declares "
+                                         + (f"{decl.dtype}[{', '.join(map(str, decl.dims))}]" if decl else
+                                            "no such input"))
+                if item == "scale" and isinstance(node, (Var, Load)):
+                    raise ValueError("scale may use only D, params and numbers")
+        return self
 
     def param(self, name: str) -> ParamDecl:
         return next(p for p in self.params if p.name == name)
@@ -162,13 +242,23 @@ class Spec(Node):
                 raise ArgumentError(f"params: unknown param '{name}' (the spec declares: {known})")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ArgumentError(f"params: '{name}' must be a number, got {value!r}")
-            if declared[name].type == "int" and not float(value).is_integer():
+            # nan and inf, and an int past the largest float for a float param, would be baked in as inf.
+            if not (-sys.float_info.max <= value <= sys.float_info.max):
+                raise ArgumentError(f"params: '{name}' must be a finite number, got {value!r}")
+            if declared[name].type == "int" and isinstance(value, float) and not value.is_integer():
                 raise ArgumentError(f"params: '{name}' is an int param and must be an integer, got {value!r}")
+            if declared[name].type == "int" and not -2 ** 63 <= value < 2 ** 63:
+                raise ArgumentError(f"params: '{name}' is an int param and must fit in int64, got {value!r}")
         params = tuple(
             p.model_copy(update={"value": (int(overrides[p.name]) if p.type == "int" else float(overrides[p.name]))})
             if p.name in overrides else p
             for p in self.params)
-        return self.model_copy(update={"params": params})
+        spec = self.model_copy(update={"params": params})
+        # Lowering checked the spec's numbers with the declared values: check them again with these
+        # (attngen.checks builds on this module, so it is imported only here).
+        from attngen.checks import check_overrides
+        check_overrides(spec, overrides)
+        return spec
 
     def fingerprint(self) -> str:
         """A stable hash of the meaning of the spec (params included, source text excluded)."""

@@ -7,19 +7,21 @@ import math
 
 from lark import Token, Tree
 
-from attngen import ir
+from attngen import checks, ir
 from attngen.errors import Position, SpecError
+from attngen.intervals import I64_RANGE
 
 _BUILTIN_CONSTANTS = {"true": ("bool", True), "false": ("bool", False), "inf": ("float", math.inf)}
 _BUILTIN_MASKS = ("causal", "causal_bottom_right")
-_ITEM_KEYWORDS = ("attention", "param", "input", "mask", "score", "scale", "learnable",
-                  "and", "or", "not")
-RESERVED = (set(_BUILTIN_CONSTANTS) | set(_BUILTIN_MASKS) | set(ir.INDEX_VARS) | set(ir.SIZES)
-            | set(ir.FUNCTIONS) | set(_ITEM_KEYWORDS))
+assert {*_BUILTIN_CONSTANTS, *_BUILTIN_MASKS} <= ir.BUILTIN_NAMES  # no input may shadow them
 _COMPARISONS = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
 _OP_TEXT = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
             "pow": "**", "and": "and", "or": "or"}
 _DIM_NAMES = ("B", "H", "HKV", "Q_LEN", "KV_LEN")
+# Every later stage walks expressions recursively (pydantic serialises at most 255 levels, and the
+# backward pass differentiates, which nests deeper): expressions nesting deeper than this are
+# refused, with the depth measured on the parse tree, without recursion, before lowering.
+MAX_DEPTH = 100
 
 
 def position(node: Tree | Token) -> Position:
@@ -40,6 +42,27 @@ def _promote(*types: str) -> str:
     return "float" if "float" in types else "int"
 
 
+def _depth(tree: Tree) -> int:
+    """How deeply an expression's parse tree nests (a chained comparison of n parts nests n - 1 deep)."""
+    deepest = 0
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Tree):
+            if node.data == "compare":
+                depth += len(node.children) // 2 - 1
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in node.children)
+    return deepest
+
+
+def _int64(value: int, what: str, token: Token) -> int:
+    if not I64_RANGE[0] <= value <= I64_RANGE[1]:
+        got = value if len(str(value)) <= 40 else f"a {len(str(abs(value)))}-digit number"
+        raise SpecError(f"{what} must fit in int64 ({I64_RANGE[0]} .. {I64_RANGE[1]}), got {got}", position(token))
+    return value
+
+
 def _number(token: Token) -> ir.Const:
     text = str(token)
     if any(c in text for c in ".eE"):
@@ -50,12 +73,16 @@ def _number(token: Token) -> ir.Const:
 class Lowerer:
     """Walks one parse tree; `context` is the item being lowered ('mask', 'score' or 'scale')."""
 
-    def __init__(self):
+    def __init__(self, check_numbers: bool = True):
+        self.check_numbers = check_numbers
         self.params: dict[str, ir.ParamDecl] = {}
         self.inputs: dict[str, ir.InputDecl] = {}
         self.items: dict[str, tuple[ir.Expr, Position]] = {}
         self.spec_name: str | None = None
         self.context = ""
+        # id(node) -> (node, where its text is), for positioning problems found in the whole spec;
+        # the node is kept, so no id is reused while the map lives.
+        self.positions: dict[int, tuple[ir.Expr, Position]] = {}
 
     # --- the file --------------------------------------------------------------------------
     def start(self, tree: Tree) -> ir.Spec:
@@ -65,7 +92,7 @@ class Lowerer:
         declarations = [i for i in items if i.data in ("param_decl", "input_decl")]
         for item in declarations + [i for i in items if i not in declarations]:
             getattr(self, item.data)(item)
-        return ir.Spec(
+        spec = ir.Spec(
             name=self.spec_name,
             params=tuple(self.params.values()),
             inputs=tuple(self.inputs.values()),
@@ -73,15 +100,31 @@ class Lowerer:
             score=self.items.get("score", (None,))[0],
             scale=self.items.get("scale", (None,))[0],
         )
+        # The number checks need the whole spec (a divisor may be a param; an overflow depends on
+        # the inputs' dtypes), so they run here, and each problem is placed by its node's identity.
+        for problem in (checks.problems(spec)[:1] if self.check_numbers else ()):
+            raise SpecError(problem.message, self._where(problem.node))
+        return spec
+
+    def _where(self, node: ir.Expr) -> Position:
+        """Where a node of the spec came from: its own text, else (made while lowering, as the
+        parts of `causal` are) the item that holds it."""
+        if id(node) in self.positions:
+            return self.positions[id(node)][1]
+        return next(where for expr, where in self.items.values() if any(n is node for n in ir.walk(expr)))
 
     def header(self, tree: Tree) -> None:
         (name,) = tree.children
+        problem = ir.name_problem(str(name), declared=False)
+        if problem is not None:
+            raise SpecError(f"the spec's {problem}", position(name))
         self.spec_name = str(name)
 
     def _declare(self, token: Token) -> str:
         name = str(token)
-        if name in RESERVED:
-            raise SpecError(f"'{name}' is a reserved name; choose another name", position(token))
+        problem = ir.name_problem(name)
+        if problem is not None:
+            raise SpecError(problem, position(token))
         if name in self.params or name in self.inputs:
             raise SpecError(f"'{name}' is declared twice", position(token))
         return name
@@ -90,6 +133,10 @@ class Lowerer:
         token, number = tree.children
         name = self._declare(token)
         value = getattr(self, number.data)(number)
+        if value.type == "int":
+            _int64(value.value, f"params: '{name}'", number.children[0])
+        elif not math.isfinite(value.value):
+            raise SpecError(f"params: '{name}' must be a finite number, got {value.value!r}", position(number))
         self.params[name] = ir.ParamDecl(name=name, type=value.type, value=value.value)
 
     def signed_number(self, tree: Tree) -> ir.Const:
@@ -129,6 +176,10 @@ class Lowerer:
             first = self.items[kind][1].line
             raise SpecError(f"duplicate '{kind}:' (the first is at line {first})", position(tree))
         self.context = kind
+        depth = _depth(tree.children[0])
+        if depth > MAX_DEPTH:
+            raise SpecError(f"expression nests too deeply ({depth} levels; at most {MAX_DEPTH})",
+                            position(tree.children[0]))
         expr = self.expr(tree.children[0])
         self.items[kind] = (expr, position(tree))
         return expr
@@ -151,10 +202,15 @@ class Lowerer:
 
     # --- expressions -----------------------------------------------------------------------
     def expr(self, node: Tree | Token) -> ir.Expr:
-        return getattr(self, node.data)(node)
+        lowered = getattr(self, node.data)(node)
+        self.positions.setdefault(id(lowered), (lowered, position(node)))
+        return lowered
 
     def number(self, tree: Tree) -> ir.Expr:
-        return _number(tree.children[0])
+        const = _number(tree.children[0])
+        if const.type == "int":
+            _int64(const.value, "an int literal", tree.children[0])
+        return const
 
     def score_ref(self, tree: Tree) -> ir.Expr:
         if self.context != "score":
@@ -324,6 +380,9 @@ class Lowerer:
         return ir.Unary(type="bool", op="not", operand=operand)
 
 
-def lower(tree: Tree) -> ir.Spec:
-    """Lower a parse tree to a Spec; raise SpecError (without source attached) on a semantic error."""
-    return Lowerer().start(tree)
+def lower(tree: Tree, check_numbers: bool = True) -> ir.Spec:
+    """Lower a parse tree to a Spec; raise SpecError (without source attached) on a semantic error.
+
+    `check_numbers=False` skips attngen.checks (exact integers, zero divisors, a finite scale):
+    for tests of the syntax and types alone, such as the printer's round trips over random IR."""
+    return Lowerer(check_numbers).start(tree)

@@ -1,0 +1,113 @@
+"""The compile-time checks of a spec's numbers: a spec that cannot be computed exactly is rejected before any kernel exists.
+
+Lowering runs them on the declared params and positions each problem at its node; build-time
+param overrides (`ir.Spec.with_params`) run them again on the new values, naming the params
+and printing the offending expression, since an override has no place in the text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from attngen import ir
+from attngen.codegen import host_scale
+from attngen.errors import ArgumentError
+from attngen.integers import HEAD_DIMS, Ranges, box, is_constant, length_limit, postorder
+from attngen.printer import expr_to_source
+
+# A spec whose ints overflow int64 below this length is rejected: it could serve only toy
+# sequences, so the overflow is more likely a mistake than a design. Above it, the generated
+# module refuses the lengths beyond its limit at call time (integers.length_limit).
+MIN_LENGTH = 1024
+_DIVIDES = {"div": "/", "floordiv": "//", "mod": "%"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is wrong (`message`, "X must ..., got ...") and where: the offending subexpression."""
+    node: ir.Expr
+    message: str
+
+
+def _number(v: float) -> str:
+    if isinstance(v, int) and abs(v) < 10 ** 25:
+        return str(v)
+    return f"{v:.3g}"
+
+
+def _range(value) -> str:
+    return f"[{_number(value.lo)}, {_number(value.hi)}]"
+
+
+def problems(spec: ir.Spec) -> list[Problem]:
+    """Everything that keeps the spec's numbers from being exact, innermost and leftmost first."""
+    found = []
+    ranges = Ranges(box(spec, MIN_LENGTH))
+    for expr in (spec.mask, spec.score, spec.scale):
+        for node in postorder(expr) if expr is not None else ():
+            found += _node_problems(node, ranges)
+    limit, culprit = length_limit(spec)
+    if limit < MIN_LENGTH:
+        got = _range(Ranges(box(spec, limit + 1)).value(culprit))
+        where = ("whatever the call's inputs and sizes" if limit == 0 else
+                 f"at lengths up to {MIN_LENGTH} (it overflows beyond length {limit})")
+        found.append(Problem(culprit, f"'{expr_to_source(culprit)}' must fit in int64 {where}, got values in "
+                                      f"{got}; compute it in float (with a float operand) or from narrower ints"))
+    if spec.scale is not None:
+        found += _scale_problems(spec, ranges)
+    return found
+
+
+def _node_problems(node: ir.Expr, ranges: Ranges) -> list[Problem]:
+    if isinstance(node, ir.Binary) and node.op in _DIVIDES:
+        divisor = ranges.value(node.right)
+        if divisor.lo == divisor.hi == 0 and not divisor.nan:
+            return [Problem(node, f"the divisor of '{_DIVIDES[node.op]}' must not be a constant zero, "
+                                        f"got '{expr_to_source(node.right)}', which is 0")]
+    if isinstance(node, ir.Call) and node.fn == "softcap":
+        cap = ranges.value(node.args[1])
+        if cap.lo == cap.hi == 0 and not cap.nan:
+            return [Problem(node, f"the cap of softcap() must not be a constant zero (it divides by it), "
+                                          f"got '{expr_to_source(node.args[1])}', which is 0")]
+    if isinstance(node, ir.Binary) and node.op == "pow" and ranges.is_int(node) and not is_constant(node.right):
+        # torch computes an int to a non-negative int power in int64; the kernels compute it
+        # exactly by repeated squaring, which needs the exponent at compile time.
+        return [Problem(node.right, f"the exponent of an int '**' must be a constant (literals and params), "
+                                    f"got '{expr_to_source(node.right)}'; for a float power use a float "
+                                    f"base, e.g. '1.0 * {expr_to_source(node.left)}'")]
+    return []
+
+
+def _scale_problems(spec: ir.Spec, ranges: Ranges) -> list[Problem]:
+    """The scale runs on the host for the call's head dim D: every int must fit int64 (torch's
+    reference computes them so) and the value must be finite, for every D the module accepts."""
+    culprit = ranges.overflow(spec.scale)
+    if culprit is not None:
+        return [Problem(culprit, f"'{expr_to_source(culprit)}' must fit in int64 for every head dim D in "
+                                 f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]}, got values in {_range(ranges.value(culprit))}")]
+    scale = host_scale(spec.scale, {p.name: p.value for p in spec.params})
+    for d in range(HEAD_DIMS[0], HEAD_DIMS[1] + 1):
+        try:
+            value = scale(d)
+        except (ArithmeticError, ValueError, TypeError) as err:
+            got = f"{type(err).__name__} ({err})"
+        else:
+            if math.isfinite(value):
+                continue
+            got = repr(value)
+        return [Problem(spec.scale, f"scale must be a finite number for every head dim D in "
+                                    f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]}, got {got} at D={d}")]
+    return []
+
+
+def check_overrides(spec: ir.Spec, overrides: dict[str, int | float]) -> None:
+    """Raise ArgumentError if param overrides made `spec` (with them applied) inexact, naming the
+    params and the expression."""
+    found = problems(spec)
+    if not found:
+        return
+    problem = found[0]
+    named = [n for n in overrides if ir.uses(problem.node, ir.Param, n)] or list(overrides)
+    values = ", ".join(f"'{n}' = {overrides[n]!r}" for n in named)
+    raise ArgumentError(f"params: {values} makes '{expr_to_source(problem.node)}' wrong: {problem.message}")
