@@ -237,9 +237,6 @@ def check_command(
     for name in dtypes:
         if name not in fuzz.DTYPES:
             _usage_error(f"--dtype must be one of {', '.join(fuzz.DTYPES)}, got {name!r}")
-        if name == "bf16" and device == "cpu":
-            _usage_error("--dtype must be f32 or f16 on the CPU, got 'bf16': bf16 needs a GPU "
-                         "(Triton's interpreter computes bf16 dots wrongly)")
     try:
         single = fuzz.Case.parse(case) if case is not None else None
     except ValueError as e:

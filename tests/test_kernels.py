@@ -1,7 +1,8 @@
 """The generated kernels against the float64 reference: forward, LSE and every gradient.
 
-On the CPU these run through Triton's interpreter in fp32 and fp16 (its bf16 dot is wrong,
-see DESIGN.md); on a GPU the same tests also run in bf16.
+On the CPU these run through Triton's interpreter in fp32 and fp16, and on a GPU also in bf16 (the
+interpreter's own bf16 dot is wrong, so there the kernels upcast bf16 dots to fp32: that path is
+checked on a few specs in test_autograd_and_tables.py, to keep the catalog's CPU time down).
 """
 
 from pathlib import Path
