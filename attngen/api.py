@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from attngen import ir, runtime
+from attngen import checks, ir, runtime
 from attngen.analysis import block_steps, is_narrow, needs_tile_table
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
 from attngen.grad import gather_bytes
 from attngen.plan import Plan, plan
+from attngen.printer import expr_to_source
 from attngen.render import render
 from attngen.target import Target, get_target
 
@@ -31,6 +32,9 @@ def parse_spec(text: str, filename: str = "<spec>") -> ir.Spec:
 def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
     """A Spec and the text to show for it, from a path, spec source text or a Spec."""
     if isinstance(spec, ir.Spec):
+        # Built in Python, it never met lowering's number checks: run them here.
+        for problem in checks.problems(spec)[:1]:
+            raise ArgumentError(f"spec {spec.name!r}: {problem.message} (in '{expr_to_source(problem.node)}')")
         return spec, spec.model_dump_json(indent=2)
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and "\n" not in spec
                                          and not spec.lstrip().startswith("attention")):
@@ -47,14 +51,20 @@ def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
 
 @dataclass(frozen=True)
 class Attention:
-    """A built attention variant: call it as attn(q, k, v, *, return_lse=False, **inputs)."""
+    """A built attention variant: call it as attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs)."""
     spec: ir.Spec
     plan: Plan
     module: ModuleType
     path: Path
 
-    def __call__(self, q, k, v, *, return_lse: bool = False, **inputs):
-        return self.module.attn(q, k, v, return_lse=return_lse, **inputs)
+    def __call__(self, q, k, v, *, return_lse: bool = False, tile_tables=None, **inputs):
+        return self.module.attn(q, k, v, return_lse=return_lse, tile_tables=tile_tables, **inputs)
+
+    def tile_tables(self, q, k, v, **inputs):
+        """The tile tables of these mask inputs, to pass as attn(q, k, v, tile_tables=..., **inputs)
+        in calls of the same shapes, dtype and device, which then skip building them. Build them
+        again whenever the values the mask reads change: a call cannot tell they are stale."""
+        return self.module.tile_tables(q, k, v, **inputs)
 
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
@@ -92,6 +102,8 @@ def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | 
     if tgt.interpreter and not _interpreting():
         raise ArgumentError("target 'interpreter' needs TRITON_INTERPRET=1 set before triton is "
                             "imported (attngen sets it itself on a machine with no CUDA GPU)")
-    key = runtime.module_key(parsed.fingerprint(), kernel_plan.model_dump_json())
+    # The source text is part of the module (its header), so it is part of the key: a spec of the
+    # same name and meaning but other text never shares a module with it.
+    key = runtime.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
     module, path = runtime.load(parsed.name, key, lambda: render(parsed, kernel_plan, text))
     return Attention(parsed, kernel_plan, module, path)

@@ -50,6 +50,10 @@ INPUT_MENU: dict[str, tuple[str, list[str], list[str]]] = {
 AFFINE_ATOMS = ["causal", "causal_bottom_right", "q - k < w", "k - q <= w", "q // c == k // c",
                 "k >= q - 2 * w", "q >= 3", "k < KV_LEN - 2", "h < 1", "(q + 1) // c >= k // c"]
 OTHER_ATOMS = ["q % 3 != 1", "q * k < 200"]
+# Integers past int32 at the drawn lengths (the kernels must widen them exactly as the reference does):
+# a band with large coefficients, a fourth power, and products beyond 2**31.
+INTEGER_ATOMS = ["q * 20000000 >= k * 20000000 - 3000000000", "(q - k) ** 4 < 60000 * w * w"]
+INTEGER_LEAVES = ["(q - k) ** 4 * 1e-9", "(q * k * 40000) % 7 * 0.1", "(q + 3000000000) // 1000000000 * 0.5"]
 # Values one off the interpreter's 16-wide tiles, where off-by-one errors in loop bounds show.
 NEAR_TILES = [15, 16, 17, 31, 32, 33, 47, 48]
 SCORE_LEAVES = ["score", "score * t", "(k - q) * 0.1", "(q - k) % 5 / 4", "(q + k) // 3 * 0.1", "t"]
@@ -57,6 +61,10 @@ UNARY = ["tanh({})", "softcap({}, 2.0)", "sigmoid({})", "abs({})", "exp(-abs({})
          "log(1.0 + abs({}))", "log2(2.0 + abs({}))", "sqrt(1.0 + ({}) * ({}))", "rsqrt(1.0 + abs({}))",
          "({}) ** 2", "min({}, 1.0)", "max({}, -1.0)", "clamp({}, -2, 2)", "-({})", "floor({}) * 0.5",
          "ceil({}) * 0.5"]
+# Comment text: anything but a line break (lone surrogates are left to tests/test_trust.py, since a
+# failure report that holds one cannot be printed).
+COMMENTS = st.text(st.characters(exclude_characters="\n", exclude_categories=["Cs"]), max_size=24) | \
+    st.sampled_from(['"""; import os; os.system("touch pwned"); """', "C:\\xfiles \\N{DASH}", "-*- coding: rot13 -*-"])
 BINARY = ["({}) + ({})", "({}) - ({})", "({}) * ({})", "({}) / (1.0 + abs({}))",
           "where(q > k, {}, {})", "min({}, {})", "max({}, {})"]
 
@@ -96,14 +104,17 @@ def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_sco
              f"param c = {draw(st.integers(1, 9))}",
              f"param t = {draw(st.sampled_from([0.5, -1.25, 2.0]))}"]
     lines += [f"input {name}: {INPUT_MENU[name][0]}" for name in names]
-    atoms = AFFINE_ATOMS + OTHER_ATOMS + [a for n in names for a in INPUT_MENU[n][1]]
-    leaves = SCORE_LEAVES + [s for n in names for s in INPUT_MENU[n][2]]
+    atoms = AFFINE_ATOMS + OTHER_ATOMS + INTEGER_ATOMS + [a for n in names for a in INPUT_MENU[n][1]]
+    leaves = SCORE_LEAVES + INTEGER_LEAVES + [s for n in names for s in INPUT_MENU[n][2]]
     if with_mask if with_mask is not None else draw(st.booleans()):
         lines.append(f"mask: {draw(_masks(atoms, draw(st.integers(0, max_depth))))}")
     if with_score if with_score is not None else draw(st.booleans()):
         lines.append(f"score: {draw(_scores(leaves, draw(st.integers(0, max_depth))))}")
     if draw(st.integers(0, 4)) == 0:
         lines.append(f"scale: {draw(st.sampled_from(['0.25', 'rsqrt(D * 1.0) * t', '1.0 / D']))}")
+    # Comments hold any text (quotes, backslashes, other line separators): it must never reach code.
+    for i in draw(st.lists(st.integers(0, len(lines) - 1), max_size=2)):
+        lines[i] += f"  # {draw(COMMENTS)}"
     return "\n".join(lines) + "\n"
 
 

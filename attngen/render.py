@@ -6,9 +6,10 @@ from functools import lru_cache
 
 import jinja2
 
-from attngen import __version__, analysis, grad, ir
+from attngen import __version__, analysis, grad, integers, ir
 from attngen.codegen import Spelling, TritonEmitter, python_expr
 from attngen.plan import Plan
+from attngen.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
 _UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
@@ -35,8 +36,26 @@ def _params(spec: ir.Spec) -> dict[str, int | float]:
     return {p.name: p.value for p in spec.params}
 
 
+@lru_cache(maxsize=8)
+def _length_limit(spec: ir.Spec) -> tuple[int, ir.Expr | None]:
+    return integers.length_limit(spec)
+
+
+@lru_cache(maxsize=8)
+def _ranges(spec: ir.Spec) -> integers.Ranges:
+    """Every int's range at the lengths the module accepts: the kernels' int widths follow from it."""
+    return integers.Ranges(integers.box(spec, _length_limit(spec)[0]))
+
+
+def _length_reason(spec: ir.Spec) -> str:
+    culprit = _length_limit(spec)[1]
+    if culprit is None:
+        return "positions are int32 in the kernels"
+    return f"beyond it '{expr_to_source(culprit)}' overflows int64"
+
+
 def _emitter(spec: ir.Spec, spelling: Spelling, prefix: str) -> TritonEmitter:
-    return TritonEmitter(spelling, _params(spec), {i.name: i for i in spec.inputs}, prefix)
+    return TritonEmitter(spelling, _params(spec), {i.name: i for i in spec.inputs}, prefix, _ranges(spec))
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> str:
@@ -84,7 +103,7 @@ def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
         lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
         # Reduce along the axes the index does not vary on: one atomic per distinct address.
         if dims == frozenset("mn"):
-            lines += _scatter_tile(f"grad_{load.input}_ptr", offset, bounds, contribution, n)
+            lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
             continue
         if dims == frozenset("m"):
             value = f"tl.sum({contribution}, 1)[:, None]"
@@ -95,7 +114,7 @@ def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
         mask = f", mask={bounds}" if bounds else ""
         # Relaxed: only the sum after the kernel matters, so no ordering fence per element (the
         # default, acq_rel, orders every atomic against the program's other memory operations).
-        lines.append(f"tl.atomic_add(grad_{load.input}_ptr + {offset}, {value}{mask}, sem=\"relaxed\")")
+        lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
     return "\n".join(lines) if lines else "# no learnable inputs"
 
 
@@ -125,8 +144,14 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
 
 
 def _bounds_hook(spec: ir.Spec, loop: str) -> str:
-    """Defines the element bounds of the loop over `loop` ('k' or 'q') for one tile of the other."""
+    """Defines the element bounds of the loop over `loop` ('k' or 'q') for one tile of the other.
+
+    Bounds are scalars per tile, so they are computed in int64; `integers.exact_span` makes sure
+    that cannot wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
     region = analysis.region(spec.mask, loop, _params(spec))
+    limit = _length_limit(spec)[0]
+    visit = integers.exact_span(region.visit, _ranges(spec), limit, inner=False)
+    full = integers.exact_span(region.full, _ranges(spec), limit, inner=True)
     em = _emitter(spec, BOUNDS, "bd")
     other = "q" if loop == "k" else "k"
     tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}
@@ -139,16 +164,16 @@ def _bounds_hook(spec: ir.Spec, loop: str) -> str:
         code = em.bound(bound, tile_vars)
         return f"_index_bound({code} + 1, {length})" if upper else f"_index_bound({code}, {length})"
 
-    if region.visit is None:
+    if visit is None:
         assignments = [f"{name}_lo = 0", f"{name}_hi = 0"]
     else:
-        assignments = [f"{name}_lo = {side(region.visit.lo, '0', False)}",
-                       f"{name}_hi = {side(region.visit.hi, length, True)}"]
-    if region.full is None:
+        assignments = [f"{name}_lo = {side(visit.lo, '0', False)}",
+                       f"{name}_hi = {side(visit.hi, length, True)}"]
+    if full is None:
         assignments += [f"{name}_full_lo = 0", f"{name}_full_hi = 0"]
     else:
-        assignments += [f"{name}_full_lo = {side(region.full.lo, '0', False)}",
-                        f"{name}_full_hi = {side(region.full.hi, length, True)}"]
+        assignments += [f"{name}_full_lo = {side(full.lo, '0', False)}",
+                        f"{name}_full_hi = {side(full.hi, length, True)}"]
     return "\n".join([*em.lines, *assignments])
 
 
@@ -187,6 +212,21 @@ def _table_params(prefix: str, table: bool) -> str:
     return "".join(f"{prefix}{name}, " for name in ("TblNum", "TblIdx", "tbl_sb", "tbl_sh", "tbl_cols"))
 
 
+def comment_lines(text: str, indent: str = "    ") -> str:
+    """`text` as Python comment lines, whatever it holds.
+
+    Each line of the text (split at every character str.splitlines treats as a line break, a
+    superset of Python's \\n, \\r and \\r\\n) becomes `#` + indent + the line, with every character
+    that is not printable (controls, NUL, lone surrogates, other separators) written as its escape.
+    So no text can end a comment, start a statement, or make the file undecodable; and since the
+    module starts with a fixed docstring, no line of it can land where Python reads an encoding
+    declaration (the first two lines).
+    """
+    def printable(ch: str) -> str:
+        return ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+    return "\n".join(f"#{indent}{''.join(map(printable, line))}".rstrip() for line in text.splitlines() or [""])
+
+
 def _python_tuple(values) -> str:
     return repr(tuple(values))
 
@@ -200,7 +240,8 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         + "".join(f"size_{i.name}_{d}, " for d in range(len(i.dims)))
         for i in inputs)
     learnable = spec.learnable_inputs
-    grad_params = "".join(f"grad_{i.name}_ptr, " for i in learnable)
+    # `NAME_grad` never equals another input's `NAME_ptr`: `grad_x` beside a learnable `x` is fine.
+    grad_params = "".join(f"{i.name}_grad, " for i in learnable)
     inputs_table = "{" + ", ".join(
         f"{i.name!r}: ({i.dtype!r}, {_python_tuple(i.dims)}, {i.learnable})" for i in inputs) + "}"
     plan_table = "{\n" + "".join(
@@ -212,8 +253,9 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
     table = analysis.needs_tile_table(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     context = dict(
-        name=spec.name, version=__version__, fingerprint=spec.fingerprint(), source=source.strip(),
-        plan_target=plan.target, plan_summary=plan.summary(), masked_width_floor=plan.masked_width_floor,
+        name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
+        source_comment=comment_lines(source.strip()), plan_comment=comment_lines(plan.summary()),
+        masked_width_floor=plan.masked_width_floor,
         one_launch_backward=plan.one_launch_backward, launch_reason=plan.launch_reason,
         inputs=inputs, any_learnable=bool(learnable), inputs_table=inputs_table, plan_table=plan_table,
         scale_expr=scale, input_params=input_params, input_args=input_params,
@@ -228,5 +270,7 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),
         table_by_query=_table_hooks(spec, ROW_MAJOR, "k") if table else None,
         table_by_key=_table_hooks(spec, TRANSPOSED, "q") if table else None,
+        max_length=_length_limit(spec)[0], max_length_reason=_length_reason(spec),
+        max_batch_heads=integers.MAX_BATCH_HEADS,
     )
     return _environment().get_template("module.py.jinja").render(**context)

@@ -1,0 +1,170 @@
+"""Spec text is data, never code; names are identifiers; the kernel cache serves only the module asked for."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import attngen
+from attngen import ir, runtime, testing
+from attngen.errors import SpecError
+
+ROOT = Path(__file__).parent.parent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CAUSAL = "attention causal\nmask: causal\n"
+
+
+def _module_ast(source: str) -> str:
+    return ast.dump(ast.parse(source))
+
+
+# --- spec text never becomes code ------------------------------------------------------------------
+
+def test_a_comment_that_closes_the_docstring_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "e.attn"
+    spec.write_text('attention causal\n# """; __import__("os").system("touch pwned"); """\nmask: causal\n')
+    attn = attngen.build(spec)
+    q, k, v = testing.random_qkv(1, 1, 1, 5, 5, 16, 16, torch.float32, device=DEVICE)
+    attn(q, k, v)
+    assert not (tmp_path / "pwned").exists()
+    assert '# """; __import__("os").system("touch pwned"); """' in attn.path.read_text()
+
+
+def test_a_comment_with_a_backslash_builds():
+    attn = attngen.build("attention causal\n# C:\\xfiles \\N{oops} \\\nmask: causal\n")
+    assert "C:\\xfiles" in attn.path.read_text()
+
+
+# Characters Python's tokenizer or str.splitlines treats specially, and an encoding declaration
+# (which Python obeys on a file's first two lines).
+_TRICKY = ['"""', "'''", "\\", "\\N{DASH}", "\r", "\x00", "\x0b", "\x0c", "\x1c", "\x85", "\u2028", "\u2029",
+           "\ud800", "\ufeff", "-*- coding: rot13 -*-", "coding=latin-1"]
+
+
+@settings(max_examples=150)
+@given(st.lists(st.one_of(st.text(alphabet=st.characters(exclude_categories=[])), st.sampled_from(_TRICKY)),
+                min_size=1, max_size=6).map("".join))
+@example("-*- coding: rot13 -*-")
+@example('"""; import os; os.system("x"); """')
+def test_comment_text_never_changes_the_generated_module(comment):
+    """Whatever a comment holds, the module parses to the same program as without it: comments
+    are all that differ, so the kernels behave the same and nothing of the comment runs."""
+    comment = comment.replace("\n", "")  # a comment ends at the line break
+    plain = attngen.compile_source(CAUSAL)
+    for text in (f"# {comment}\n{CAUSAL}", f"attention causal  # {comment}\nmask: causal # {comment}\n"):
+        source = attngen.compile_source(text)
+        assert _module_ast(source) == _module_ast(plain)
+        source.encode("utf-8")  # the cache writes it as UTF-8: no lone surrogate survives
+
+
+def test_names_are_identifiers_in_the_ir_itself():
+    for name in ("../../x", "a b", "x\n", "", "é", "if", "x" * 65):
+        with pytest.raises(ValueError):
+            ir.Spec(name=name)
+    for name in ("v", "self", "return_lse", "q", "causal", "lambda", "a/b"):
+        with pytest.raises(ValueError):
+            ir.InputDecl(name=name, dtype="f32", dims=())
+    with pytest.raises(ValueError, match="declares no such input"):
+        ir.Spec(name="s", mask=ir.Load(type="bool", input="layout", index=()))
+    with pytest.raises(ValueError, match="declared once"):
+        ir.Spec(name="s", params=(ir.ParamDecl(name="w", type="int", value=1),),
+                inputs=(ir.InputDecl(name="w", dtype="f32", dims=()),))
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v", "'v' is an argument of the attention call itself"),
+    ("self", "'self' is an argument of the attention call itself"),
+    ("return_lse", "'return_lse' is an argument of the attention call itself"),
+    ("class", "'class' is a Python keyword"),
+])
+def test_input_names_that_could_never_be_passed_are_positioned_errors(name, message):
+    with pytest.raises(SpecError) as err:
+        attngen.parse_spec(f"attention s\ninput {name}: f32[H]\nscore: score\n", "s.attn")
+    assert f"s.attn:2:7: {message}" in str(err.value)
+
+
+def test_a_gradient_input_named_after_a_learnable_one_works():
+    spec = "attention s\ninput x: f32[H] learnable\ninput grad_x: f32[H]\nscore: score * x[h] + grad_x[h]\n"
+    attn = attngen.build(spec)
+    q, k, v = testing.random_qkv(1, 2, 1, 9, 7, 16, 16, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 1, 9, 7, device=DEVICE)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+# --- the cache -------------------------------------------------------------------------------------
+
+def test_a_hostile_spec_of_the_same_name_does_not_poison_the_cache():
+    hostile = attngen.build("attention causal\n# not the stock one\nmask: k >= q\n")
+    stock = attngen.build(ROOT / "specs" / "causal.attn")
+    assert stock.path != hostile.path and stock.module is not hostile.module
+    assert "# not the stock one" not in stock.path.read_text()
+    same_meaning = attngen.build("attention causal\n# other words, same mask\nmask: causal\n")
+    assert same_meaning.path != stock.path  # the text is in the module, so in the key
+
+
+def test_a_changed_attngen_renders_anew(tmp_path):
+    """An editable install whose code changed must not reuse the modules of its earlier self."""
+    shutil.copytree(ROOT / "attngen", tmp_path / "pkg" / "attngen",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    path = os.pathsep.join([str(tmp_path / "pkg"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "ATTNGEN_CACHE_DIR": str(tmp_path / "cache")}
+    # The copy must be what is imported (run outside the checkout, whose attngen `-c` would find first).
+    script = f"""
+import attngen
+assert attngen.__file__.startswith({str(tmp_path / 'pkg')!r}), attngen.__file__
+print(attngen.build({str(ROOT / 'specs' / 'causal.attn')!r}).path)
+"""
+
+    def build_path() -> Path:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return Path(result.stdout.strip())
+
+    before = build_path()
+    template = tmp_path / "pkg" / "attngen" / "templates" / "fwd.py.jinja"
+    template.write_text(template.read_text() + "\n# a change to a template\n")
+    after = build_path()
+    assert after != before and "# a change to a template" in after.read_text()
+    codegen = tmp_path / "pkg" / "attngen" / "codegen.py"
+    codegen.write_text(codegen.read_text() + "\n# a change to the compiler's Python\n")
+    assert build_path() != after
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit"])
+def test_a_damaged_cached_module_is_rebuilt_with_a_warning(damage, monkeypatch):
+    path = attngen.build(CAUSAL).path
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2] if damage == "truncate"
+                    else text.replace("def attn(", "raise SystemExit('tampered')\n\n\ndef attn("))
+    monkeypatch.setattr(runtime, "_LOADED", {})
+    with pytest.warns(RuntimeWarning, match=f"cached kernel module {path} does not match its seal"):
+        attn = attngen.build(CAUSAL)
+    assert attn.path == path and path.read_text() == text
+    q, k, v = testing.random_qkv(1, 1, 1, 4, 4, 16, 16, torch.float32, device=DEVICE)
+    attn(q, k, v)
+
+
+def test_an_unusable_cache_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(runtime, "_FALLBACK", [])
+    monkeypatch.setattr(runtime, "_LOADED", {})
+    with pytest.warns(RuntimeWarning, match="cannot write kernel modules to the cache directory") as seen:
+        first = attngen.build(CAUSAL)
+        second = attngen.build(ROOT / "specs" / "sliding_window.attn")
+    assert len([w for w in seen if "cannot write" in str(w.message)]) == 1
+    assert first.path.parent == second.path.parent != blocker / "cache"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attngen.build(CAUSAL)
