@@ -11,6 +11,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from attngen.errors import SpecError
+from attngen.integers import MAX_LENGTH
 from attngen.plan import DTYPES, HEAD_DIMS
 
 try:  # typer >= 0.26 vendors click; its usage errors derive from TyperException
@@ -21,7 +22,6 @@ except ImportError:  # earlier typer raises click's own
 app = typer.Typer(add_completion=False,
                   help="Compile attention variants written in the .attn language into fused Triton kernels.")
 
-MAX_LENGTH = 2 ** 31 - 1  # the kernels index a head's rows with int32 offsets
 
 DefineOption = Annotated[Optional[list[str]], typer.Option(
     "-D", "--define", metavar="NAME=VALUE", help="Override a param of the spec (repeatable).")]
