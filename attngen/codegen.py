@@ -8,7 +8,8 @@ from typing import Callable
 
 from attngen import ir
 from attngen.analysis import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.integers import INT32_RANGE, Ranges
+from attngen.integers import Ranges
+from attngen.intervals import I32_RANGE
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
@@ -86,7 +87,7 @@ class TritonEmitter:
 
     def _int_literal(self, value: int) -> str:
         # Beyond int32 a literal is spelled int64 outright (see `int64`).
-        return str(value) if INT32_RANGE[0] <= value <= INT32_RANGE[1] else int64(str(value))
+        return str(value) if I32_RANGE[0] <= value <= I32_RANGE[1] else int64(str(value))
 
     def _is_float(self, e: ir.Expr) -> bool:
         """Whether the reference computes `e` as a float (torch keeps int ** int an int, see `integers`)."""

@@ -18,9 +18,8 @@ import math
 
 from attngen import ir
 from attngen.analysis import Bound, Extremum, Gate, Linear, Span
-from attngen.intervals import I64_RANGE, Num, TileBox, Truth, node_value
+from attngen.intervals import I32_RANGE, I64_RANGE, Num, TileBox, Truth, node_value
 
-INT32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
 # Positions are int32 in the kernels (their offsets are int32 tiles, and Triton passes an int
 # argument below 2**31 as i32), so no length reaches 2**31.
 MAX_LENGTH = 2 ** 31 - 1
@@ -122,7 +121,7 @@ class Ranges:
 
     def wide(self, expr: ir.Expr) -> bool:
         """Whether the kernels must compute this int in int64: its range does not fit int32."""
-        return self.is_int(expr) and not fits(self.value(expr), INT32_RANGE)
+        return self.is_int(expr) and not fits(self.value(expr), I32_RANGE)
 
     def overflow(self, expr: ir.Expr) -> ir.Expr | None:
         """The innermost int of `expr` whose range does not fit int64, or None."""

@@ -27,8 +27,9 @@ from attngen import ir
 INF = math.inf
 # Relative margin for deciding float comparisons: far above fp32 rounding of a short expression.
 FLOAT_MARGIN = 1e-5
+I32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
 I64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
-_INT_DTYPE_RANGES = {"i32": (-(2 ** 31), 2 ** 31 - 1), "i64": I64_RANGE}
+_INT_DTYPE_RANGES = {"i32": I32_RANGE, "i64": I64_RANGE}
 
 
 class TileClass(str, Enum):

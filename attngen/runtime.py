@@ -104,9 +104,12 @@ def _fallback_dir(reason: OSError) -> Path:
 
 
 def _cached_file(name: str, key: str, render: Callable[[], str]) -> Path:
-    """The path of an intact module for `key`, rendering and writing it first if need be."""
+    """The path of an intact module for `key`, rendering and writing it first if need be (a module
+    this process already imported is not read again)."""
     filename = f"{name}_{key}.py"
     path = (_FALLBACK[0] if _FALLBACK else cache_dir()) / filename
+    if path in _LOADED:
+        return path
     if path.exists():
         if _intact(path):
             return path
@@ -130,7 +133,7 @@ def load(name: str, key: str, render: Callable[[], str]) -> tuple[ModuleType, Pa
     """
     assert name.isidentifier() and all(c in "0123456789abcdef" for c in key), (name, key)
     path = _cached_file(name, key, render)
-    if path in _LOADED:
+    if path in _LOADED:  # built before in this process
         return _LOADED[path], path
     if os.environ.get("ATTNGEN_DEBUG") == "1":
         print(f"attngen: {name} kernels at {path}", file=sys.stderr)
