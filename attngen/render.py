@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 
 import jinja2
@@ -273,4 +274,18 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         max_length=_length_limit(spec)[0], max_length_reason=_length_reason(spec),
         max_batch_heads=integers.MAX_BATCH_HEADS,
     )
-    return _environment().get_template("module.py.jinja").render(**context)
+    return _with_digest(_environment().get_template("module.py.jinja").render(**context))
+
+
+_DIGEST_LINE = 'MODULE_DIGEST = ""\n'
+
+
+def _with_digest(text: str) -> str:
+    """The module with its MODULE_DIGEST line filled in: a hash of its code (every line but comment
+    lines), which names its custom operators, so two modules share operators only when their code
+    is the same."""
+    # Spec text enters only as comment lines (comment_lines), so this line is the template's own.
+    assert text.count("\n" + _DIGEST_LINE) == 1
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    return text.replace("\n" + _DIGEST_LINE, f'\nMODULE_DIGEST = "{digest}"\n')

@@ -1,0 +1,157 @@
+"""Built kernels under torch.compile: whole graphs with no break, dynamic lengths with no recompile,
+the custom operators' own checks (opcheck), and the operator names that keep modules apart.
+
+On the CPU the backend is aot_eager (Inductor would need a C++ compiler for the rest of the graph,
+and the kernels run in Triton's interpreter anyway); the GPU run (tools/gpu_compile.py) covers
+Inductor and CUDA graphs.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import attngen
+from attngen import testing
+
+B, H, HKV, D = 1, 2, 1, 16
+SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable input, an input
+    "causal": ("specs/causal.attn", {}),
+    "document_causal": ("specs/document_causal.attn", {}),
+    "learned_rel_bias": ("specs/learned_rel_bias.attn", {}),
+    "alibi_causal": ("specs/alibi_causal.attn", {}),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+def _case(name, n, heads=H, kv_heads=HKV, seed=0, head_dim=D):
+    path, params = SPECS[name]
+    attn = attngen.build(path, params=params)
+    q, k, v = testing.random_qkv(B, heads, kv_heads, n, n, head_dim, head_dim, torch.float32, device="cpu", seed=seed)
+    inputs = testing.random_inputs(attn.spec, B, heads, kv_heads, n, n, device="cpu", seed=seed)
+    return attn, q, k, v, inputs
+
+
+def _loss(attn):
+    def loss(q, k, v, inputs):
+        out, lse = attn(q, k, v, return_lse=True, **inputs)
+        # LSE in the loss too, so its gradient path (dLSE) is compiled as well; empty rows are -inf.
+        return out.square().sum() + torch.where(lse.isfinite(), lse, 0).sum()
+    return loss
+
+
+def _leaves(attn, q, k, v, inputs):
+    learnable = [inputs[i.name] for i in attn.spec.learnable_inputs]
+    return [x.requires_grad_() for x in (q, k, v, *learnable)]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_fullgraph_forward_and_backward_equal_eager(name):
+    attn, q, k, v, inputs = _case(name, 40)
+    leaves = _leaves(attn, q, k, v, inputs)
+    loss = _loss(attn)
+    eager = loss(q, k, v, inputs)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    result = compiled(q, k, v, inputs)
+    grads = torch.autograd.grad(result, leaves)
+    # The same kernels on the same data: bit for bit what eager gives (which test_kernels checks
+    # against the float64 reference).
+    assert torch.equal(result, eager)
+    for got, want in zip(grads, eager_grads):
+        assert torch.equal(got, want)
+
+
+def test_compiled_call_matches_the_reference():
+    attn, q, k, v, inputs = _case("document_causal", 40, heads=4, kv_heads=2)
+    compiled = torch.compile(lambda q, k, v, **kw: attn(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    testing.check_against_reference(attn.spec, compiled, q, k, v, inputs)
+
+
+@pytest.mark.parametrize("name, head_dim", [("learned_rel_bias", 16), ("document_causal", 64)])
+def test_dynamic_lengths_compile_once(name, head_dim):
+    attn, *_ = _case(name, 24)
+    loss = _loss(attn)
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, n in enumerate((24, 40, 57)):
+        _, q, k, v, inputs = _case(name, n, heads=4, kv_heads=2, seed=i, head_dim=head_dim)
+        leaves = _leaves(attn, q, k, v, inputs)
+        want = torch.autograd.grad(loss(q, k, v, inputs), leaves)
+        got = torch.autograd.grad(compiled(q, k, v, inputs), leaves)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        torch.compiler.set_stance("fail_on_recompile")  # a second length that recompiles raises
+
+
+def test_passed_tile_tables_under_compile():
+    attn, q, k, v, inputs = _case("document_causal", 40)
+    tables = attn.tile_tables(q, k, v, **inputs)
+    built = attn.module.TABLE_STATS["built"]
+    leaves = _leaves(attn, q, k, v, inputs)
+
+    def loss(q, k, v, inputs):
+        return attn(q, k, v, tile_tables=tables, **inputs).square().sum()
+
+    want = torch.autograd.grad(loss(q, k, v, inputs), leaves)
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v, inputs), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert attn.module.TABLE_STATS["built"] == built  # every kernel followed the passed tables
+
+
+def test_argument_errors_are_raised_while_tracing():
+    attn, q, k, v, inputs = _case("document_causal", 40)
+    compiled = torch.compile(lambda q, k, v, doc: attn(q, k, v, doc=doc), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"input 'doc' must have dtype torch.int32"):
+        compiled(q, k, v, inputs["doc"].long())
+
+
+@pytest.mark.parametrize("name", ["document_causal", "learned_rel_bias"])
+def test_opcheck(name):
+    attn, q, k, v, inputs = _case(name, 24)
+    table_op, forward_op, backward_op = attn.module.OPERATORS
+    tensors = [inputs[i.name] for i in attn.spec.inputs]
+    tables = []
+    if attn.module.TILE_TABLE:
+        key = attn.module._table_key(q, v, 0)
+        torch.library.opcheck(table_op, (q, k, tensors, *key))
+        tables = list(table_op(q, k, tensors, *key))
+    learnable = [t.requires_grad_() for t, i in zip(tensors, attn.spec.inputs) if i.learnable]
+    torch.library.opcheck(forward_op, ([x.requires_grad_() for x in (q, k, v)] + [tensors, tables]))
+    with torch.no_grad():
+        out, lse = forward_op(q, k, v, tensors, tables)
+    module = attn.module
+    backward_tables = module._resolve([1, 2], q, v, {}, module._builder(module._sizes(q, k), q.device, tensors))
+    for t in (q, k, v, *learnable):
+        t.requires_grad_(False)
+    torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse),
+                                        tensors, [t for table in backward_tables for t in table]))
+
+
+def _import(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_operator_names_follow_the_module_text(tmp_path):
+    source = attngen.compile_source("specs/sliding_window.attn", params={"window": 8})
+    (tmp_path / "a.py").write_text(source)
+    (tmp_path / "b.py").write_text(source)
+    (tmp_path / "c.py").write_text(attngen.compile_source("specs/sliding_window.attn", params={"window": 9}))
+    a, b, c = (_import(tmp_path / f"{n}.py", f"attngen_test_ops_{n}") for n in "abc")
+    assert a.OPERATORS == b.OPERATORS  # the same module imported twice shares its operators
+    assert a.OPERATORS[1] != c.OPERATORS[1]  # another window is another operator
+    q, k, v = testing.random_qkv(1, 2, 2, 24, 24, 16, 16, torch.float32, device="cpu")
+    compiled = torch.compile(lambda q, k, v: (a.attn(q, k, v), c.attn(q, k, v)), backend="aot_eager", fullgraph=True)
+    out_a, out_c = compiled(q, k, v)
+    assert torch.equal(out_a, a.attn(q, k, v)) and torch.equal(out_c, c.attn(q, k, v))
+    assert not torch.equal(out_a, out_c)
