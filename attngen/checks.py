@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from attngen import ir
 from attngen.codegen import host_scale
 from attngen.errors import ArgumentError
-from attngen.integers import HEAD_DIMS, Ranges, box, is_constant, length_limit, postorder
+from attngen.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
 from attngen.printer import expr_to_source
 
 # A spec whose ints overflow int64 below this length is rejected: it could serve only toy
@@ -44,9 +44,11 @@ def problems(spec: ir.Spec) -> list[Problem]:
     """Everything that keeps the spec's numbers from being exact, innermost and leftmost first."""
     found = []
     ranges = Ranges(box(spec, MIN_LENGTH))
+    # Divisors widen with the lengths: one nonzero up to the longest length any call may have.
+    widest = Ranges(box(spec, MAX_LENGTH))
     for expr in (spec.mask, spec.score, spec.scale):
         for node in postorder(expr) if expr is not None else ():
-            found += _node_problems(node, ranges)
+            found += _node_problems(node, ranges, widest)
     limit, culprit = length_limit(spec)
     if limit < MIN_LENGTH:
         got = _range(Ranges(box(spec, limit + 1)).value(culprit))
@@ -59,12 +61,19 @@ def problems(spec: ir.Spec) -> list[Problem]:
     return found
 
 
-def _node_problems(node: ir.Expr, ranges: Ranges) -> list[Problem]:
+def _node_problems(node: ir.Expr, ranges: Ranges, widest: Ranges) -> list[Problem]:
     if isinstance(node, ir.Binary) and node.op in _DIVIDES:
-        divisor = ranges.value(node.right)
+        divisor = widest.value(node.right)
         if divisor.lo == divisor.hi == 0 and not divisor.nan:
             return [Problem(node, f"the divisor of '{_DIVIDES[node.op]}' must not be a constant zero, "
                                         f"got '{expr_to_source(node.right)}', which is 0")]
+        if node.op != "div" and ranges.is_int(node) and divisor.lo <= 0 <= divisor.hi:
+            # An int divided by zero has no value (the reference raises, a kernel would return
+            # some number), so the divisor must be provably nonzero at every position.
+            return [Problem(node.right, f"the divisor of an int '{_DIVIDES[node.op]}' must be nonzero for every "
+                                        f"b, h, q, k and input value, got '{expr_to_source(node.right)}' with "
+                                        f"values in {_range(divisor)}; bound it away from zero, e.g. "
+                                        f"'max({expr_to_source(node.right)}, 1)'")]
     if isinstance(node, ir.Call) and node.fn == "softcap":
         cap = ranges.value(node.args[1])
         if cap.lo == cap.hi == 0 and not cap.nan:

@@ -56,7 +56,7 @@ def _mask_strategy(spec: ir.Spec) -> str:
     return ("tile table: the mask varies over a tile in a way the analysis cannot bound (it reads "
             "inputs at q or k, or is not affine); generated kernels evaluate it on every tile (at one "
             "point per block for block layouts) at call time and list each row's partial and full "
-            "tiles; cached until the inputs change")
+            "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
 def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,

@@ -65,7 +65,9 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
         return torch.logical_not(x) if expr.op == "not" else -x
     if isinstance(expr, Binary):
         a, b = evaluate_expr(expr.left, env), evaluate_expr(expr.right, env)
-        if expr.op == "div":  # true division, also of two ints
+        # True division, also of two ints; and a power the IR types float (an int to a negative or
+        # non-constant power) is a float power, as in Python (2 ** -1 == 0.5), never torch's int one.
+        if expr.op == "div" or (expr.op == "pow" and expr.type == "float"):
             a, b = _to_float(a, env), _to_float(b, env)
         return _BINARY[expr.op](*_promote(a, b, env=env))
     if isinstance(expr, Call):

@@ -25,7 +25,7 @@ from attngen.reference import (evaluate, evaluate_expr, make_env, modified_score
                                scale_value)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "ReferenceRun", "assert_matches_reference",
-           "check_against_reference", "default_floor", "output_error_effect", "random_qkv",
+           "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
            "reference_error", "summation_scales",
            # fuzzing (attngen.fuzz): hypothesis strategies and the case runner
            "Case", "cases", "check_case", "spec_texts", "specs"]

@@ -147,6 +147,33 @@ def test_dividing_by_a_constant_zero_is_a_compile_time_error(text, column, op):
     assert f"the divisor of '{op}' must not be a constant zero" in err.message
 
 
+@pytest.mark.parametrize("text, column, shown", [
+    ("mask: q // (k - 3) >= 0\n", 13, "'k - 3' with values in [-3, 2147483643]"),
+    ("mask: q // (k - 5000) >= 0\n", 13, "'k - 5000'"),  # zero only past length 5000: still refused
+    ("input c: i32[B]\nmask: q % c[b] == k % c[b]\n", 11, "'c[b]' with values in [-2147483648, 2147483647]"),
+    ("score: score + q // (k - q)\n", 22, "'k - q'"),
+])
+def test_an_int_divisor_that_may_be_zero_is_a_compile_time_error(text, column, shown):
+    # The reference raises on an int division by zero; a kernel would return some number.
+    err = _error(f"attention t\n{text}")
+    assert (err.position.line, err.position.column) == (text.count("\n") + 1, column)
+    assert "must be nonzero for every b, h, q, k and input value, got " + shown in err.message
+    assert "e.g. 'max(" in err.message
+
+
+def test_an_int_divisor_bounded_away_from_zero_is_exact():
+    _check("attention t\nmask: q // max(k - 3, 1) >= k // 5\n")
+    _check("attention t\nscore: score + (q - k) % (q + 1) - 1.5 * (q // max(k, 2))\n")
+
+
+def test_an_int_to_a_negative_or_input_power_is_a_float_power_in_both():
+    # 2 ** -1 is 0.5, as in Python (the reference once took torch's int power, 0).
+    attn = _check("attention t\nscore: score + 2 ** -1 + (q + 1) ** (-2)\n")
+    assert attn.spec.score.type == "float"
+    _check("attention t\ninput e: i32[B]\nscore: score + (q - k + 30) ** e[b] * 1e-3 + 2.0 ** e[b]\n",
+           inputs={"e": torch.tensor([2, -1], dtype=torch.int32)})
+
+
 def test_a_scale_that_is_not_finite_for_some_head_dim_is_rejected():
     err = _error("attention t\nscale: 1.0 / (D - 4)\n")
     assert (err.position.line, err.position.column) == (2, 8)
