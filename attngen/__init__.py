@@ -19,7 +19,8 @@ _interpret_without_gpu()
 
 from attngen.api import Attention, build, compile_source, load_spec, parse_spec  # noqa: E402
 from attngen.errors import ArgumentError, SpecError  # noqa: E402
+from attngen.flex import to_flex  # noqa: E402
 from attngen.ir import Spec  # noqa: E402
 
 __all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source",
-           "load_spec", "parse_spec", "__version__"]
+           "load_spec", "parse_spec", "to_flex", "__version__"]

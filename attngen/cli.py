@@ -292,6 +292,84 @@ def check_command(
     raise typer.Exit(1)
 
 
+@app.command("bench")
+def bench_command(
+    spec: Annotated[Path, typer.Argument(help="The .attn spec file.")],
+    define: DefineOption = None,
+    q_len: Annotated[int, typer.Option("--q-len", help="Query length Q_LEN.")] = 8192,
+    kv_len: Annotated[Optional[int], typer.Option("--kv-len", help="Key length KV_LEN (default: Q_LEN).")] = None,
+    batch: Annotated[int, typer.Option(help="B.")] = 2,
+    heads: Annotated[int, typer.Option(help="H, the query heads.")] = 16,
+    kv_heads: Annotated[Optional[int], typer.Option(help="HKV (default: heads).")] = None,
+    head_dim: Annotated[int, typer.Option(help="D = DV.")] = 128,
+    dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
+    backward: Annotated[bool, typer.Option(help="Time forward+backward too.")] = True,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw TFLOP/s as bars into this image (needs matplotlib).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the rows to this JSON file.")] = None,
+) -> None:
+    """Time a spec's kernels on the GPU, forward and forward+backward, beside FlexAttention running the same
+    variant (attngen.to_flex, torch.compile) and, for plain attention, SDPA's flash and cuDNN backends."""
+    import torch
+
+    from attngen import ArgumentError, SpecError, bench, load_spec
+
+    for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
+                                ("--batch", batch, None), ("--heads", heads, None), ("--kv-heads", kv_heads, None),
+                                ("--head-dim", head_dim, HEAD_DIMS[-1])):
+        _check_size(option, value, most)
+    kv_heads = kv_heads if kv_heads is not None else heads
+    if heads % kv_heads:
+        _usage_error(f"--heads must be a multiple of --kv-heads, got {heads} and {kv_heads}")
+    if dtype not in bench.DTYPES:
+        _usage_error(f"--dtype must be one of {', '.join(bench.DTYPES)}, got {dtype!r}")
+    _check_output("--plot", plot)
+    _check_output("--json", json_path)
+    params = _defines(define)
+    try:
+        load_spec(spec)[0].with_params(params)
+        if plot is not None:
+            bench.require_matplotlib()
+    except (SpecError, ArgumentError, ValueError) as e:
+        _fail(e)
+    if not torch.cuda.is_available():
+        _usage_error("attngen bench times kernels on a CUDA GPU, and this machine has none "
+                     "(attngen run and attngen check work on the CPU)")
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        _usage_error("attngen bench must time compiled kernels, got TRITON_INTERPRET set: unset it")
+    problem = bench.Problem(batch, heads, kv_heads, q_len, kv_len if kv_len is not None else q_len, head_dim, dtype)
+
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(f"{spec.name}: starting", total=None)
+        try:
+            info, rows, notes = bench.run(spec, params, problem, backward=backward,
+                                          step=lambda what: progress.update(task, description=what))
+        except (SpecError, ArgumentError, ValueError) as e:
+            _fail(e)
+        except torch.cuda.OutOfMemoryError as e:
+            _usage_error(f"--batch, --heads, --q-len, --kv-len and --head-dim must give tensors the GPU can hold, "
+                         f"got {problem.describe()}: {str(e).splitlines()[0]}")
+    console = Console()
+    console.print(bench.table(rows, bench.title(info)))
+    for note in notes:
+        console.print(note, markup=False, highlight=False)
+    try:
+        if json_path is not None:
+            bench.write_json(json_path, info, rows)
+            typer.echo(f"wrote {json_path}")
+        if plot is not None:
+            bench.plot(rows, bench.title(info), plot)
+            typer.echo(f"wrote {plot}")
+    except OSError as e:
+        _usage_error(f"--json and --plot must be files one can write, got {e.filename!r} ({e.strerror})")
+    if rows[0]["fwd_ms"] is None:
+        typer.echo(f"attngen's own kernels did not run: {rows[0]['note']}", err=True)
+        raise typer.Exit(1)
+
+
 def main() -> int:
     """The console script: typer's own usage errors (not an integer, a missing or unknown option) come
     out as one `error:` line with exit status 2, like attngen's checks, instead of typer's panel."""

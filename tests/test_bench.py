@@ -1,0 +1,250 @@
+"""attngen bench: its checks and no-GPU error, the FLOP count against brute force, which SDPA backends run,
+the callables it times (on the CPU), the table, plot and JSON; on a GPU, a real run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import bench, testing
+from attngen.bench import ATTNGEN, ATTNGEN_PREBUILT, FLEX, Flops, Problem, Timing
+
+ROOT = Path(__file__).parent.parent
+CAUSAL = str(ROOT / "specs" / "causal.attn")
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def _spec(name: str, **params):
+    return attngen.load_spec(ROOT / "specs" / f"{name}.attn")[0].with_params(params or None)
+
+
+def _attngen(monkeypatch, capsys, *args):
+    """`attngen ARGS` in this process through the console script's entry point: (status, stdout, stderr)."""
+    from attngen.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["attngen", *args])
+    status = main()
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+# --- the command's checks --------------------------------------------------------------------------
+
+def test_no_gpu_is_one_error_line_and_exit_status_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, out, err = _attngen(monkeypatch, capsys, "bench", CAUSAL)
+    assert (status, out) == (2, "")
+    assert err == ("error: attngen bench times kernels on a CUDA GPU, and this machine has none "
+                   "(attngen run and attngen check work on the CPU)\n")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_no_gpu_error_from_the_console_script():
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "attngen.cli", "bench", CAUSAL, "--q-len", "128"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: attngen bench times kernels on a CUDA GPU") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--q-len", "0"], "--q-len must be at least 1, got 0"),
+    (["--kv-len", "-3"], "--kv-len must be at least 1, got -3"),
+    (["--head-dim", "300"], "--head-dim must be at most 256, got 300"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads must be a multiple of --kv-heads, got 6 and 4"),
+    (["--dtype", "f32"], "--dtype must be one of bf16, f16, got 'f32'"),
+    (["-D", "window"], "-D must be NAME=VALUE, got 'window'"),
+    (["-D", "windw=3"], "params: unknown param 'windw' (the spec declares: window)"),
+])
+def test_options_are_checked_before_anything_runs(monkeypatch, capsys, args, message):
+    status, _, err = _attngen(monkeypatch, capsys, "bench", str(ROOT / "specs" / "sliding_window.attn"), *args)
+    assert (status, err) == (2, f"error: {message}\n")
+
+
+def test_output_files_must_be_in_an_existing_folder(monkeypatch, capsys, tmp_path):
+    for option in ("--plot", "--json"):
+        path = tmp_path / "missing" / "x"
+        status, _, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, option, str(path))
+        assert (status, err) == (2, f"error: {option} must be a file in an existing folder, got {str(path)!r}\n")
+
+
+# --- FLOPs -----------------------------------------------------------------------------------------
+
+SIZES = {"B": 2, "H": 3, "HKV": 3, "Q_LEN": 37, "KV_LEN": 53}
+
+
+def _brute_force(allowed) -> int:
+    """Pairs allowed by a Python predicate of (b, h, q, k), one at a time."""
+    return sum(allowed(b, h, q, k) for b in range(SIZES["B"]) for h in range(SIZES["H"])
+               for q in range(SIZES["Q_LEN"]) for k in range(SIZES["KV_LEN"]))
+
+
+PREFIX = torch.tensor([5, 30], dtype=torch.int32)
+LAYOUT = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.5
+FLOP_CASES = [
+    ("full", {}, {}, lambda b, h, q, k: True),
+    ("causal", {}, {}, lambda b, h, q, k: q >= k),
+    ("causal_bottom_right", {}, {}, lambda b, h, q, k: q + 53 - 37 >= k),
+    ("sliding_window", {"window": 8}, {}, lambda b, h, q, k: q >= k and q - k < 8),
+    ("chunked_causal", {"chunk": 8}, {}, lambda b, h, q, k: q // 8 == k // 8 and q >= k),
+    ("prefix_lm", {}, {"prefix": PREFIX}, lambda b, h, q, k: k < PREFIX[b] or q >= k),
+    ("block_sparse", {"block": 8}, {"layout": LAYOUT}, lambda b, h, q, k: bool(LAYOUT[h, q // 8, k // 8])),
+]
+
+
+@pytest.mark.parametrize("name, params, inputs, allowed", FLOP_CASES, ids=[c[0] for c in FLOP_CASES])
+def test_allowed_pairs_are_counted_exactly_as_brute_force_counts_them(monkeypatch, name, params, inputs, allowed):
+    spec = _spec(name, **params)
+    expected = _brute_force(allowed)
+    assert bench.allowed_pairs(spec, SIZES, inputs) == (expected, True)
+    # A block of rows at a time, however small the blocks.
+    monkeypatch.setattr(bench, "CHUNK_EVALUATIONS", 100)
+    assert bench.allowed_pairs(spec, SIZES, inputs) == (expected, True)
+
+
+def test_sampled_rows_estimate_the_count_and_say_so():
+    spec = _spec("sliding_window", window=8)
+    exact = _brute_force(lambda b, h, q, k: q >= k and q - k < 8)
+    # Every row drawn (in random order): the estimate is the count.
+    assert bench.allowed_pairs(spec, SIZES, exact_evaluations=0, sampled_rows=37) == (exact, False)
+    # 20 of 37 rows: rows allow 1 to 8 keys (mean 7.24, sd 1.79), so the estimate's standard error is
+    # 1.79 / sqrt(20) * sqrt(17 / 36) / 7.24 = 3.8% of the truth; 10% is 2.6 of them (and the seed is fixed).
+    pairs, is_exact = bench.allowed_pairs(spec, SIZES, exact_evaluations=0, sampled_rows=20)
+    assert not is_exact and abs(pairs - exact) < 0.1 * exact
+
+
+def test_flops_are_flash_attentions_convention_over_the_allowed_pairs():
+    problem = Problem(B=2, H=4, HKV=4, Q_LEN=64, KV_LEN=64, D=32, dtype="bf16")
+    counted = bench.count_flops(_spec("causal"), problem)
+    pairs = 2 * 4 * 64 * 65 // 2
+    assert (counted.pairs, counted.total_pairs, counted.exact) == (pairs, 2 * 4 * 64 * 64, True)
+    assert counted.forward == 4 * 32 * pairs  # 2*D for QK^T, 2*DV for PV, per allowed pair
+    assert counted.forward_backward == 3.5 * counted.forward
+    assert "50.8% of the (b, h, q, k) pairs allowed (counted exactly)" in counted.describe()
+
+
+# --- what runs -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, q_len, kv_len, expected", [
+    ("full", 64, 64, False), ("full", 64, 80, False), ("causal", 64, 64, True), ("causal", 64, 80, None),
+    ("causal_bottom_right", 64, 64, True), ("causal_bottom_right", 80, 64, None), ("sliding_window", 64, 64, None),
+    ("alibi_causal", 64, 64, None), ("learned_rel_bias", 64, 64, None), ("document_causal", 64, 64, None),
+])
+def test_sdpa_runs_only_what_it_computes_exactly(name, q_len, kv_len, expected):
+    is_causal, why = bench.sdpa_is_causal(_spec(name), q_len, kv_len)
+    assert is_causal is expected and (why == "") == (expected is not None)
+
+
+def test_a_scale_alone_keeps_a_spec_plain_for_sdpa():
+    spec = attngen.parse_spec("attention scaled\nscale: 0.5 / D\nmask: causal\n")
+    assert bench.sdpa_is_causal(spec, 32, 32) == (True, "")
+
+
+def test_the_callables_compute_the_same_attention():
+    from torch.nn.attention import SDPBackend
+
+    attn = attngen.build(CAUSAL)
+    flex = attngen.to_flex(attn.spec)
+    q, k, v = testing.random_qkv(1, 4, 2, 40, 40, 16, 16, torch.float32)
+    is_causal, _ = bench.sdpa_is_causal(attn.spec, 40, 40)
+    calls = bench.implementations(attn, flex, q, k, v, {}, sdpa_backends={"sdpa math": SDPBackend.MATH},
+                                  is_causal=is_causal)
+    assert list(calls) == [ATTNGEN, FLEX, "sdpa math"]
+    truth = attngen.reference.evaluate(attn.spec, q.double(), k.double(), v.double())[0]
+    low = attngen.reference.evaluate(attn.spec, q, k, v)[0]
+    for name, call in calls.items():
+        testing.assert_matches_reference(name, call(), truth, low)
+
+
+def test_the_whole_run_on_the_cpu_with_a_stand_in_timer(monkeypatch):
+    """bench.run end to end with do_bench timing one call and torch.compile left out (the CPU's Flex is eager
+    and has no backward): every implementation gets a row, with times or the reason it has none."""
+    import triton.testing
+
+    def one_call(fn, warmup=25, rep=100, grad_to_none=None, return_mode="median"):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(triton.testing, "do_bench", one_call)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    steps = []
+    info, rows, notes = bench.run(str(ROOT / "specs" / "document_causal.attn"), None,
+                                  Problem(1, 2, 1, 48, 48, 16, "bf16"), device="cpu", step=steps.append)
+    assert [r["implementation"] for r in rows] == [ATTNGEN, ATTNGEN_PREBUILT, FLEX]
+    for row in rows[:2]:
+        assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["note"] == ""
+    assert rows[0]["fwd_ratio"] == 1.0
+    assert rows[2]["fwd_ms"] is not None or rows[2]["note"].startswith("forward failed: ")
+    assert info["spec"] == "document_causal" and info["Q_LEN"] == 48 and info["allowed_pairs_exact"]
+    assert "SDPA: not run (SDPA runs no mask but causal)." in notes
+    assert "attngen: first forward (compiles)" in steps and "building Flex's BlockMask" in steps
+
+
+# --- table, plot, JSON -------------------------------------------------------------------------------
+
+COUNTED = Flops(pairs=1e9, total_pairs=2_000_000_000, exact=True, forward=5e11, forward_backward=1.75e12)
+TIMINGS = [Timing(ATTNGEN, 1.0, 4.0, 3.2), Timing(FLEX, 2.0, 5.0, 40.0), Timing("sdpa flash", 0.5, None, 1.0),
+           Timing("sdpa cudnn", note="forward refused: RuntimeError: No available kernel [shape]")]
+
+
+def test_rows_carry_tflops_and_ratios_against_attngen():
+    rows = bench.summarize(TIMINGS, COUNTED)
+    assert rows[0] == {"implementation": ATTNGEN, "fwd_ms": 1.0, "fwd_tflops": 500.0, "fwd_ratio": 1.0,
+                            "fwdbwd_ms": 4.0, "fwdbwd_tflops": 437.5, "fwdbwd_ratio": 1.0, "first_call_s": 3.2,
+                            "note": ""}
+    assert (rows[1]["fwd_ratio"], rows[1]["fwdbwd_ratio"]) == (2.0, 1.25)  # attngen twice as fast forward
+    assert (rows[2]["fwd_ratio"], rows[2]["fwdbwd_tflops"], rows[2]["fwdbwd_ratio"]) == (0.5, None, None)
+    assert rows[3]["fwd_ms"] is None and rows[3]["fwd_ratio"] is None
+
+
+def test_the_table_shows_every_row_and_why_one_is_empty():
+    from rich.console import Console
+
+    console = Console(record=True, width=220)
+    console.print(bench.table(bench.summarize(TIMINGS, COUNTED), "causal: B=2 ..."))
+    text = console.export_text()
+    for header in ("implementation", "fwd ms", "fwd TFLOP/s", "fwd ratio", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+                   "fwd+bwd ratio", "note"):
+        assert header in text
+    attngen_line = next(line for line in text.splitlines() if line.startswith("│ attngen"))
+    assert all(cell in attngen_line for cell in ("1.000", "500.0", "1.00x", "4.000", "437.5"))
+    assert "forward refused: RuntimeError: No available kernel [shape]" in text  # brackets are not markup
+
+
+def test_json_and_plot_are_written(tmp_path):
+    rows = bench.summarize(TIMINGS, COUNTED)
+    bench.write_json(tmp_path / "rows.json", {"spec": "causal"}, rows)
+    assert json.loads((tmp_path / "rows.json").read_text()) == {"info": {"spec": "causal"}, "rows": rows}
+    bench.plot(rows, "causal: B=2 ...", tmp_path / "bars.png")
+    assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(attngen.ArgumentError, match=r"--plot needs matplotlib: pip install 'attngen\[plot\]'"):
+        bench.require_matplotlib()
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_bench_times_attngen_flex_and_sdpa_on_the_gpu(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "causal.json"
+    status, text, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, "--q-len", "1024", "--heads", "4",
+                                 "--json", str(out), "--plot", str(tmp_path / "causal.png"))
+    assert status == 0, err
+    rows = {r["implementation"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [ATTNGEN, FLEX, "sdpa flash", "sdpa cudnn"]
+    for name in (ATTNGEN, FLEX):
+        assert rows[name]["fwd_ms"] > 0 and rows[name]["fwdbwd_ms"] > 0 and rows[name]["fwd_tflops"] > 0, rows[name]
+    assert "fwd TFLOP/s" in text and (tmp_path / "causal.png").exists()
