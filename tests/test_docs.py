@@ -1,0 +1,205 @@
+"""The documentation stays true: links resolve inside the repository, named specs and examples exist,
+spec blocks parse, and documented command-line options exist (no kernels run)."""
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import attngen
+from attngen.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS]
+SPEC_PAGES = [ROOT / "docs" / "language.md", ROOT / "docs" / "tutorial.md"]
+
+FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+CODE_SPAN = re.compile(r"`+[^`]*`+")
+REPO_PATH = re.compile(r"(?<![\w./-])(?:\.\./)?((?:specs|examples)/[A-Za-z0-9_][A-Za-z0-9_.-]*)")
+OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
+COMMAND_LINE = re.compile(r"\battngen (compile|run|explain|check|bench)\b([^`#\n]*)")
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def _blocks(text: str):
+    """(info string, body) of every fenced code block, and the prose with code blocks blanked out."""
+    blocks, prose, body, fence, info = [], [], [], None, ""
+    for line in text.splitlines():
+        match = FENCE.match(line.strip())
+        if fence is None and match:
+            fence, info, body = match.group(1), match.group(2), []
+            prose.append("")
+        elif fence is not None and line.strip().startswith(fence) and not line.strip()[len(fence):].strip():
+            blocks.append((info, "\n".join(body) + "\n"))
+            fence = None
+            prose.append("")
+        elif fence is not None:
+            body.append(line)
+            prose.append("")
+        else:
+            prose.append(line)
+    assert fence is None, "a code fence is never closed"
+    return blocks, "\n".join(prose)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+@lru_cache(maxsize=None)
+def _anchors(page: Path) -> frozenset:
+    _, prose = _blocks(page.read_text())
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in prose.splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = _slug(match.group(1))
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return frozenset(anchors)
+
+
+def _links(page: Path) -> list[str]:
+    _, prose = _blocks(page.read_text())
+    return LINK.findall(CODE_SPAN.sub("", prose))
+
+
+def test_docs_exist():
+    names = {p.name for p in DOCS}
+    assert {"README.md", "language.md", "tutorial.md", "api.md", "cli.md", "semantics.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_links_resolve_inside_the_repository(page):
+    links = _links(page)
+    assert links or page.name != "README.md", f"{_rel(page)}: no links found"
+    for target in links:
+        assert not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I), \
+            f"{_rel(page)}: link {target!r} leaves the repository (docs link only to files in it)"
+        path, _, anchor = target.partition("#")
+        assert not path.startswith("/"), f"{_rel(page)}: link {target!r} is absolute"
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved == ROOT or ROOT in resolved.parents, \
+            f"{_rel(page)}: link {target!r} points outside the repository"
+        assert resolved.exists(), f"{_rel(page)}: link {target!r}: no such file {resolved.relative_to(ROOT)}"
+        if anchor:
+            assert resolved.suffix == ".md", f"{_rel(page)}: link {target!r} has an anchor into a non-markdown file"
+            assert anchor in _anchors(resolved), \
+                f"{_rel(page)}: link {target!r}: no heading with anchor '#{anchor}' in {_rel(resolved)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_named_specs_and_examples_exist(page):
+    text = page.read_text()
+    assert "../shared" not in text, f"{_rel(page)} refers to ../shared, which users of the package do not have"
+    for path in REPO_PATH.findall(text):
+        path = path.rstrip(".")
+        assert (ROOT / path).exists(), f"{_rel(page)} names {path}, which does not exist"
+
+
+def _whole_specs(page: Path) -> list[str]:
+    blocks, _ = _blocks(page.read_text())
+    specs = []
+    for info, body in blocks:
+        if info not in ("attn", "spec"):
+            continue
+        code = [line for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if code and re.match(r"attention\s", code[0]):
+            specs.append(body)
+    return specs
+
+
+@pytest.mark.parametrize("page", SPEC_PAGES, ids=_rel)
+def test_spec_blocks_parse(page):
+    specs = _whole_specs(page)
+    assert specs, f"{_rel(page)}: no ```attn block holding a whole spec"
+    for i, text in enumerate(specs):
+        try:
+            attngen.parse_spec(text, f"{page.name}, spec block {i + 1}")
+        except attngen.SpecError as e:
+            pytest.fail(f"{_rel(page)}: a spec block does not parse:\n{e}")
+
+
+def test_the_tutorials_spec_is_the_example_file():
+    example = (ROOT / "examples" / "dilated_window.attn").read_text()
+    assert example in _whole_specs(ROOT / "docs" / "tutorial.md")
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def _commands() -> dict:
+    return typer.main.get_command(app).commands
+
+
+@lru_cache(maxsize=None)
+def _help(command: str) -> str:
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _has_option(command: str, option: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", _help(command)) is not None
+
+
+def _cli_sections() -> dict[str, str]:
+    """docs/cli.md's text under each `## attngen NAME` heading, by NAME."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    parts = re.split(r"^## `attngen (\w+)`\s*$", text, flags=re.M)
+    return {name: re.split(r"^## ", body, flags=re.M)[0] for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def _table_options(section: str) -> set[str]:
+    options = set()
+    for line in section.splitlines():
+        if line.startswith("|") and not set(line) <= set("|- "):
+            first_cell = line.split("|")[1]
+            options |= set(OPTION.findall(first_cell))
+    return options
+
+
+def test_cli_md_documents_every_command():
+    sections = _cli_sections()
+    assert set(_commands()) <= set(sections), f"docs/cli.md lacks {set(_commands()) - set(sections)}"
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "explain", "check", "bench"])
+def test_documented_options_exist(command):
+    if command not in _commands():
+        pytest.skip(f"`attngen {command}` is not in this version")
+    documented = _table_options(_cli_sections()[command])
+    assert documented, f"docs/cli.md documents no option for `attngen {command}`"
+    missing = sorted(o for o in documented if not _has_option(command, o))
+    assert not missing, f"docs/cli.md documents {missing} for `attngen {command}`, which its --help lacks"
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "explain", "check", "bench"])
+def test_every_option_is_documented(command):
+    if command not in _commands():
+        pytest.skip(f"`attngen {command}` is not in this version")
+    documented = _table_options(_cli_sections()[command])
+    actual = {o for p in _commands()[command].params if p.param_type_name == "option"
+              for o in [*p.opts, *p.secondary_opts]}
+    missing = sorted(actual - documented - {"--help"})
+    assert not missing, f"docs/cli.md does not document {missing} of `attngen {command}`"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_command_lines_use_existing_options(page):
+    for command, rest in COMMAND_LINE.findall(page.read_text()):
+        if command not in _commands():
+            continue
+        for option in OPTION.findall(rest):
+            assert _has_option(command, option), \
+                f"{_rel(page)}: `attngen {command} ... {option}`: {option} is not an option of `attngen {command}`"
