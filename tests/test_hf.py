@@ -1,0 +1,271 @@
+"""attngen.hf against transformers' own eager attention: tiny random Llama, Mistral and Gemma-2 models.
+
+The models are float32 on both sides, and everything but attention is the same code, so their logits
+differ only by the order attention sums in: measured at up to 7 float32 ulps of the largest logit.
+LOGIT_ULPS allows 64 (about 8e-6 x max|logit|), while a scale off by 0.1% already moves them by 900
+to 14000 ulps, and a wrong mask, offset or cap by far more. (A float64 run of the same model is no
+sharper reference: transformers' eager attention takes its softmax in float32 whatever the dtype.)
+Only real (non-padded) tokens are compared: a padded query row sees no key, where attngen gives 0 and
+eager a meaningless average; no real token reads such a row. The single calls below, whose reference
+is plain softmax attention under transformers' own boolean mask, follow the house rule instead
+(attngen.testing: against float64, at most 3x the float32 reference's own error plus a floor).
+"""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import attngen  # noqa: I001 before transformers' models, which import triton: attngen asks for the interpreter first
+import pytest
+import torch
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM)
+from transformers import masking_utils as mu
+
+import attngen.hf as hf
+from attngen import testing
+
+hf.register()
+
+WINDOW = 6  # shorter than the prompts, so the window masks keys and the sliding cache layers drop some
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, initializer_range=0.2)  # 0.2: O(1) scores, not near-uniform
+CONFIGS = {
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**SIZES)),
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=WINDOW, **SIZES)),
+    # A cap of 1 bends O(1) scores; query_pre_attn_scalar 24 != head_dim, so the scale is not 1/sqrt(D).
+    "gemma2": (Gemma2ForCausalLM, lambda: Gemma2Config(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                       attn_logit_softcapping=1.0, **SIZES)),
+}
+
+
+LOGIT_ULPS = 64
+
+
+@pytest.fixture(scope="module")
+def models():
+    """name -> float32 model, switched between implementations by each run."""
+    built = {}
+    for name, (cls, config) in CONFIGS.items():
+        torch.manual_seed(0)
+        built[name] = cls._from_config(config(), attn_implementation="eager").eval()
+    return built
+
+
+def _assert_close_logits(name, actual, eager):
+    """At most LOGIT_ULPS float32 ulps of the largest eager logit apart (testing.default_floor gives 4)."""
+    floor = LOGIT_ULPS / testing.FLOOR_ULPS * testing.default_floor(eager, torch.float32)
+    testing.assert_matches_reference(name, actual, eager.double(), eager, factor=0.0, floor=floor)
+
+
+def _inputs(length, padding, seed=1):
+    ids = torch.randint(0, SIZES["vocab_size"], (2, length), generator=torch.Generator().manual_seed(seed))
+    if padding is None:
+        return ids, None
+    mask = torch.ones(2, length, dtype=torch.long)
+    for row, pads in enumerate((5, 2)):  # rows padded differently: keep is per batch row
+        mask[row, :pads] = 0 if padding == "left" else 1
+        if padding == "right":
+            mask[row, length - pads:] = 0
+    return ids, mask
+
+
+def _logits(model, implementation, ids, mask):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("name,padding", [("llama", None), ("llama", "left"), ("llama", "right"),
+                                          ("mistral", None), ("mistral", "left"),
+                                          ("gemma2", "left"), ("gemma2", "right")])
+def test_logits_match_eager(models, name, padding):
+    ids, mask = _inputs(20, padding)
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    actual, eager = (_logits(models[name], implementation, ids, mask) for implementation in ("attngen", "eager"))
+    _assert_close_logits(f"{name} logits", actual[real], eager[real])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches_eager(models, name):
+    """Left-padded prompts of 10 tokens and 6 new ones: past the window, so the sliding cache layers
+    hold only the newest keys (kv_offset > 0) while the full layers hold all of them."""
+    ids, mask = _inputs(10, "left", seed=2)
+
+    def generate(implementation):
+        models[name].set_attn_implementation(implementation)
+        return models[name].generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                     eos_token_id=None)
+
+    actual, eager = generate("attngen"), generate("eager")
+    assert torch.equal(actual.sequences, eager.sequences)
+    _assert_close_logits(f"{name} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
+
+
+# (q_length, kv_length, q_offset, kv_offset, window, padding): one call, as the cache layers make them.
+CALLS = {
+    "prefill": (7, 7, 0, 0, None, "left"),
+    "decode_full_sliding_cache": (1, WINDOW, 10, 5, WINDOW, "left"),  # DynamicSlidingWindowLayer, 10 seen
+    "chunk_into_sliding_cache": (3, WINDOW - 1 + 3, 9, 4, WINDOW, None),  # 9 seen, 3 more at once
+    "static_cache_prefill": (4, 10, torch.tensor(0), 0, None, "short"),  # keys past the mask do not exist yet
+    "bidirectional": (5, 9, 4, 0, "full", "left"),
+}
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_one_call_matches_transformers_mask(case):
+    """prepare_mask + attention_forward against transformers' own boolean mask (sdpa_mask) for the
+    same positions, offsets and padding, evaluated as plain softmax attention in float64 and float32."""
+    q_length, kv_length, q_offset, kv_offset, window, padding = CALLS[case]
+    causal = window != "full"
+    function = (mu.bidirectional_mask_function if not causal else mu.causal_mask_function if window is None
+                else mu.sliding_window_causal_mask_function(window))
+    seen = kv_length + kv_offset if padding != "short" else q_length
+    padding_mask = None
+    if padding is not None:
+        padding_mask = torch.ones(2, seen, dtype=torch.bool)
+        padding_mask[0, :3] = False
+    args = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                mask_function=function, attention_mask=padding_mask)
+    allowed = mu.sdpa_mask(**args, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    if allowed is None:
+        allowed = torch.ones(2, 1, q_length, kv_length, dtype=torch.bool)
+    q, k, v = testing.random_qkv(2, 4, 2, q_length, kv_length, 16, 16, torch.float32, device="cpu", seed=3)
+    module = SimpleNamespace(training=False, is_causal=causal)
+    mask = hf.prepare_mask(**args, local_size=window if causal else None)
+    actual, _ = hf.attention_forward(module, q, k, v, mask, scaling=0.3,
+                                     sliding_window=window if causal else None)
+
+    def eager(dtype):
+        kk, vv = (x.to(dtype).repeat_interleave(2, dim=1) for x in (k, v))
+        scores = (0.3 * q.to(dtype) @ kk.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no allowed key: 0, as attngen
+        return (p @ vv).transpose(1, 2)
+
+    testing.assert_matches_reference(case, actual, eager(torch.float64), eager(torch.float32))
+
+
+def test_calls_without_a_mask_object_follow_is_causal():
+    q, k, v = testing.random_qkv(1, 4, 2, 9, 9, 16, 16, torch.float32, device="cpu", seed=4)
+    for causal in (True, False):
+        actual, _ = hf.attention_forward(SimpleNamespace(training=False, is_causal=causal), q, k, v, None)
+        allowed = torch.ones(9, 9, dtype=torch.bool).tril() if causal else torch.ones(9, 9, dtype=torch.bool)
+
+        def eager(dtype):
+            kk, vv = (x.to(dtype).repeat_interleave(2, dim=1) for x in (k, v))
+            scores = (q.to(dtype) @ kk.transpose(-1, -2) / 4).masked_fill(~allowed, float("-inf"))
+            return (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2)
+
+        testing.assert_matches_reference(f"causal={causal}", actual, eager(torch.float64), eager(torch.float32))
+
+
+def test_spec_text_is_a_fixed_template_with_checked_numbers():
+    assert hf.spec_text(True, 6, True, 0.25, 1.5) == (
+        "attention hf_causal_window_padded_softcap\n"
+        "input offset: i32[]\n"
+        "input keep: bool[B, KV_LEN]\n"
+        "mask: keep[b, k] and k <= q + offset and q + offset - k < 6\n"
+        "scale: 0.25\n"
+        "score: softcap(score, 1.5)\n")
+    assert hf.spec_text(False, None, False, 1e-05, None) == "attention hf_full\nscale: 1e-05\n"
+    for scale, cap in ((0.1 + 0.2, 2**-0.5), (1e-300, 50), (3, 1e300)):  # every number reads back as given
+        spec = attngen.parse_spec(hf.spec_text(True, None, False, scale, cap))
+        assert spec.scale.value == scale and spec.score.args[1].value == cap
+    bad = [dict(scale=float("nan")), dict(scale="0.25"), dict(softcap=float("inf")), dict(softcap=0.0),
+           dict(softcap="1.0) or true"), dict(window=2.5), dict(window=True), dict(window=0),
+           dict(window="6 or true")]
+    for overrides in bad:
+        args = dict(causal=True, window=6, padded=False, scale=0.25, softcap=None) | overrides
+        with pytest.raises(attngen.ArgumentError, match="must be a"):
+            hf.spec_text(**args)
+
+
+def test_each_combination_is_built_once(models, monkeypatch):
+    builds = []
+    build = attngen.build
+    monkeypatch.setattr(hf, "_BUILT", {})
+    monkeypatch.setattr(attngen, "build", lambda text: builds.append(text) or build(text))
+    ids, mask = _inputs(12, "left")
+    for _ in range(2):
+        _logits(models["gemma2"], "attngen", ids, mask)
+    assert len(builds) == 2  # the sliding and the full layers: the same scale and cap, one window
+    assert sorted(t.splitlines()[0] for t in builds) == ["attention hf_causal_padded_softcap",
+                                                         "attention hf_causal_window_padded_softcap"]
+
+
+def test_registration_makes_the_name_valid(models):
+    models["llama"].set_attn_implementation("attngen")
+    assert models["llama"].config._attn_implementation == "attngen"
+    torch.manual_seed(0)
+    fresh = LlamaForCausalLM._from_config(CONFIGS["llama"][1](), attn_implementation="attngen")
+    assert fresh.config._attn_implementation == "attngen"
+    hf.register()  # again: nothing changes
+    for name in ("sdpa", "eager", "not a name"):
+        with pytest.raises(attngen.ArgumentError, match="name must"):
+            hf.register(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU attngen never asks for the interpreter")
+def test_register_says_when_triton_was_imported_before_attngen():
+    code = "from transformers import LlamaForCausalLM\nimport attngen.hf\nattngen.hf.register()\n"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "import attngen.hf first" in run.stderr
+
+
+def test_dropout_while_training_is_refused(models):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(attention_dropout=0.1, **SIZES), attn_implementation="attngen")
+    ids, _ = _inputs(8, None)
+    with pytest.raises(attngen.ArgumentError, match="dropout must be 0 while training"):
+        model.train()(input_ids=ids)
+    with torch.no_grad():
+        model.eval()(input_ids=ids)  # the same model in eval mode passes dropout=0
+
+
+@pytest.mark.parametrize("refused", ["4-D mask", "output_attentions", "packed sequences"])
+def test_model_level_refusals(models, refused):
+    model = models["llama"]
+    model.set_attn_implementation("attngen")
+    ids, _ = _inputs(8, None)
+    kwargs, message = {
+        "4-D mask": (dict(attention_mask=torch.zeros(2, 1, 8, 8)), "attention_mask must be the AttngenMask"),
+        "output_attentions": (dict(output_attentions=True), "output_attentions"),
+        # Position ids that restart mark two packed sequences (looked for only without a cache):
+        # transformers adds a mask overlay for them.
+        "packed sequences": (dict(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2), use_cache=False),
+                             "mask_function must"),
+    }[refused]
+    with torch.no_grad(), pytest.raises(attngen.ArgumentError, match=message):
+        model(input_ids=ids, **kwargs)
+
+
+def test_call_level_refusals():
+    q, k, v = testing.random_qkv(1, 4, 2, 4, 4, 16, 16, torch.float32, device="cpu", seed=5)
+    causal = SimpleNamespace(training=False, is_causal=True)
+    mask = hf.prepare_mask(batch_size=1, q_length=4, kv_length=4)
+    window_mask = hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=3,
+                                  mask_function=mu.sliding_window_causal_mask_function(3))
+    refusals = [
+        (dict(attention_mask=mask, s_aux=torch.zeros(4)), "s_aux"),
+        (dict(attention_mask=mask, head_mask=torch.ones(4)), "head_mask"),
+        (dict(attention_mask=mask, is_causal=False), "is_causal"),
+        (dict(attention_mask=mask, sliding_window=3), "sliding_window must agree"),
+        (dict(attention_mask=window_mask, sliding_window=4), "sliding_window must agree"),
+        (dict(attention_mask=mask, softcap=float("nan")), "softcap must be a finite positive number"),
+        (dict(attention_mask=torch.ones(1, 4, dtype=torch.bool)), "attention_mask must be the AttngenMask"),
+        (dict(attention_mask=hf.prepare_mask(batch_size=1, q_length=4, kv_length=5)), r"\(B, Q_LEN, KV_LEN\)"),
+    ]
+    for kwargs, message in refusals:
+        with pytest.raises(attngen.ArgumentError, match=message):
+            hf.attention_forward(causal, q, k, v, **kwargs)
+    with pytest.raises(attngen.ArgumentError, match="Q_LEN != KV_LEN"):
+        hf.attention_forward(causal, q[:, :, :2], k, v, None)
+    with pytest.raises(attngen.ArgumentError, match="mask_function must"):
+        hf.prepare_mask(batch_size=1, q_length=4, kv_length=4,
+                        mask_function=mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)))
+    with pytest.raises(attngen.ArgumentError, match="local_size must equal"):
+        hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=5,
+                        mask_function=mu.sliding_window_causal_mask_function(3))
