@@ -353,6 +353,8 @@ def bench_command(
             _usage_error(f"--batch, --heads, --q-len, --kv-len and --head-dim must give tensors the GPU can hold, "
                          f"got {problem.describe()}: {str(e).splitlines()[0]}")
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: the whole table, not one cut to 80 columns
+        console = Console(width=132)
     console.print(bench.table(rows, bench.title(info)))
     for note in notes:
         console.print(note, markup=False, highlight=False)

@@ -3,6 +3,7 @@ and specs covering every operator, function and integer width; the BlockMask's s
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -233,6 +234,12 @@ def test_compiled_flex_on_the_gpu_matches_the_reference_with_gradients(name):
     q, k, v = testing.random_qkv(2, 4, 2, 256, 256, 64, 64, torch.bfloat16, device="cuda")
     inputs = testing.random_inputs(flex.spec, 2, 4, 2, 256, 256, device="cuda")
 
+    # Flex's default tiles for a captured buffer with a gradient (learned_rel_bias) need 245760
+    # bytes of shared memory, over the H200's 232448 (the error suggests smaller tiles and stages).
+    small = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32,
+             "num_stages": 1}
+    options = small if flex.spec.learnable_inputs else None
+
     def call(*args, **kwargs):
-        return flex(*args, kernel=compiled, **kwargs)
+        return flex(*args, kernel=functools.partial(compiled, kernel_options=options), **kwargs)
     testing.check_against_reference(flex.spec, call, q, k, v, inputs)
