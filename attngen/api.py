@@ -90,6 +90,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def interpreter_problem() -> str | None:
+    """Why kernels cannot run in Triton's interpreter in this process, or None when they can."""
+    if not _interpreting():
+        return ("target 'interpreter' needs TRITON_INTERPRET=1 set before triton is imported (attngen sets "
+                "it itself on a machine with no CUDA GPU)")
+    import triton
+
+    if isinstance(triton.language.zeros, triton.runtime.JITFunction):
+        # triton built its own jit functions before TRITON_INTERPRET=1 was set: every kernel fails in them.
+        return ("triton was imported before attngen could ask for its interpreter (TRITON_INTERPRET=1 came "
+                "too late): import attngen before anything that imports triton (transformers' model "
+                "classes do), or set TRITON_INTERPRET=1 in the environment")
+    return None
+
+
 def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> str:
     """The standalone module source for a spec (imports only torch and triton)."""
     parsed, text, _, kernel_plan = _prepare(spec, params, target)
@@ -99,9 +114,9 @@ def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:
     """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk."""
     parsed, text, tgt, kernel_plan = _prepare(spec, params, target)
-    if tgt.interpreter and not _interpreting():
-        raise ArgumentError("target 'interpreter' needs TRITON_INTERPRET=1 set before triton is "
-                            "imported (attngen sets it itself on a machine with no CUDA GPU)")
+    problem = interpreter_problem() if tgt.interpreter else None
+    if problem:
+        raise ArgumentError(problem)
     # The source text is part of the module (its header), so it is part of the key: a spec of the
     # same name and meaning but other text never shares a module with it.
     key = runtime.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())

@@ -168,3 +168,17 @@ def test_an_unusable_cache_directory_falls_back_with_one_warning(tmp_path, monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attngen.build(CAUSAL)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only a machine without a GPU interprets kernels")
+def test_triton_imported_before_attngen_is_a_clear_error_not_a_crash_in_a_kernel():
+    # Triton reads TRITON_INTERPRET when first imported; attngen sets it too late then, and every
+    # kernel would fail deep inside the interpreter ("Cannot call @triton.jit'd outside ...").
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+            "import triton, attngen\n"
+            "try:\n    attngen.build('attention t\\nmask: causal\\n')\n"
+            "except attngen.ArgumentError as e:\n    print('refused:', e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert "refused: triton was imported before attngen could ask for its interpreter" in result.stdout, (
+        result.stdout + result.stderr[-2000:])
