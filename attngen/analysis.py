@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Mapping
 
 from attngen import ir
 
@@ -331,12 +332,19 @@ def mask_inputs(spec: ir.Spec) -> tuple[str, ...]:
     return tuple(i.name for i in spec.inputs if ir.uses(spec.mask, ir.Load, i.name))
 
 
-def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
+def regions(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[str, Region]:
+    """The region of each loop: 'k' (keys for one query tile), 'q' (queries for one key tile)."""
+    return {loop: region(mask, loop, params) for loop in ("k", "q")}
+
+
+def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float],
+                     known: Mapping[str, Region] | None = None) -> bool:
     """Whether the kernels should follow a tile table built at call time rather than the closed-form
     spans: the mask has a part that varies over a tile in a way `region` cannot bound exactly (it
     reads an input at q or k, as documents and block layouts do; it is not affine, like
-    `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap)."""
-    return not (region(mask, "k", params).exact and region(mask, "q", params).exact)
+    `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap).
+    `known`: the mask's `regions`, when the caller has them."""
+    return not all(r.exact for r in (known or regions(mask, params)).values())
 
 
 # A block layout constant on aligned blocks at least this long is coarse: tiles rarely split a block.
@@ -347,15 +355,18 @@ DENSE_TEXT = (f"most visited tiles are full (no band of constant width; inputs a
               f"in blocks at least {COARSE_BLOCK} long): large starting tiles")
 
 
-def is_narrow(mask: ir.Expr | None, params: dict[str, int | float]) -> bool:
+def is_narrow(mask: ir.Expr | None, params: dict[str, int | float],
+              known: Mapping[str, Region] | None = None) -> bool:
     """Whether most visited tiles are partial, so small tiles waste less: each query tile sees only a
     band of keys of constant width (windows, chunks), or the mask is decided element by element from
-    inputs (documents). Dense masks (none, causal, prefix-LM, coarse block layouts) want large tiles."""
+    inputs (documents). Dense masks (none, causal, prefix-LM, coarse block layouts) want large tiles.
+    `known`: the mask's `regions`, when the caller has them."""
     if mask is None:
         return False
-    if needs_tile_table(mask, params):
+    known = known or regions(mask, params)
+    if needs_tile_table(mask, params, known):
         return any(step is not None and step < COARSE_BLOCK for step in block_steps(mask, params).values())
-    span = region(mask, "k", params).visit
+    span = known["k"].visit
     return span is not None and bool(_slopes(span.lo, "lo") & _slopes(span.hi, "hi"))
 
 

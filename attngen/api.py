@@ -8,12 +8,11 @@ from pathlib import Path
 from types import ModuleType
 
 from attngen import checks, ir, runtime
-from attngen.analysis import block_steps, is_narrow, needs_tile_table
+from attngen.analyze import analyze
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
-from attngen.grad import gather_bytes
-from attngen.plan import Plan, plan
+from attngen.plan import Plan, plan_for
 from attngen.printer import expr_to_source
 from attngen.render import render
 from attngen.target import Target, get_target
@@ -71,19 +70,12 @@ class Attention:
         return self.module.visit_counts(q, k, v, **inputs)
 
 
-def spec_plan(spec: ir.Spec, target: Target) -> Plan:
-    """The plan for this spec on `target`: its gathers and the shape of its mask shape the tiles."""
-    params = {p.name: p.value for p in spec.params}
-    # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
-    blocks = block_steps(spec.mask, params) if needs_tile_table(spec.mask, params) else None
-    return plan(target, gather_bytes=gather_bytes(spec), narrow=is_narrow(spec.mask, params), mask_blocks=blocks)
-
-
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
+    """The pipeline up to the plan: parse (or take) the spec, apply params, analyze, plan."""
     parsed, text = load_spec(spec)
-    parsed = parsed.with_params(params)
+    facts = analyze(parsed.with_params(params))
     tgt = target if isinstance(target, Target) else get_target(target)
-    return parsed, text, tgt, spec_plan(parsed, tgt)
+    return facts, text, tgt, plan_for(facts, tgt)
 
 
 def _interpreting() -> bool:
@@ -107,18 +99,19 @@ def interpreter_problem() -> str | None:
 
 def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> str:
     """The standalone module source for a spec (imports only torch and triton)."""
-    parsed, text, _, kernel_plan = _prepare(spec, params, target)
-    return render(parsed, kernel_plan, text)
+    facts, text, _, kernel_plan = _prepare(spec, params, target)
+    return render(facts, kernel_plan, text)
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:
     """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk."""
-    parsed, text, tgt, kernel_plan = _prepare(spec, params, target)
+    facts, text, tgt, kernel_plan = _prepare(spec, params, target)
     problem = interpreter_problem() if tgt.interpreter else None
     if problem:
         raise ArgumentError(problem)
+    parsed = facts.spec
     # The source text is part of the module (its header), so it is part of the key: a spec of the
     # same name and meaning but other text never shares a module with it.
     key = runtime.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
-    module, path = runtime.load(parsed.name, key, lambda: render(parsed, kernel_plan, text))
+    module, path = runtime.load(parsed.name, key, lambda: render(facts, kernel_plan, text))
     return Attention(parsed, kernel_plan, module, path)

@@ -357,7 +357,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     from torch.nn.attention.flex_attention import flex_attention
 
     import attngen
-    from attngen import analysis, testing
+    from attngen import testing
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ArgumentError("attngen bench times kernels on a CUDA GPU, and this machine has none")
@@ -379,7 +379,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     except Exception:  # made again in Flex's first call, where a failure becomes its row's note
         block_mask = None
     tables = None
-    if analysis.needs_tile_table(attn.spec.mask, {p.name: p.value for p in attn.spec.params}):
+    if attn.module.TILE_TABLE:  # the module says whether its kernels follow tile tables
         tables = attn.tile_tables(q, k, v, **inputs)
     # A fresh compile: past dynamo's recompile limit flex_attention would silently run eagerly.
     torch._dynamo.reset()

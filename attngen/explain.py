@@ -12,8 +12,8 @@ from pathlib import Path
 
 from attngen import analysis, ir
 from attngen.errors import ArgumentError
-from attngen.api import spec_plan
-from attngen.plan import ELEMENT_BYTES
+from attngen.analyze import Analysis, analyze
+from attngen.plan import ELEMENT_BYTES, plan_for
 from attngen.printer import to_source
 from attngen.target import Target
 from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
@@ -42,12 +42,11 @@ def ir_tree(e: ir.Expr) -> str:
     return f"({e.fn}:{e.type} {' '.join(ir_tree(a) for a in e.args)})"
 
 
-def _mask_strategy(spec: ir.Spec) -> str:
-    params = {p.name: p.value for p in spec.params}
-    if spec.mask is None:
+def _mask_strategy(facts: Analysis) -> str:
+    if facts.spec.mask is None:
         return "no mask: every tile is full, no mask code runs"
-    if not analysis.needs_tile_table(spec.mask, params):
-        reads = analysis.mask_inputs(spec)
+    if not facts.tile_table:
+        reads = facts.table_reads
         if reads:
             return ("closed form: the kernels compute each tile's loop bounds arithmetically; the bounds "
                     f"read {', '.join(reads)} (one value per tile), so they are evaluated in the kernel at "
@@ -65,7 +64,8 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
-    kernel_plan = spec_plan(spec, target)
+    facts = analyze(spec)
+    kernel_plan = plan_for(facts, target)
     entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
     for kernel in (entry.fwd, entry.bwd_dkdv, entry.bwd_dq):
         tiles = -(-q_len // kernel.block_m) * -(-kv_len // kernel.block_n)
@@ -86,10 +86,10 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
               f"{analysis.NARROW_TEXT if kernel_plan.narrow else analysis.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
-    lines += ["", f"mask: {_mask_strategy(spec)}"]
-    maps = {"forward": tile_map(spec, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
-            "dK/dV": tile_map(spec, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
-            "dQ": tile_map(spec, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}
+    lines += ["", f"mask: {_mask_strategy(facts)}"]
+    maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
+            "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
+            "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}
     lines.append("tile map (batch 0, head 0)")
     for name, m in maps.items():
         c = m.counts()

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from attngen import ir
+from attngen.analyze import Analysis
 from attngen.target import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
@@ -363,3 +364,10 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     return Plan(target=target.name, entries=tuple(entries), narrow=narrow,
                 one_launch_backward=target.interpreter or not narrow,
                 masked_width_floor=MIN_BLOCK if target.interpreter else MASKED_WIDTH_FLOOR)
+
+
+def plan_for(facts: Analysis, target: Target) -> Plan:
+    """The plan of an analysed spec on `target`: its gathers and the shape of its mask shape the tiles."""
+    # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
+    blocks = dict(facts.block_steps) if facts.tile_table else None
+    return plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks)

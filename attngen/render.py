@@ -7,7 +7,8 @@ from functools import lru_cache
 
 import jinja2
 
-from attngen import __version__, analysis, grad, integers, ir
+from attngen import __version__, integers, ir
+from attngen.analyze import Analysis
 from attngen.codegen import Spelling, TritonEmitter, python_expr
 from attngen.plan import Plan
 from attngen.printer import expr_to_source
@@ -33,30 +34,14 @@ def _environment() -> jinja2.Environment:
                               autoescape=False)
 
 
-def _params(spec: ir.Spec) -> dict[str, int | float]:
-    return {p.name: p.value for p in spec.params}
-
-
-@lru_cache(maxsize=8)
-def _length_limit(spec: ir.Spec) -> tuple[int, ir.Expr | None]:
-    return integers.length_limit(spec)
-
-
-@lru_cache(maxsize=8)
-def _ranges(spec: ir.Spec) -> integers.Ranges:
-    """Every int's range at the lengths the module accepts: the kernels' int widths follow from it."""
-    return integers.Ranges(integers.box(spec, _length_limit(spec)[0]))
-
-
-def _length_reason(spec: ir.Spec) -> str:
-    culprit = _length_limit(spec)[1]
-    if culprit is None:
+def _length_reason(facts: Analysis) -> str:
+    if facts.length_culprit is None:
         return "positions are int32 in the kernels"
-    return f"beyond it '{expr_to_source(culprit)}' overflows int64"
+    return f"beyond it '{expr_to_source(facts.length_culprit)}' overflows int64"
 
 
-def _emitter(spec: ir.Spec, spelling: Spelling, prefix: str) -> TritonEmitter:
-    return TritonEmitter(spelling, _params(spec), {i.name: i for i in spec.inputs}, prefix, _ranges(spec))
+def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
+    return TritonEmitter(spelling, facts.params, {i.name: i for i in facts.spec.inputs}, prefix, facts.ranges)
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> str:
@@ -68,31 +53,31 @@ def _score_hook(spec: ir.Spec, em: TritonEmitter) -> str:
     return "\n".join(["s = qk * sm_scale", *em.lines[start:], f"s2 = {result} * LOG2E"])
 
 
-def _mask_hook(spec: ir.Spec, spelling: Spelling, q_bound: str, k_bound: str) -> str:
+def _mask_hook(facts: Analysis, spelling: Spelling, q_bound: str, k_bound: str) -> str:
     """Defines `allowed`: the spec's mask and the tile's bounds checks."""
     bounds = f"({q_bound}) & ({k_bound})"
-    if spec.mask is None:
+    if facts.spec.mask is None:
         return f"allowed = {bounds}"
-    em = _emitter(spec, spelling, "mk")
-    mask = em.emit(spec.mask)
+    em = _emitter(facts, spelling, "mk")
+    mask = em.emit(facts.spec.mask)
     return "\n".join([*em.lines, f"allowed = ({mask}) & {bounds}"])
 
 
-def _dscore_hook(spec: ir.Spec, em: TritonEmitter, var: str) -> str:
+def _dscore_hook(facts: Analysis, em: TritonEmitter, var: str) -> str:
     """Turns the gradient w.r.t. the modified score into the gradient w.r.t. the raw score."""
-    if spec.score is None:
+    if facts.score_derivative is None:
         return f"# d score'/d score = 1: {var} is already the gradient of the raw score"
     start = len(em.lines)
-    d = em.emit(grad.derivative(spec.score, ir.Score()))
+    d = em.emit(facts.score_derivative)
     return "\n".join([*em.lines[start:], f"{var} = {var} * {d}"])
 
 
-def _learnable_hook(spec: ir.Spec, em: TritonEmitter) -> str:
+def _learnable_hook(facts: Analysis, em: TritonEmitter) -> str:
     """Scatters ds * d score'/d input into each learnable input's fp32 gradient."""
     lines = []
-    for n, load in enumerate(grad.learnable_loads(spec)):
+    for n, (load, derivative) in enumerate(facts.learnable_derivatives):
         start = len(em.lines)
-        d = em.emit(grad.derivative(spec.score, load))
+        d = em.emit(derivative)
         indices = [em.emit(i) for i in load.index]
         dims = frozenset().union(*(em.dims_of(i) for i in indices)) if indices else frozenset()
         offset = " + ".join(f"({i}) * stride_{load.input}_{j}" for j, i in enumerate(indices)) or "0"
@@ -144,16 +129,15 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
     ]
 
 
-def _bounds_hook(spec: ir.Spec, loop: str) -> str:
+def _bounds_hook(facts: Analysis, loop: str) -> str:
     """Defines the element bounds of the loop over `loop` ('k' or 'q') for one tile of the other.
 
     Bounds are scalars per tile, so they are computed in int64; `integers.exact_span` makes sure
     that cannot wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
-    region = analysis.region(spec.mask, loop, _params(spec))
-    limit = _length_limit(spec)[0]
-    visit = integers.exact_span(region.visit, _ranges(spec), limit, inner=False)
-    full = integers.exact_span(region.full, _ranges(spec), limit, inner=True)
-    em = _emitter(spec, BOUNDS, "bd")
+    region = facts.regions[loop]
+    visit = integers.exact_span(region.visit, facts.ranges, facts.length_limit, inner=False)
+    full = integers.exact_span(region.full, facts.ranges, facts.length_limit, inner=True)
+    em = _emitter(facts, BOUNDS, "bd")
     other = "q" if loop == "k" else "k"
     tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}
     name = "kv" if loop == "k" else "q"
@@ -185,24 +169,24 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
-def _kernel_hooks(spec: ir.Spec, spelling: Spelling, loop: str, ds_var: str) -> dict[str, str]:
-    em = _emitter(spec, spelling, "sc")
-    score = _score_hook(spec, em)
+def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, str]:
+    em = _emitter(facts, spelling, "sc")
+    score = _score_hook(facts.spec, em)
     q_bound, k_bound = _bounds_checks(spelling)
-    hooks = {"score": score, "mask": _mask_hook(spec, spelling, q_bound, k_bound), "allowed": "allowed",
-             "bounds": _bounds_hook(spec, loop)}
+    hooks = {"score": score, "mask": _mask_hook(facts, spelling, q_bound, k_bound), "allowed": "allowed",
+             "bounds": _bounds_hook(facts, loop)}
     if ds_var == "ds":
-        hooks["learnable"] = _learnable_hook(spec, em)
+        hooks["learnable"] = _learnable_hook(facts, em)
     if ds_var:
-        hooks["dscore"] = _dscore_hook(spec, em, ds_var)
+        hooks["dscore"] = _dscore_hook(facts, em, ds_var)
     return hooks
 
 
-def _table_hooks(spec: ir.Spec, spelling: Spelling, loop: str) -> dict[str, str]:
+def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, str]:
     """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
     q_bound, k_bound = _bounds_checks(spelling)
     name = "kv" if loop == "k" else "q"
-    return {"bounds": _bounds_hook(spec, loop), "mask": _mask_hook(spec, spelling, q_bound, k_bound),
+    return {"bounds": _bounds_hook(facts, loop), "mask": _mask_hook(facts, spelling, q_bound, k_bound),
             "lo": f"{name}_lo", "hi": f"{name}_hi", "rows_ok": q_bound if loop == "k" else k_bound}
 
 
@@ -232,9 +216,10 @@ def _python_tuple(values) -> str:
     return repr(tuple(values))
 
 
-def render(spec: ir.Spec, plan: Plan, source: str) -> str:
-    """The source text of the kernel module for `spec` under `plan`; `source` is shown in its header."""
-    params = _params(spec)
+def render(facts: Analysis, plan: Plan, source: str) -> str:
+    """The source text of the kernel module for the analysed spec under `plan`; `source` is shown in
+    its header."""
+    spec = facts.spec
     inputs = spec.inputs
     input_params = "".join(
         f"{i.name}_ptr, " + "".join(f"stride_{i.name}_{d}, " for d in range(len(i.dims)))
@@ -250,8 +235,8 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         + ", ".join(_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))
                     for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + "),\n"
         for e in plan.entries) + "}"
-    scale = python_expr(spec.scale, params) if spec.scale is not None else "1.0 / math.sqrt(D)"
-    table = analysis.needs_tile_table(spec.mask, params)
+    scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
+    table = facts.tile_table
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
@@ -261,17 +246,17 @@ def render(spec: ir.Spec, plan: Plan, source: str) -> str:
         inputs=inputs, any_learnable=bool(learnable), inputs_table=inputs_table, plan_table=plan_table,
         scale_expr=scale, input_params=input_params, input_args=input_params,
         grad_params=grad_params, grad_args=grad_params,
-        fwd=_kernel_hooks(spec, ROW_MAJOR, "k", ""),
-        dq=_kernel_hooks(spec, ROW_MAJOR, "k", "ds"),
-        dkdv=_kernel_hooks(spec, TRANSPOSED, "q", "dsT"),
+        fwd=_kernel_hooks(facts, ROW_MAJOR, "k", ""),
+        dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
+        dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
         table=table, table_params=_table_params("", table), kv_table_params=_table_params("kv_", table),
         q_table_params=_table_params("q_", table),
-        table_reads=_python_tuple(analysis.mask_inputs(spec)),
-        table_steps=repr(analysis.block_steps(spec.mask, params)),
+        table_reads=_python_tuple(facts.table_reads),
+        table_steps=repr(dict(facts.block_steps)),
         table_per_b="b" in mask_vars, table_per_h=bool(mask_vars & {"h", "hkv"}),
-        table_by_query=_table_hooks(spec, ROW_MAJOR, "k") if table else None,
-        table_by_key=_table_hooks(spec, TRANSPOSED, "q") if table else None,
-        max_length=_length_limit(spec)[0], max_length_reason=_length_reason(spec),
+        table_by_query=_table_hooks(facts, ROW_MAJOR, "k") if table else None,
+        table_by_key=_table_hooks(facts, TRANSPOSED, "q") if table else None,
+        max_length=facts.length_limit, max_length_reason=_length_reason(facts),
         max_batch_heads=integers.MAX_BATCH_HEADS,
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from attngen import analysis, ir
+from attngen.analyze import Analysis
 from attngen.intervals import TileBox, TileClass, classify
 from attngen.reference import Env, evaluate_expr
 
@@ -98,20 +99,20 @@ def uniform_env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs=Non
     return Env(values, {name: t.cpu() for name, t in (inputs or {}).items()}, torch.float64)
 
 
-def tile_map(spec: ir.Spec, sizes: dict[str, int], block_m: int, block_n: int, by_query: bool = True,
+def tile_map(facts: Analysis, sizes: dict[str, int], block_m: int, block_n: int, by_query: bool = True,
              b: int = 0, h: int = 0, inputs: dict[str, torch.Tensor] | None = None) -> TileMap:
     """The tile map of batch b, head h for tiles (block_m, block_n); rows are query tiles (forward,
     dQ) when by_query, else key tiles (dK/dV, block_n rows). Given `inputs`, loop bounds that read
     them (prefix[b]) are evaluated too."""
-    params = {p.name: p.value for p in spec.params}
+    spec, params = facts.spec, dict(facts.params)
     q_len, kv_len = sizes["Q_LEN"], sizes["KV_LEN"]
     rows_len, cols_len = (q_len, kv_len) if by_query else (kv_len, q_len)
     block_rows, block_cols = (block_m, block_n) if by_query else (block_n, block_m)
     n_rows, n_cols = -(-rows_len // block_rows), -(-cols_len // block_cols)
     grid = torch.zeros((n_rows, n_cols), dtype=torch.uint8)
     loop, other = ("k", "q") if by_query else ("q", "k")
-    if not analysis.needs_tile_table(spec.mask, params):
-        reg = analysis.region(spec.mask, loop, params)
+    if not facts.tile_table:
+        reg = facts.regions[loop]
         env = uniform_env(spec, sizes, b, h, inputs)
         try:
             for r in range(n_rows):

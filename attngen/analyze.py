@@ -1,0 +1,64 @@
+"""Runs every analysis of a spec once: the one frozen Analysis that planning, emission and reports read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from attngen import analysis, grad, integers, ir
+from attngen.analysis import Region
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis:
+    """What the later stages need to know about a spec, computed once by `analyze`.
+
+    regions: per loop index ('k': the loop over keys for one query tile, as the forward and dQ
+    kernels run it; 'q': over queries for one key tile, dK/dV) the closed-form spans of allowed
+    and fully allowed elements (analysis.region).
+    tile_table: the kernels follow tile tables built at call time (analysis.needs_tile_table),
+    from the inputs in `table_reads`, with one point per `block_steps` block.
+    narrow: most visited tiles are partial, so the planner starts from smaller tiles.
+    gather_bytes: what the spec's loads indexed by both q and k read per score element.
+    score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
+    each learnable input's load in the score with d score'/d load, for the backward kernels.
+    length_limit, length_culprit: the longest Q_LEN/KV_LEN at which the kernels' ints are exact,
+    and the expression that overflows beyond it (None: positions are int32).
+    ranges: every int's range at lengths up to length_limit (the kernels' int widths).
+    """
+    spec: ir.Spec
+    params: Mapping[str, int | float]
+    regions: Mapping[str, Region]
+    tile_table: bool
+    table_reads: tuple[str, ...]
+    block_steps: Mapping[str, int | None]
+    narrow: bool
+    gather_bytes: int
+    score_derivative: ir.Expr | None
+    learnable_derivatives: tuple[tuple[ir.Load, ir.Expr], ...]
+    length_limit: int
+    length_culprit: ir.Expr | None
+    ranges: integers.Ranges
+
+
+def analyze(spec: ir.Spec) -> Analysis:
+    """Every fact about `spec` that planning, emission and the reports use."""
+    params = {p.name: p.value for p in spec.params}
+    limit, culprit = integers.length_limit(spec)
+    regions = analysis.regions(spec.mask, params)
+    return Analysis(
+        spec=spec,
+        params=MappingProxyType(params),
+        regions=MappingProxyType(regions),
+        tile_table=analysis.needs_tile_table(spec.mask, params, regions),
+        table_reads=analysis.mask_inputs(spec),
+        block_steps=MappingProxyType(analysis.block_steps(spec.mask, params)),
+        narrow=analysis.is_narrow(spec.mask, params, regions),
+        gather_bytes=grad.gather_bytes(spec),
+        score_derivative=grad.derivative(spec.score, ir.Score()) if spec.score is not None else None,
+        learnable_derivatives=tuple((load, grad.derivative(spec.score, load)) for load in grad.learnable_loads(spec)),
+        length_limit=limit,
+        length_culprit=culprit,
+        ranges=integers.Ranges(integers.box(spec, limit)),
+    )
