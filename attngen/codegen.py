@@ -58,9 +58,15 @@ class TritonEmitter:
     memo: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     wide: set = field(default_factory=set)
+    statements: dict = field(default_factory=dict)  # (code, dims, wide) -> the name that holds it
 
     def _temp(self, code: str, dims: frozenset, wide: bool = False) -> str:
+        # Statements are pure, so one that was emitted before is reused, as `memo` reuses subtrees
+        # (the bounds of a tile cast the same index to int64 for several spans).
+        if (code, dims, wide) in self.statements:
+            return self.statements[code, dims, wide]
         name = f"{self.prefix}{len(self.lines)}"
+        self.statements[code, dims, wide] = name
         self.lines.append(f"{name} = {code}")
         self.shapes[name] = dims
         if wide:
@@ -249,7 +255,7 @@ class TritonEmitter:
                 var = self._temp(f"_floordiv({shifted}, {self._int_literal(b.var_div)})", frozenset(), True)
         parts = []
         if b.coef:
-            parts.append(f"{self._int_literal(b.coef)} * {var}")
+            parts.append(var if b.coef == 1 else f"{self._int_literal(b.coef)} * {var}")
         if b.const is not None:
             const = self.emit(b.const)
             parts.append(const if const in self.wide or parts else int64(const))
@@ -261,6 +267,8 @@ class TritonEmitter:
             code = f"{self._int_literal(b.out_scale)} * ({code})"
         if b.out_offset is not None:
             code = f"{code} + {self.emit(b.out_offset)}"
+        if code == var:  # the tile's own index: no statement that only copies it
+            return var
         return self._temp(code, frozenset(), True)
 
 

@@ -322,13 +322,11 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     q_first = start_m * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_last, tl.int64)
-    bd1 = 1 * bd0
-    bd2 = tl.cast(q_first, tl.int64)
-    bd3 = 1 * bd2
+    bd1 = tl.cast(q_first, tl.int64)
     kv_lo = 0
-    kv_hi = _index_bound(bd1 + 1, KV_LEN)
+    kv_hi = _index_bound(bd0 + 1, KV_LEN)
     kv_full_lo = 0
-    kv_full_hi = _index_bound(bd3 + 1, KV_LEN)
+    kv_full_hi = _index_bound(bd1 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
     # costs one pipeline fill, not two), then the stretch itself.
@@ -480,12 +478,10 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
             (Q_LEN + BLOCK_M - 1) // BLOCK_M)
 
         bd0 = tl.cast(k_first, tl.int64)
-        bd1 = 1 * bd0
-        bd2 = tl.cast(k_last, tl.int64)
-        bd3 = 1 * bd2
-        q_lo = _index_bound(bd1, Q_LEN)
+        bd1 = tl.cast(k_last, tl.int64)
+        q_lo = _index_bound(bd0, Q_LEN)
         q_hi = Q_LEN
-        q_full_lo = _index_bound(bd3, Q_LEN)
+        q_full_lo = _index_bound(bd1, Q_LEN)
         q_full_hi = Q_LEN
         t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
@@ -593,13 +589,11 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     q_first = start_m * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_last, tl.int64)
-    bd1 = 1 * bd0
-    bd2 = tl.cast(q_first, tl.int64)
-    bd3 = 1 * bd2
+    bd1 = tl.cast(q_first, tl.int64)
     kv_lo = 0
-    kv_hi = _index_bound(bd1 + 1, KV_LEN)
+    kv_hi = _index_bound(bd0 + 1, KV_LEN)
     kv_full_lo = 0
-    kv_full_hi = _index_bound(bd3 + 1, KV_LEN)
+    kv_full_hi = _index_bound(bd1 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
@@ -1186,7 +1180,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "0572063549cd8733"
+MODULE_DIGEST = "0d931203fe701f42"
 
 
 def _define_operators(table_name, forward_name, backward_name):

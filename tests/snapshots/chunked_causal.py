@@ -319,26 +319,18 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_first, tl.int64)
     bd1 = _floordiv(bd0, 256)
-    bd2 = 256 * (1 * bd1)
+    bd2 = 256 * (bd1)
     bd3 = tl.cast(q_last, tl.int64)
     bd4 = _floordiv(bd3, 256)
-    bd5 = 256 * (1 * bd4) + 255
-    bd6 = tl.cast(q_last, tl.int64)
-    bd7 = 1 * bd6
-    bd8 = tl.minimum(bd5, bd7)
-    bd9 = tl.cast(q_last, tl.int64)
-    bd10 = _floordiv(bd9, 256)
-    bd11 = 256 * (1 * bd10)
-    bd12 = tl.cast(q_first, tl.int64)
-    bd13 = _floordiv(bd12, 256)
-    bd14 = 256 * (1 * bd13) + 255
-    bd15 = tl.cast(q_first, tl.int64)
-    bd16 = 1 * bd15
-    bd17 = tl.minimum(bd14, bd16)
+    bd5 = 256 * (bd4) + 255
+    bd6 = tl.minimum(bd5, bd3)
+    bd7 = 256 * (bd4)
+    bd8 = 256 * (bd1) + 255
+    bd9 = tl.minimum(bd8, bd0)
     kv_lo = _index_bound(bd2, KV_LEN)
-    kv_hi = _index_bound(bd8 + 1, KV_LEN)
-    kv_full_lo = _index_bound(bd11, KV_LEN)
-    kv_full_hi = _index_bound(bd17 + 1, KV_LEN)
+    kv_hi = _index_bound(bd6 + 1, KV_LEN)
+    kv_full_lo = _index_bound(bd7, KV_LEN)
+    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
     # costs one pipeline fill, not two), then the stretch itself.
@@ -490,26 +482,18 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
 
         bd0 = tl.cast(k_first, tl.int64)
         bd1 = _floordiv(bd0, 256)
-        bd2 = 256 * (1 * bd1)
-        bd3 = tl.cast(k_first, tl.int64)
-        bd4 = 1 * bd3
-        bd5 = tl.maximum(bd2, bd4)
-        bd6 = tl.cast(k_last, tl.int64)
-        bd7 = _floordiv(bd6, 256)
-        bd8 = 256 * (1 * bd7) + 255
-        bd9 = tl.cast(k_last, tl.int64)
-        bd10 = _floordiv(bd9, 256)
-        bd11 = 256 * (1 * bd10)
-        bd12 = tl.cast(k_last, tl.int64)
-        bd13 = 1 * bd12
-        bd14 = tl.maximum(bd11, bd13)
-        bd15 = tl.cast(k_first, tl.int64)
-        bd16 = _floordiv(bd15, 256)
-        bd17 = 256 * (1 * bd16) + 255
-        q_lo = _index_bound(bd5, Q_LEN)
-        q_hi = _index_bound(bd8 + 1, Q_LEN)
-        q_full_lo = _index_bound(bd14, Q_LEN)
-        q_full_hi = _index_bound(bd17 + 1, Q_LEN)
+        bd2 = 256 * (bd1)
+        bd3 = tl.maximum(bd2, bd0)
+        bd4 = tl.cast(k_last, tl.int64)
+        bd5 = _floordiv(bd4, 256)
+        bd6 = 256 * (bd5) + 255
+        bd7 = 256 * (bd5)
+        bd8 = tl.maximum(bd7, bd4)
+        bd9 = 256 * (bd1) + 255
+        q_lo = _index_bound(bd3, Q_LEN)
+        q_hi = _index_bound(bd6 + 1, Q_LEN)
+        q_full_lo = _index_bound(bd8, Q_LEN)
+        q_full_hi = _index_bound(bd9 + 1, Q_LEN)
         t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
                                  stride_qm, stride_qk, stride_dom, stride_dok,
@@ -616,26 +600,18 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_first, tl.int64)
     bd1 = _floordiv(bd0, 256)
-    bd2 = 256 * (1 * bd1)
+    bd2 = 256 * (bd1)
     bd3 = tl.cast(q_last, tl.int64)
     bd4 = _floordiv(bd3, 256)
-    bd5 = 256 * (1 * bd4) + 255
-    bd6 = tl.cast(q_last, tl.int64)
-    bd7 = 1 * bd6
-    bd8 = tl.minimum(bd5, bd7)
-    bd9 = tl.cast(q_last, tl.int64)
-    bd10 = _floordiv(bd9, 256)
-    bd11 = 256 * (1 * bd10)
-    bd12 = tl.cast(q_first, tl.int64)
-    bd13 = _floordiv(bd12, 256)
-    bd14 = 256 * (1 * bd13) + 255
-    bd15 = tl.cast(q_first, tl.int64)
-    bd16 = 1 * bd15
-    bd17 = tl.minimum(bd14, bd16)
+    bd5 = 256 * (bd4) + 255
+    bd6 = tl.minimum(bd5, bd3)
+    bd7 = 256 * (bd4)
+    bd8 = 256 * (bd1) + 255
+    bd9 = tl.minimum(bd8, bd0)
     kv_lo = _index_bound(bd2, KV_LEN)
-    kv_hi = _index_bound(bd8 + 1, KV_LEN)
-    kv_full_lo = _index_bound(bd11, KV_LEN)
-    kv_full_hi = _index_bound(bd17 + 1, KV_LEN)
+    kv_hi = _index_bound(bd6 + 1, KV_LEN)
+    kv_full_lo = _index_bound(bd7, KV_LEN)
+    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
@@ -1222,7 +1198,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "dee85eeba7f0b738"
+MODULE_DIGEST = "0cec494237d516ff"
 
 
 def _define_operators(table_name, forward_name, backward_name):

@@ -323,17 +323,13 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     bd0 = tl.cast(q_first, tl.int64)
     bd1 = -1 * 4096
     bd2 = bd1 + 1
-    bd3 = 1 * bd0 + bd2
+    bd3 = bd0 + bd2
     bd4 = tl.cast(q_last, tl.int64)
-    bd5 = 1 * bd4
-    bd6 = tl.cast(q_last, tl.int64)
-    bd7 = 1 * bd6 + bd2
-    bd8 = tl.cast(q_first, tl.int64)
-    bd9 = 1 * bd8
+    bd5 = bd4 + bd2
     kv_lo = _index_bound(bd3, KV_LEN)
-    kv_hi = _index_bound(bd5 + 1, KV_LEN)
-    kv_full_lo = _index_bound(bd7, KV_LEN)
-    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
+    kv_hi = _index_bound(bd4 + 1, KV_LEN)
+    kv_full_lo = _index_bound(bd5, KV_LEN)
+    kv_full_hi = _index_bound(bd0 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
     # costs one pipeline fill, not two), then the stretch itself.
@@ -489,18 +485,14 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
             (Q_LEN + BLOCK_M - 1) // BLOCK_M)
 
         bd0 = tl.cast(k_first, tl.int64)
-        bd1 = 1 * bd0
-        bd2 = tl.cast(k_last, tl.int64)
-        bd3 = 4096 + -1
-        bd4 = 1 * bd2 + bd3
-        bd5 = tl.cast(k_last, tl.int64)
-        bd6 = 1 * bd5
-        bd7 = tl.cast(k_first, tl.int64)
-        bd8 = 1 * bd7 + bd3
-        q_lo = _index_bound(bd1, Q_LEN)
-        q_hi = _index_bound(bd4 + 1, Q_LEN)
-        q_full_lo = _index_bound(bd6, Q_LEN)
-        q_full_hi = _index_bound(bd8 + 1, Q_LEN)
+        bd1 = tl.cast(k_last, tl.int64)
+        bd2 = 4096 + -1
+        bd3 = bd1 + bd2
+        bd4 = bd0 + bd2
+        q_lo = _index_bound(bd0, Q_LEN)
+        q_hi = _index_bound(bd3 + 1, Q_LEN)
+        q_full_lo = _index_bound(bd1, Q_LEN)
+        q_full_hi = _index_bound(bd4 + 1, Q_LEN)
         t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
                                  stride_qm, stride_qk, stride_dom, stride_dok,
@@ -613,17 +605,13 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     bd0 = tl.cast(q_first, tl.int64)
     bd1 = -1 * 4096
     bd2 = bd1 + 1
-    bd3 = 1 * bd0 + bd2
+    bd3 = bd0 + bd2
     bd4 = tl.cast(q_last, tl.int64)
-    bd5 = 1 * bd4
-    bd6 = tl.cast(q_last, tl.int64)
-    bd7 = 1 * bd6 + bd2
-    bd8 = tl.cast(q_first, tl.int64)
-    bd9 = 1 * bd8
+    bd5 = bd4 + bd2
     kv_lo = _index_bound(bd3, KV_LEN)
-    kv_hi = _index_bound(bd5 + 1, KV_LEN)
-    kv_full_lo = _index_bound(bd7, KV_LEN)
-    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
+    kv_hi = _index_bound(bd4 + 1, KV_LEN)
+    kv_full_lo = _index_bound(bd5, KV_LEN)
+    kv_full_hi = _index_bound(bd0 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
@@ -1210,7 +1198,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "62612880cfb50b17"
+MODULE_DIGEST = "2f8138b5d1e25304"
 
 
 def _define_operators(table_name, forward_name, backward_name):

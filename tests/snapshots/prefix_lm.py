@@ -320,16 +320,13 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     bd1 = tl.cast(bd0, tl.int64) + -1
     bd2 = bd1
     bd3 = tl.cast(q_last, tl.int64)
-    bd4 = 1 * bd3
-    bd5 = tl.maximum(bd2, bd4)
-    bd6 = bd1
-    bd7 = tl.cast(q_first, tl.int64)
-    bd8 = 1 * bd7
-    bd9 = tl.maximum(bd6, bd8)
+    bd4 = tl.maximum(bd2, bd3)
+    bd5 = tl.cast(q_first, tl.int64)
+    bd6 = tl.maximum(bd2, bd5)
     kv_lo = 0
-    kv_hi = _index_bound(bd5 + 1, KV_LEN)
+    kv_hi = _index_bound(bd4 + 1, KV_LEN)
     kv_full_lo = 0
-    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
+    kv_full_hi = _index_bound(bd6 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
     # costs one pipeline fill, not two), then the stretch itself.
@@ -483,18 +480,14 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         bd2 = tl.cast(bd1, tl.int64) + -1
         bd3 = -1 * bd0 + bd2
         bd4 = tl.where(bd3 >= 0, -1073741824, 1073741824)
-        bd5 = tl.cast(k_first, tl.int64)
-        bd6 = 1 * bd5
-        bd7 = tl.minimum(bd4, bd6)
-        bd8 = tl.cast(k_last, tl.int64)
-        bd9 = -1 * bd8 + bd2
-        bd10 = tl.where(bd9 >= 0, -1073741824, 1073741824)
-        bd11 = tl.cast(k_last, tl.int64)
-        bd12 = 1 * bd11
-        bd13 = tl.minimum(bd10, bd12)
-        q_lo = _index_bound(bd7, Q_LEN)
+        bd5 = tl.minimum(bd4, bd0)
+        bd6 = tl.cast(k_last, tl.int64)
+        bd7 = -1 * bd6 + bd2
+        bd8 = tl.where(bd7 >= 0, -1073741824, 1073741824)
+        bd9 = tl.minimum(bd8, bd6)
+        q_lo = _index_bound(bd5, Q_LEN)
         q_hi = Q_LEN
-        q_full_lo = _index_bound(bd13, Q_LEN)
+        q_full_lo = _index_bound(bd9, Q_LEN)
         q_full_hi = Q_LEN
         t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
@@ -603,16 +596,13 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     bd1 = tl.cast(bd0, tl.int64) + -1
     bd2 = bd1
     bd3 = tl.cast(q_last, tl.int64)
-    bd4 = 1 * bd3
-    bd5 = tl.maximum(bd2, bd4)
-    bd6 = bd1
-    bd7 = tl.cast(q_first, tl.int64)
-    bd8 = 1 * bd7
-    bd9 = tl.maximum(bd6, bd8)
+    bd4 = tl.maximum(bd2, bd3)
+    bd5 = tl.cast(q_first, tl.int64)
+    bd6 = tl.maximum(bd2, bd5)
     kv_lo = 0
-    kv_hi = _index_bound(bd5 + 1, KV_LEN)
+    kv_hi = _index_bound(bd4 + 1, KV_LEN)
     kv_full_lo = 0
-    kv_full_hi = _index_bound(bd9 + 1, KV_LEN)
+    kv_full_hi = _index_bound(bd6 + 1, KV_LEN)
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
@@ -1199,7 +1189,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a3305da6a141ec6c"
+MODULE_DIGEST = "b16e3643a9fda42b"
 
 
 def _define_operators(table_name, forward_name, backward_name):
