@@ -132,7 +132,7 @@ def time_variants(B, H, N, D, names, device="cuda") -> list[dict]:
                 bm, bn = attn.module._tiles(q, v, 0)[:2]
                 sizes = (B, H, H, N, N)
                 row["attngen_table_kernel_ms"] = bench(
-                    lambda: attn.module._build_table(True, bm, bn, sizes, q.device, tensors))
+                    lambda: attn.module._build_table((True, bm, bn), sizes, q.device, tensors))
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:1500]
             traceback.print_exc()
