@@ -7,25 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from attngen import checks, ir, runtime
-from attngen.analyze import analyze
-from attngen.errors import ArgumentError, SpecError
-from attngen.frontend.lower import lower
-from attngen.frontend.parser import parse
+from attngen import ir, runtime
+from attngen.frontend import checks
+from attngen.analysis import analyze
+from attngen.errors import ArgumentError
+from attngen.frontend import parse_spec
 from attngen.plan import Plan, plan_for
-from attngen.printer import expr_to_source
-from attngen.render import render
-from attngen.target import Target, get_target
+from attngen.frontend.printer import expr_to_source
+from attngen.emit.module import render
+from attngen.plan.targets import Target, get_target
 
 SpecLike = str | os.PathLike | ir.Spec
-
-
-def parse_spec(text: str, filename: str = "<spec>") -> ir.Spec:
-    """Spec text to IR; a SpecError carries the file name, position and source line."""
-    try:
-        return lower(parse(text))
-    except SpecError as e:
-        raise e.located(text, filename) from None
 
 
 def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
@@ -82,15 +74,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def interpreter_came_too_late() -> bool:
+    """TRITON_INTERPRET=1 is set, but triton built its own jit functions before it was: every kernel
+    would fail inside them."""
+    import triton
+
+    return _interpreting() and isinstance(triton.language.zeros, triton.runtime.JITFunction)
+
+
 def interpreter_problem() -> str | None:
     """Why kernels cannot run in Triton's interpreter in this process, or None when they can."""
     if not _interpreting():
         return ("target 'interpreter' needs TRITON_INTERPRET=1 set before triton is imported (attngen sets "
                 "it itself on a machine with no CUDA GPU)")
-    import triton
-
-    if isinstance(triton.language.zeros, triton.runtime.JITFunction):
-        # triton built its own jit functions before TRITON_INTERPRET=1 was set: every kernel fails in them.
+    if interpreter_came_too_late():
         return ("triton was imported before attngen could ask for its interpreter (TRITON_INTERPRET=1 came "
                 "too late): import attngen before anything that imports triton (transformers' model "
                 "classes do), or set TRITON_INTERPRET=1 in the environment")

@@ -36,7 +36,7 @@ from torch import Tensor
 from attngen import ir
 from attngen.errors import ArgumentError
 from attngen.reference import evaluate_expr, make_env, scale_value
-from attngen.tilemap import describe_flops
+from attngen.report.tilemap import describe_flops
 
 # Above this many mask evaluations the allowed pairs are estimated from sampled query rows.
 EXACT_EVALUATIONS = 2 ** 32

@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from attngen.errors import SpecError
-from attngen.integers import MAX_LENGTH
+from attngen.analysis.integers import MAX_LENGTH
 from attngen.plan import DTYPES, HEAD_DIMS
 
 try:  # typer >= 0.26 vendors click; its usage errors derive from TyperException
@@ -182,8 +182,9 @@ def explain_command(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the tile maps into this image (needs matplotlib).")] = None,
 ) -> None:
     """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
-    from attngen import ArgumentError, SpecError, explain, load_spec
-    from attngen.target import get_target
+    from attngen import ArgumentError, SpecError, load_spec
+    from attngen.report import explain
+    from attngen.plan.targets import get_target
 
     for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
                                 ("--head-dim", head_dim, HEAD_DIMS[-1]),
@@ -222,7 +223,8 @@ def check_command(
     import torch
 
     import attngen
-    from attngen import ArgumentError, SpecError, fuzz
+    from attngen import ArgumentError, SpecError
+    from attngen.testing import fuzz, strategies
 
     _check_size("--examples", examples)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,10 +237,10 @@ def check_command(
                      "run TRITON_INTERPRET=1 attngen check ... --device cpu")
     dtypes = dtype or (["f32", "f16", "bf16"] if device == "cuda" else ["f32", "f16"])
     for name in dtypes:
-        if name not in fuzz.DTYPES:
-            _usage_error(f"--dtype must be one of {', '.join(fuzz.DTYPES)}, got {name!r}")
+        if name not in strategies.DTYPES:
+            _usage_error(f"--dtype must be one of {', '.join(strategies.DTYPES)}, got {name!r}")
     try:
-        single = fuzz.Case.parse(case) if case is not None else None
+        single = strategies.Case.parse(case) if case is not None else None
     except ValueError as e:
         _usage_error(f"--case: {e}")
     if single is not None:
@@ -252,7 +254,7 @@ def check_command(
     defines = "".join(f" -D {d}" for d in define or [])
     if single is not None:
         try:
-            fuzz.check_case(attn.spec, attn, single, device)
+            strategies.check_case(attn.spec, attn, single, device)
         except Exception as e:
             typer.echo(f"{attn.spec.name}: FAILED on {single}\n{type(e).__name__}: {e}", err=True)
             raise typer.Exit(1)

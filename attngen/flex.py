@@ -10,7 +10,7 @@ The mods mean what `attngen.reference` means, node for node: they apply the refe
 and function tables to tensors of the dtypes the reference computes in (float inputs, params and
 literals in the score's float dtype; `//` and `%` with Python's floor semantics; ints promoted to
 float where mixed). Ints are exact as in attngen's kernels: each is computed in int32 where the
-interval analysis (`attngen.integers`) proves its range fits, in int64 otherwise, and lengths at
+interval analysis (`attngen.analysis.integers`) proves its range fits, in int64 otherwise, and lengths at
 which some int would overflow even int64 are refused, as the kernels refuse them.
 
 What a Flex user should know when comparing (torch 2.13; checked in tests/test_flex.py):
@@ -35,13 +35,13 @@ What a Flex user should know when comparing (torch 2.13; checked in tests/test_f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from attngen import integers, ir
+from attngen import ir
+from attngen.analysis import Analysis, analyze, integers
 from attngen.api import SpecLike, load_spec
 from attngen.errors import ArgumentError
 # The reference's own tables: the mods apply the very operations that define what each node means.
@@ -74,20 +74,16 @@ def to_flex(spec: SpecLike, *, params: dict | None = None) -> FlexVariant:
 class FlexVariant:
     """A spec as FlexAttention mods. Sizes come from each call's q (B, H, Q_LEN, D) and k (B, HKV, KV_LEN, D)."""
     spec: ir.Spec
-    _limit: tuple[int, ir.Expr | None] = field(init=False, repr=False, compare=False)
+    _facts: Analysis = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_limit", integers.length_limit(self.spec))
-
-    @cached_property
-    def _ranges(self) -> integers.Ranges:
-        # The ranges attngen's kernels take their int widths from (render._ranges): the same widths here.
-        return integers.Ranges(integers.box(self.spec, self._limit[0]))
+        # The int ranges and length limit attngen's kernels take their widths from: the same here.
+        object.__setattr__(self, "_facts", analyze(self.spec))
 
     @property
     def max_length(self) -> int:
         """The longest Q_LEN and KV_LEN at which every int of the spec fits int64 (as attngen's modules)."""
-        return self._limit[0]
+        return self._facts.length_limit
 
     @property
     def mask_reads_batch(self) -> bool:
@@ -110,7 +106,7 @@ class FlexVariant:
         sizes = self._sizes(q, k)
         inputs = _check_inputs(self.spec, inputs, sizes)
         float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-        translate = _Translator(self.spec, self._ranges, inputs, sizes, float_dtype, q.device)
+        translate = _Translator(self.spec, self._facts.ranges, inputs, sizes, float_dtype, q.device)
         group = sizes["H"] // sizes["HKV"]
         mask_mod = score_mod = None
         if self.spec.mask is not None:
@@ -175,7 +171,7 @@ class FlexVariant:
         B, H, Q_LEN, D = q.shape
         HKV, KV_LEN = k.shape[1], k.shape[2]
         if max(Q_LEN, KV_LEN) > self.max_length:
-            culprit = self._limit[1]
+            culprit = self._facts.length_culprit
             why = (f"beyond it '{_source(culprit)}' overflows int64" if culprit is not None
                    else "positions are int32 in the kernels")
             raise ArgumentError(f"Q_LEN and KV_LEN must be at most {self.max_length} ({why}), "
@@ -193,7 +189,7 @@ class FlexVariant:
 
 
 def _source(expr: ir.Expr) -> str:
-    from attngen.printer import expr_to_source
+    from attngen.frontend.printer import expr_to_source
     return expr_to_source(expr)
 
 

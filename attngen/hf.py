@@ -24,12 +24,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from transformers import AttentionInterface
 from transformers import masking_utils as mu
 
 import attngen
-from attngen.api import _interpreting
+from attngen.api import interpreter_came_too_late
 from attngen.errors import ArgumentError
 
 # Keyword arguments transformers passes that cannot change what attention computes: the mask's positions
@@ -239,8 +238,7 @@ def register(name: str = "attngen") -> None:
         if name == "eager" or interface.get(name, function) is not function:
             raise ArgumentError(f"name must not be an attention implementation transformers already has, "
                                 f"got {name!r}")
-    if _interpreting() and isinstance(triton.language.zeros, triton.runtime.JITFunction):
-        # triton made its own jit functions before TRITON_INTERPRET=1 was set: every kernel would fail in them.
+    if interpreter_came_too_late():
         raise RuntimeError("triton was imported before attngen could ask for its interpreter (transformers' "
                            "model classes import it): import attngen.hf first, or set TRITON_INTERPRET=1 "
                            "in the environment")

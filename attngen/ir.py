@@ -256,7 +256,7 @@ class Spec(Node):
         spec = self.model_copy(update={"params": params})
         # Lowering checked the spec's numbers with the declared values: check them again with these
         # (attngen.checks builds on this module, so it is imported only here).
-        from attngen.checks import check_overrides
+        from attngen.frontend.checks import check_overrides
         check_overrides(spec, overrides)
         return spec
 

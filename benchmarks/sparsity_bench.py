@@ -18,7 +18,7 @@ import triton
 
 import attngen
 from attngen import testing
-from attngen.tilemap import EMPTY, FULL, tile_map
+from attngen.report.tilemap import EMPTY, FULL, tile_map
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_check import bench, run_info, spec_path  # noqa: E402

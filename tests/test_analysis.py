@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attngen import ir
-from attngen.analysis import Region, Span, region
+from attngen.analysis.spans import Region, Span, region
 from attngen.api import parse_spec
 from attngen.reference import evaluate_expr, make_env
-from attngen.tilemap import bound_value, uniform_env
+from attngen.analysis.bounds import bound_value, uniform_env
 
 B, H = 2, 2
 MAX_LEN = 20
@@ -183,7 +183,7 @@ def test_mask_free_and_constant_masks():
 
 
 def test_block_steps_find_block_constant_masks():
-    from attngen.analysis import block_steps
+    from attngen.analysis.spans import block_steps
 
     def steps(mask, header="input l: bool[H, *, *]\ninput m: bool[*]\n"):
         return block_steps(parse_spec(f"attention a\n{header}mask: {mask}\n").mask, {})
@@ -208,7 +208,7 @@ def test_block_steps_find_block_constant_masks():
     ("true", False),
 ])
 def test_is_narrow_tells_banded_and_element_wise_masks_from_dense_ones(mask, narrow):
-    from attngen.analysis import is_narrow
+    from attngen.analysis.spans import is_narrow
 
     header = "input l: bool[H, *, *]\ninput doc: i32[KV_LEN]\ninput lens: i32[B]\n"
     assert is_narrow(parse_spec(f"attention a\n{header}mask: {mask}\n").mask, {}) is narrow

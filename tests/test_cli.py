@@ -152,8 +152,8 @@ def test_check_reports_the_smallest_failure_and_how_to_rerun_it(monkeypatch):
     """A kernel that goes wrong once a query has two keys: the report names the smallest such case."""
     from typer.testing import CliRunner
 
-    from attngen import fuzz
     from attngen.cli import app
+    from attngen.testing import fuzz
 
     real = fuzz.check_case
 

@@ -22,14 +22,16 @@ from hypothesis import assume, event, example, given, note, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import analysis, fuzz, ir
+from attngen import ir
+from attngen.analysis import spans
+from attngen.testing import fuzz, strategies
 from attngen.api import compile_source, parse_spec
 from attngen.errors import SpecError
-from attngen.grad import derivative
-from attngen.intervals import TileBox, TileClass, classify
-from attngen.printer import to_source
+from attngen.analysis.derivatives import derivative
+from attngen.analysis.intervals import TileBox, TileClass, classify
+from attngen.frontend.printer import to_source
 from attngen.reference import evaluate_expr, make_env
-from attngen.tilemap import bound_value, uniform_env
+from attngen.analysis.bounds import bound_value, uniform_env
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ("f32", "f16", "bf16") if DEVICE == "cuda" else ("f32", "f16")  # the interpreter's bf16 dot is wrong
@@ -38,14 +40,14 @@ CATALOG = [p.read_text() for p in sorted(Path(__file__).parent.parent.joinpath("
 
 
 @st.composite
-def tiles(draw, case: fuzz.Case):
+def tiles(draw, case: strategies.Case):
     q0 = draw(st.integers(0, case.Q_LEN - 1))
     k0 = draw(st.integers(0, case.KV_LEN - 1))
     return (q0, draw(st.integers(q0, case.Q_LEN - 1))), (k0, draw(st.integers(k0, case.KV_LEN - 1)))
 
 
 @settings(max_examples=BASE)
-@given(text=fuzz.spec_texts(with_mask=True), case=fuzz.cases(max_len=40), data=st.data())
+@given(text=strategies.spec_texts(with_mask=True), case=strategies.cases(max_len=40), data=st.data())
 def test_tile_classifier_is_sound(text, case, data):
     spec = parse_spec(text)
     (q0, q1), (k0, k1) = data.draw(tiles(case))
@@ -54,7 +56,7 @@ def test_tile_classifier_is_sound(text, case, data):
     verdict = classify(spec.mask, TileBox((q0, q1), (k0, k1), params, sizes, {}))
     if verdict is TileClass.PARTIAL:
         return
-    _, _, _, inputs = fuzz.case_data(spec, case)
+    _, _, _, inputs = strategies.case_data(spec, case)
     env = make_env(spec, **sizes, inputs=inputs)
     allowed = evaluate_expr(spec.mask, env).expand(case.B, case.H, case.Q_LEN, case.KV_LEN)
     tile = allowed[:, :, q0:q1 + 1, k0:k1 + 1]
@@ -63,22 +65,22 @@ def test_tile_classifier_is_sound(text, case, data):
 
 
 @settings(max_examples=BASE)
-@given(text=fuzz.spec_texts(with_mask=True), case=fuzz.cases(max_len=40), data=st.data())
+@given(text=strategies.spec_texts(with_mask=True), case=strategies.cases(max_len=40), data=st.data())
 def test_loop_bounds_are_sound(text, case, data):
-    """The kernels' closed-form loop bounds (analysis.region) on a random tile of either index: every
+    """The kernels' closed-form loop bounds (spans.region) on a random tile of either index: every
     allowed element lies in `visit`, every element of `full` is allowed for every row of the tile."""
     spec = parse_spec(text)
     params = {p.name: p.value for p in spec.params}
-    assume(not analysis.needs_tile_table(spec.mask, params))  # tables are exact by construction
+    assume(not spans.needs_tile_table(spec.mask, params))  # tables are exact by construction
     loop = data.draw(st.sampled_from("kq"))
     (q0, q1), (k0, k1) = data.draw(tiles(case))
     t0, t1, n = (q0, q1, case.KV_LEN) if loop == "k" else (k0, k1, case.Q_LEN)
     sizes = {"B": case.B, "H": case.H, "HKV": case.HKV, "Q_LEN": case.Q_LEN, "KV_LEN": case.KV_LEN, "D": case.D}
-    _, _, _, inputs = fuzz.case_data(spec, case)
+    _, _, _, inputs = strategies.case_data(spec, case)
     allowed = evaluate_expr(spec.mask, make_env(spec, **sizes, inputs=inputs)).expand(
         case.B, case.H, case.Q_LEN, case.KV_LEN)
     rows = (allowed if loop == "k" else allowed.transpose(-1, -2))[:, :, t0:t1 + 1, :]
-    reg = analysis.region(spec.mask, loop, params)
+    reg = spans.region(spec.mask, loop, params)
     other = "q" if loop == "k" else "k"
     for b in range(case.B):
         for h in range(case.H):
@@ -100,12 +102,12 @@ def _clamped(span, tile, env, n):
 
 
 @settings(max_examples=BASE)
-@given(text=fuzz.spec_texts(with_score=True), case=fuzz.cases(max_len=12))
+@given(text=strategies.spec_texts(with_score=True), case=strategies.cases(max_len=12))
 def test_symbolic_score_derivatives_match_autograd(text, case):
     """d score'/d score from attngen.grad against torch autograd of the eager reference, in float64."""
     spec = parse_spec(text)
     sizes = {"B": case.B, "H": case.H, "HKV": case.HKV, "Q_LEN": case.Q_LEN, "KV_LEN": case.KV_LEN, "D": case.D}
-    _, _, _, inputs = fuzz.case_data(spec, case)
+    _, _, _, inputs = strategies.case_data(spec, case)
     inputs = {n: x.double() if x.is_floating_point() else x for n, x in inputs.items()}
     gen = torch.Generator().manual_seed(case.seed)
     score = (2.0 * torch.randn(case.B, case.H, case.Q_LEN, case.KV_LEN, generator=gen, dtype=torch.float64)
@@ -120,7 +122,7 @@ def test_symbolic_score_derivatives_match_autograd(text, case):
 
 
 @settings(max_examples=BASE)
-@given(spec=fuzz.specs())
+@given(spec=strategies.specs())
 def test_printed_specs_parse_back_to_the_same_ir(spec):
     text = to_source(spec)
     note(text)
@@ -135,7 +137,7 @@ EDIT_ALPHABET = list("()[],:+-*/%<>=!.#\n 0123456789qkbhwctDHBxyz_") + [
 @st.composite
 def corrupted(draw):
     """A valid spec (from the catalog or drawn) with 1-4 random edits: deletions, insertions, swaps."""
-    text = draw(st.one_of(st.sampled_from(CATALOG), fuzz.spec_texts(max_depth=2)))
+    text = draw(st.one_of(st.sampled_from(CATALOG), strategies.spec_texts(max_depth=2)))
     for _ in range(draw(st.integers(1, 4))):
         at = draw(st.integers(0, len(text)))
         op = draw(st.sampled_from(["delete", "insert", "replace"]))
@@ -169,12 +171,12 @@ def test_corrupted_text_gives_a_positioned_error_or_a_spec_that_compiles(text):
 
 
 def test_a_case_prints_as_the_command_line_reads_it():
-    case = fuzz.Case(B=1, H=4, HKV=2, Q_LEN=17, KV_LEN=5, D=24, DV=8, dtype="f16", seed=3)
-    assert fuzz.Case.parse(str(case)) == case
+    case = strategies.Case(B=1, H=4, HKV=2, Q_LEN=17, KV_LEN=5, D=24, DV=8, dtype="f16", seed=3)
+    assert strategies.Case.parse(str(case)) == case
     with pytest.raises(ValueError, match="a case needs exactly"):
-        fuzz.Case.parse("B=1,H=2")
+        strategies.Case.parse("B=1,H=2")
     with pytest.raises(ValueError, match="dtype must be one of"):
-        fuzz.Case.parse(str(case).replace("f16", "f64"))
+        strategies.Case.parse(str(case).replace("f16", "f64"))
 
 
 def test_fuzz_spec_reports_the_smallest_failing_case():
@@ -186,7 +188,7 @@ def test_fuzz_spec_reports_the_smallest_failing_case():
     assert failure is not None and isinstance(failure.error, AssertionError)
     c = failure.case
     assert (c.B, c.H, c.HKV, c.Q_LEN, c.KV_LEN) == (1, 1, 1, 1, 2), c  # query 0 sees key 1
-    assert fuzz.Case.parse(str(c)) == c
+    assert strategies.Case.parse(str(c)) == c
     assert fuzz.fuzz_spec(causal, attngen.build(causal), examples=5, device=DEVICE, dtypes=["f32"]).failure is None
 
 
@@ -201,26 +203,26 @@ def test_fuzz_spec_skips_sizes_the_spec_does_not_define():
 
 # The costliest property last: the cheap ones above fail first on a broken compiler.
 @settings(max_examples=max(12, BASE // 8))
-@given(text=fuzz.spec_texts(), case=fuzz.cases(dtypes=DTYPES))
+@given(text=strategies.spec_texts(), case=strategies.cases(dtypes=DTYPES))
 # Found by this test: every row masked and a score that ignores `score` leave the reference's
 # outputs with no autograd graph at all (testing._grads now returns zeros for them).
 @example(text="attention fuzzed\nmask: q >= 3\nscore: (q - k) % 5 / 4\n",
-         case=fuzz.Case(B=2, H=1, HKV=1, Q_LEN=2, KV_LEN=2, D=28, DV=27, dtype="f16", seed=123))
+         case=strategies.Case(B=2, H=1, HKV=1, Q_LEN=2, KV_LEN=2, D=28, DV=27, dtype="f16", seed=123))
 # Found by the long profile: the generated loop bound of `(q + 1) // c < k // c` scaled only the
 # first term of a sum by c (`3 * a + b` for `3 * (a + b)`); codegen.bound now parenthesises it.
 @example(text="attention fuzzed\nparam c = 3\nmask: not ((q + 1) // c >= k // c)\n",
-         case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=32, KV_LEN=31, D=1, DV=1, dtype="f32", seed=0))
+         case=strategies.Case(B=1, H=1, HKV=1, Q_LEN=32, KV_LEN=31, D=1, DV=1, dtype="f32", seed=0))
 # Found by the long profile: a negative scale made the summation floor negative (testing.summation_scales).
 @example(text="attention fuzzed\nparam t = -1.25\nscale: rsqrt(D * 1.0) * t\n",
-         case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
+         case=strategies.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
 # Found on the H200 (tools/fuzz_device.py): both head dims padded and a narrower value tile gave
 # wrong outputs with 128-row forward tiles; tile widths are now raised (plan.MASKED_WIDTH_FLOOR).
 @example(text="attention fuzzed\n",
-         case=fuzz.Case(B=1, H=4, HKV=2, Q_LEN=300, KV_LEN=81, D=17, DV=12, dtype="f16", seed=3351))
+         case=strategies.Case(B=1, H=4, HKV=2, Q_LEN=300, KV_LEN=81, D=17, DV=12, dtype="f16", seed=3351))
 # Found on the H200 too: a bound read from an i64 input made the loop counters int64 (compile error).
 @example(text="attention fuzzed\ninput lens: i64[B]\nmask: k < lens[b]\n",
-         case=fuzz.Case(B=2, H=1, HKV=1, Q_LEN=17, KV_LEN=40, D=16, DV=16, dtype="f16", seed=0))
+         case=strategies.Case(B=2, H=1, HKV=1, Q_LEN=17, KV_LEN=40, D=16, DV=16, dtype="f16", seed=0))
 def test_kernels_match_the_reference(text, case):
     note(f"spec:\n{text}\ncase: {case}")
     spec = parse_spec(text)
-    fuzz.check_case(spec, attngen.build(spec), case, device=DEVICE)
+    strategies.check_case(spec, attngen.build(spec), case, device=DEVICE)

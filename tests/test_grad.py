@@ -9,7 +9,7 @@ import torch
 
 from attngen import ir
 from attngen.api import parse_spec
-from attngen.grad import ONE, ZERO, derivative, learnable_loads
+from attngen.analysis.derivatives import ONE, ZERO, derivative, learnable_loads
 from attngen.reference import evaluate_expr, make_env
 
 F64 = torch.float64

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import attngen
-from attngen import analysis, integers, testing
+from attngen import testing
+from attngen.analysis import spans
+from attngen.analysis import integers
 from attngen.api import parse_spec
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import MAX_DEPTH
@@ -110,8 +112,8 @@ def test_a_bound_that_cannot_be_made_exact_is_widened():
     text = "attention t\ninput a: i64[B]\ninput c: i64[B]\nmask: a[b] < c[b]\n"
     spec = parse_spec(text)
     ranges = integers.Ranges(integers.box(spec, integers.MAX_LENGTH))
-    reg = analysis.region(spec.mask, "k", {})
-    assert integers.exact_span(reg.visit, ranges, integers.MAX_LENGTH, inner=False) == analysis.Span(None, None)
+    reg = spans.region(spec.mask, "k", {})
+    assert integers.exact_span(reg.visit, ranges, integers.MAX_LENGTH, inner=False) == spans.Span(None, None)
     assert integers.exact_span(reg.full, ranges, integers.MAX_LENGTH, inner=True) is None
     a = torch.tensor([-2 ** 63, 2 ** 63 - 1, 0, 3], dtype=torch.int64)
     c = torch.tensor([2 ** 63 - 1, -2 ** 63, 0, 4], dtype=torch.int64)

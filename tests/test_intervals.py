@@ -12,7 +12,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from attngen.api import parse_spec
-from attngen.intervals import TileBox, TileClass, classify
+from attngen.analysis.intervals import TileBox, TileClass, classify
 from attngen.reference import evaluate_expr, make_env
 
 B, H = 2, 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attngen.plan import DTYPES, HEAD_DIMS, KERNELS, KernelPlan, Plan, Tiles, plan
-from attngen.target import PRESETS, Target, detect_target, get_target
+from attngen.plan.targets import PRESETS, Target, detect_target, get_target
 
 GPU_PRESETS = [name for name, t in PRESETS.items() if not t.interpreter]
 HEADROOM = 8 * 1024

@@ -14,7 +14,7 @@ from attngen import ir
 from attngen.errors import SpecError
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
-from attngen.printer import expr_to_source, to_source
+from attngen.frontend.printer import expr_to_source, to_source
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 

@@ -19,7 +19,8 @@ import torch
 from hypothesis import example, given, settings
 
 import attngen
-from attngen import fuzz, testing
+from attngen import testing
+from attngen.testing import strategies
 from attngen.api import parse_spec
 from attngen.reference import evaluate_expr, make_env
 
@@ -146,18 +147,18 @@ def test_tile_table_is_built_on_every_call_and_reused_only_when_passed():
 
 
 @settings(max_examples=max(10, settings.default.max_examples // 10))
-@given(text=fuzz.spec_texts(with_mask=True), case=fuzz.cases(dtypes=("f32",)))
+@given(text=strategies.spec_texts(with_mask=True), case=strategies.cases(dtypes=("f32",)))
 # Found on the GPU: a bound read from an i64 input made the loop counters int64 (a compile error).
 @example(text="attention fuzzed\ninput lens: i64[B]\nmask: k < lens[b]\n",
-         case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
+         case=strategies.Case(B=1, H=1, HKV=1, Q_LEN=1, KV_LEN=1, D=1, DV=1, dtype="f32", seed=0))
 @example(text="attention fuzzed\nparam c = 3\nmask: not ((q + 1) // c >= k // c)\n",
-         case=fuzz.Case(B=1, H=1, HKV=1, Q_LEN=32, KV_LEN=31, D=1, DV=1, dtype="f32", seed=0))
+         case=strategies.Case(B=1, H=1, HKV=1, Q_LEN=32, KV_LEN=31, D=1, DV=1, dtype="f32", seed=0))
 def test_drawn_specs_visit_exactly_the_allowed_tiles(text, case):
     """The same exactness for random masks: it checks the generated loop-bound code itself, which the
     analysis' soundness tests (evaluated in Python) cannot see."""
     spec = parse_spec(text)
     attn = attngen.build(spec)
-    q, k, v, inputs = fuzz.case_data(spec, case, device=DEVICE)
+    q, k, v, inputs = strategies.case_data(spec, case, device=DEVICE)
     _check_visits(attn, q, k, v, inputs, exact=False)
 
 

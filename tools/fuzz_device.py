@@ -16,7 +16,7 @@ import time
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 import attngen
-from attngen import fuzz
+from attngen.testing import strategies
 from attngen.api import parse_spec
 
 
@@ -31,12 +31,12 @@ def main() -> None:
 
     @settings(max_examples=args.examples, derandomize=args.seed is None, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-    @given(text=fuzz.spec_texts(), case=fuzz.cases(dtypes=dtypes, max_len=300, max_head_dim=128))
+    @given(text=strategies.spec_texts(), case=strategies.cases(dtypes=dtypes, max_len=300, max_head_dim=128))
     def run(text, case):
         t0 = time.time()
         spec = parse_spec(text)
         try:
-            fuzz.check_case(spec, attngen.build(spec), case, device="cuda")
+            strategies.check_case(spec, attngen.build(spec), case, device="cuda")
             counts["ok"] += 1
             print(f"ok   {case}  ({time.time() - t0:.1f} s)", flush=True)
         except Exception as e:  # report and go on: one run, many cases

@@ -7,9 +7,10 @@ import math
 
 from lark import Token, Tree
 
-from attngen import checks, ir
+from attngen import ir
+from attngen.frontend import checks
 from attngen.errors import Position, SpecError
-from attngen.intervals import I64_RANGE
+from attngen.analysis.intervals import I64_RANGE
 
 _BUILTIN_CONSTANTS = {"true": ("bool", True), "false": ("bool", False), "inf": ("float", math.inf)}
 _BUILTIN_MASKS = ("causal", "causal_bottom_right")

@@ -40,7 +40,7 @@ class _JoinBracketedLines:
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    grammar = resources.files("attngen").joinpath("grammar/attn.lark").read_text()
+    grammar = resources.files("attngen").joinpath("frontend/grammar/attn.lark").read_text()
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True,
                 postlex=_JoinBracketedLines())
 

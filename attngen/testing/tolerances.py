@@ -24,11 +24,9 @@ from attngen.ir import Load, Spec, walk
 from attngen.reference import (evaluate, evaluate_expr, make_env, modified_scores, probabilities,
                                scale_value)
 
-__all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "ReferenceRun", "assert_matches_reference",
+__all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
            "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
-           "reference_error", "summation_scales",
-           # fuzzing (attngen.fuzz): hypothesis strategies and the case runner
-           "Case", "cases", "check_case", "spec_texts", "specs"]
+           "reference_error", "summation_scales", "TORCH_DTYPES"]
 
 
 # --- Tolerances ----------------------------------------------------------------------------------
@@ -327,22 +325,3 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
 
 
 # --- Fuzzing -------------------------------------------------------------------------------------
-# The hypothesis strategies live in attngen.fuzz (they use the helpers above); they are part of this
-# public testing API:
-#
-#     from hypothesis import given
-#     from attngen import testing
-#
-#     @given(spec=testing.specs(), case=testing.cases())
-#     def test_my_compiler_change(spec, case):
-#         testing.check_case(spec, attngen.build(spec), case)
-
-_FUZZ_NAMES = ("Case", "cases", "check_case", "spec_texts", "specs")
-
-
-def __getattr__(name: str):
-    # Resolved on first use: attngen.fuzz builds on this module, so it cannot be imported up here.
-    if name in _FUZZ_NAMES:
-        from attngen import fuzz
-        return getattr(fuzz, name)
-    raise AttributeError(f"module 'attngen.testing' has no attribute {name!r}")

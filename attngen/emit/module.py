@@ -7,11 +7,12 @@ from functools import lru_cache
 
 import jinja2
 
-from attngen import __version__, integers, ir
-from attngen.analyze import Analysis
-from attngen.codegen import Spelling, TritonEmitter, python_expr
+from attngen import __version__, ir
+from attngen.analysis import integers
+from attngen.analysis import Analysis
+from attngen.emit.expressions import Spelling, TritonEmitter
 from attngen.plan import Plan
-from attngen.printer import expr_to_source
+from attngen.frontend.printer import expr_to_source, python_expr
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
 _UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
@@ -29,7 +30,7 @@ BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
 
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.PackageLoader("attngen", "templates"),
+    return jinja2.Environment(loader=jinja2.PackageLoader("attngen", "emit/families/portable"),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               autoescape=False)
 
@@ -132,11 +133,9 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
 def _bounds_hook(facts: Analysis, loop: str) -> str:
     """Defines the element bounds of the loop over `loop` ('k' or 'q') for one tile of the other.
 
-    Bounds are scalars per tile, so they are computed in int64; `integers.exact_span` makes sure
-    that cannot wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
-    region = facts.regions[loop]
-    visit = integers.exact_span(region.visit, facts.ranges, facts.length_limit, inner=False)
-    full = integers.exact_span(region.full, facts.ranges, facts.length_limit, inner=True)
+    Bounds are scalars per tile, so they are computed in int64; the analysis made sure that cannot
+    wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
+    visit, full = facts.loop_bounds[loop].visit, facts.loop_bounds[loop].full
     em = _emitter(facts, BOUNDS, "bd")
     other = "q" if loop == "k" else "k"
     tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}

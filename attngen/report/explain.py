@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attngen import analysis, ir
+from attngen import ir
+from attngen.analysis import spans
 from attngen.errors import ArgumentError
-from attngen.analyze import Analysis, analyze
+from attngen.analysis import Analysis, analyze
 from attngen.plan import ELEMENT_BYTES, plan_for
-from attngen.printer import to_source
-from attngen.target import Target
-from attngen.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
+from attngen.frontend.printer import to_source
+from attngen.plan.targets import Target
+from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                              tile_map)
 
 # Each map is a dense uint8 grid (one byte a tile), filled a row of tiles at a time in Python.
@@ -84,7 +85,7 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
-              f"{analysis.NARROW_TEXT if kernel_plan.narrow else analysis.DENSE_TEXT}",
+              f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),

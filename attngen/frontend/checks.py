@@ -11,10 +11,9 @@ import math
 from dataclasses import dataclass
 
 from attngen import ir
-from attngen.codegen import host_scale
 from attngen.errors import ArgumentError
-from attngen.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
-from attngen.printer import expr_to_source
+from attngen.analysis.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
+from attngen.frontend.printer import expr_to_source, host_scale
 
 # A spec whose ints overflow int64 below this length is rejected: it could serve only toy
 # sequences, so the overflow is more likely a mistake than a design. Above it, the generated

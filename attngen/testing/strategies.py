@@ -1,4 +1,4 @@
-"""Property-based fuzzing of specs, shapes and inputs: hypothesis strategies, and `attngen check`'s runner.
+"""Hypothesis strategies over the whole language: random specs, shapes and inputs, and one case's check.
 
 The strategies draw from the whole language, as users and attngen's own tests need them:
 
@@ -10,7 +10,7 @@ The strategies draw from the whole language, as users and attngen's own tests ne
   and rerun; its IR prints back to equal text (`printer.to_source`).
 - `cases()`: shapes and data, a `Case`. It covers B, H with a GQA ratio, and Q_LEN != KV_LEN,
   with lengths that are not tile multiples. Head dims need not be powers of two, and DV may
-  differ from D. There is a dtype and a seed for q, k, v and the inputs (`testing.random_inputs`,
+  differ from D. There is a dtype and a seed for q, k, v and the inputs (`tolerances.random_inputs`,
   whose lengths and prefixes reach 0, so some rows have no allowed key).
 - `check_case(spec, fn, case)`: one case against the float64 reference, as every property uses it.
 
@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, fields
 
 from hypothesis import strategies as st
 
-from attngen import ir, testing
-from attngen.errors import IndexOutOfRange
+from attngen import ir
+from attngen.frontend import parse_spec
+from attngen.testing import tolerances
 
-DTYPES = {name: testing.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
+DTYPES = {name: tolerances.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
 
 
 # --- specs ---------------------------------------------------------------------------------------
@@ -120,7 +121,6 @@ def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_sco
 
 def specs(max_depth: int = 3, with_mask: bool | None = None) -> st.SearchStrategy[ir.Spec]:
     """Random well-typed specs (parsed from `spec_texts`)."""
-    from attngen.api import parse_spec
     return spec_texts(max_depth, with_mask).map(parse_spec)
 
 
@@ -187,9 +187,9 @@ def _length(max_len: int) -> st.SearchStrategy[int]:
 
 def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
     """q, k, v and the spec's inputs for a case, from its seed."""
-    q, k, v = testing.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
+    q, k, v = tolerances.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
                                  DTYPES[case.dtype], device=device, seed=case.seed)
-    inputs = testing.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
+    inputs = tolerances.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
                                    device=device, seed=case.seed)
     return q, k, v, inputs
 
@@ -198,65 +198,4 @@ def check_case(spec: ir.Spec, fn, case: Case, device: str = "cpu") -> None:
     """Forward, LSE and every gradient of `fn` on one case, against the float64 reference."""
     __tracebackhide__ = True
     q, k, v, inputs = case_data(spec, case, device)
-    testing.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)
-
-
-# --- attngen check -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Failure:
-    """The smallest failing case hypothesis found, and what went wrong on it."""
-    case: Case
-    error: BaseException
-
-
-@dataclass
-class FuzzReport:
-    """How a fuzzing run went: the failure (None if none), and the cases skipped because the spec
-    indexes an input out of range at their sizes (with one example of why)."""
-    failure: Failure | None = None
-    skipped: int = 0
-    skip_reason: str = ""
-
-
-def fuzz_spec(spec: ir.Spec, fn, *, examples: int, device: str, dtypes, seed: int | None = None,
-              on_example=None) -> FuzzReport:
-    """Fuzz one spec's kernels (`fn`) over random cases.
-
-    A case whose sizes make the spec index an input out of range (`doc[q]` with a KV_LEN-sized doc
-    and Q_LEN > KV_LEN) is outside what the spec defines: it is skipped and counted, not failed.
-    Hypothesis shrinks a failure to the smallest case it can and runs it once more at the end,
-    so the last failure recorded is the one to report.
-    """
-    from hypothesis import HealthCheck, Phase, given, reject, settings
-    from hypothesis import seed as with_seed
-
-    failures: list[Failure] = []
-    report = FuzzReport()
-
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink])
-    @given(case=cases(dtypes=tuple(dtypes)))
-    def run(case: Case) -> None:
-        if on_example is not None:
-            on_example(case)
-        try:
-            check_case(spec, fn, case, device)
-        except IndexOutOfRange as e:
-            report.skipped += 1
-            report.skip_reason = report.skip_reason or str(e)
-            reject()
-        except Exception as e:  # any other exception is a failure of the spec's kernels on this case
-            failures.append(Failure(case, e))
-            raise
-
-    if seed is not None:
-        run = with_seed(seed)(run)
-    try:
-        run()
-    except Exception:
-        if not failures:
-            raise
-        report.failure = failures[-1]
-    return report
+    tolerances.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)

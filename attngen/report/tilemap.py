@@ -1,7 +1,7 @@
 """The tile map of a spec at given lengths: which tiles each kernel skips, runs unmasked or masks, and what that costs.
 
 For masks the analysis bounds in closed form, the map is computed exactly as the kernels
-compute their loops (the spans of `analysis.region`, cut into tiles the way `_tile_ranges`
+compute their loops (the spans of `spans.region`, cut into tiles the way `_tile_ranges`
 in the generated module cuts them). Masks that read inputs at `q` or `k` get their tile
 table at call time; for them the map holds what is known statically (the interval
 classifier of `intervals.py`: tiles it proves empty or full whatever the inputs), and the
@@ -15,17 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from attngen import analysis, ir
-from attngen.analyze import Analysis
-from attngen.intervals import TileBox, TileClass, classify
-from attngen.reference import Env, evaluate_expr
+from attngen.analysis import spans
+from attngen.analysis import Analysis
+from attngen.analysis.intervals import TileBox, TileClass, classify
+from attngen.analysis.bounds import RuntimeDecided, bound_value, uniform_env
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 MAX_CLASSIFIED_TILES = 1 << 18  # the interval classifier runs in Python, one call per tile
-
-
-class RuntimeDecided(Exception):
-    """A bound reads a tensor input, so only the kernel knows it."""
 
 
 @dataclass(frozen=True)
@@ -43,34 +39,7 @@ class TileMap:
                 (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
 
 
-def _uniform_value(expr: ir.Expr | None, env: Env) -> int:
-    if expr is None:
-        return 0
-    try:
-        return int(evaluate_expr(expr, env))
-    except (KeyError, ValueError) as e:
-        raise RuntimeDecided(str(e)) from None
-
-
-def bound_value(bound: analysis.Bound, tile: dict[str, int], env: Env) -> int | None:
-    """A bound of `analysis.region` for one tile, as the kernel computes it (None: unbounded)."""
-    if bound is None:
-        return None
-    if isinstance(bound, analysis.Extremum):
-        values = [bound_value(t, tile, env) for t in bound.terms]
-        return min(values) if bound.op == "min" else max(values)
-    if isinstance(bound, analysis.Gate):
-        opened = bound_value(bound.cond, tile, env) >= 0
-        if bound.side == "lo":
-            return analysis.OPEN_LO if opened else analysis.CLOSED_LO
-        return analysis.OPEN_HI if opened else analysis.CLOSED_HI
-    y = (tile[bound.var] + _uniform_value(bound.var_offset, env)) // bound.var_div
-    num = bound.coef * y + _uniform_value(bound.const, env)
-    m = num // bound.den if bound.round == "floor" else -(-num // bound.den)
-    return bound.out_scale * m + _uniform_value(bound.out_offset, env)
-
-
-def _span(span: analysis.Span | None, tile, env, length: int) -> tuple[int, int]:
+def _span(span: spans.Span | None, tile, env, length: int) -> tuple[int, int]:
     """Element bounds [lo, hi) clamped to the sequence, as the generated bounds code does."""
     if span is None:
         return 0, 0
@@ -90,15 +59,6 @@ def tile_ranges(lo: int, hi: int, full_lo: int, full_hi: int, block: int) -> tup
     return start, first_full, last_full, end
 
 
-def uniform_env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs=None) -> Env:
-    """What a bound may read at batch b, head h: sizes, params, b, h, hkv and the inputs (on the CPU)."""
-    values = {name: torch.tensor(n) for name, n in sizes.items()}
-    hkv = h // (sizes["H"] // sizes["HKV"])
-    values |= {"b": torch.tensor(b), "h": torch.tensor(h), "hkv": torch.tensor(hkv)}
-    values |= {p.name: torch.tensor(p.value) for p in spec.params}
-    return Env(values, {name: t.cpu() for name, t in (inputs or {}).items()}, torch.float64)
-
-
 def tile_map(facts: Analysis, sizes: dict[str, int], block_m: int, block_n: int, by_query: bool = True,
              b: int = 0, h: int = 0, inputs: dict[str, torch.Tensor] | None = None) -> TileMap:
     """The tile map of batch b, head h for tiles (block_m, block_n); rows are query tiles (forward,
@@ -112,7 +72,7 @@ def tile_map(facts: Analysis, sizes: dict[str, int], block_m: int, block_n: int,
     grid = torch.zeros((n_rows, n_cols), dtype=torch.uint8)
     loop, other = ("k", "q") if by_query else ("q", "k")
     if not facts.tile_table:
-        reg = facts.regions[loop]
+        reg = facts.loop_bounds[loop]
         env = uniform_env(spec, sizes, b, h, inputs)
         try:
             for r in range(n_rows):

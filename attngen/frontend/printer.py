@@ -18,6 +18,7 @@ near as the language allows:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from attngen import ir
 
@@ -108,3 +109,62 @@ def _expr(expr: ir.Expr) -> tuple[str, int]:
             text, level, left, right = _BINARY[expr.op]
             return f"{_operand(expr.left, left)} {text} {_operand(expr.right, right)}", level
     raise AssertionError(f"unknown IR node {expr!r}")
+
+
+# --- host Python: the `scale:` expression as the generated module's softmax_scale(D) computes it ---
+
+_PYTHON_BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+                  "gt": ">", "ge": ">="}
+
+
+def _python_literal(value, type_: str) -> str:
+    if type_ == "bool":
+        return "True" if value else "False"
+    if type_ == "int":
+        return str(int(value))
+    if math.isinf(value):
+        return "math.inf" if value > 0 else "-math.inf"
+    return repr(float(value))
+
+
+def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], float]:
+    """The generated module's softmax_scale(D) for a `scale:` expression, as a function of D: the same
+    text (names are validated identifiers, numbers are literals), so compile-time checks run what
+    a call will run."""
+    return eval(f"lambda D: float({python_expr(e, params)})",
+                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max}})
+
+
+def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
+    """A host-side Python expression (for `scale:`, which may use only D, params and numbers)."""
+    if isinstance(e, ir.Const):
+        return _python_literal(e.value, e.type)
+    if isinstance(e, ir.Size):
+        return e.name
+    if isinstance(e, ir.Param):
+        return _python_literal(params[e.name], e.type)
+    if isinstance(e, ir.Unary):
+        x = python_expr(e.operand, params)
+        return f"(not {x})" if e.op == "not" else f"(-{x})"
+    if isinstance(e, ir.Binary):
+        ops = {**_PYTHON_BINARY, "and": "and", "or": "or", "div": "/", "floordiv": "//", "mod": "%", "pow": "**"}
+        return f"({python_expr(e.left, params)} {ops[e.op]} {python_expr(e.right, params)})"
+    assert isinstance(e, ir.Call)
+    args = [python_expr(a, params) for a in e.args]
+    simple = {"tanh": "math.tanh", "exp": "math.exp", "log": "math.log", "log2": "math.log2",
+              "sqrt": "math.sqrt", "abs": "abs", "floor": "math.floor", "ceil": "math.ceil",
+              "min": "min", "max": "max"}
+    if e.fn in simple:
+        return f"{simple[e.fn]}({', '.join(args)})"
+    if e.fn == "exp2":
+        return f"(2.0 ** {args[0]})"
+    if e.fn == "rsqrt":
+        return f"(1.0 / math.sqrt({args[0]}))"
+    if e.fn == "sigmoid":
+        return f"(1.0 / (1.0 + math.exp(-{args[0]})))"
+    if e.fn == "clamp":
+        return f"min(max({args[0]}, {args[1]}), {args[2]})"
+    if e.fn == "where":
+        return f"({args[1]} if {args[0]} else {args[2]})"
+    assert e.fn == "softcap", e.fn
+    return f"({args[1]} * math.tanh({args[0]} / {args[1]}))"

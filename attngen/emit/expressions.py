@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+
 
 from attngen import ir
-from attngen.analysis import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.integers import Ranges
-from attngen.intervals import I32_RANGE
+from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
+from attngen.analysis.integers import Ranges
+from attngen.analysis.intervals import I32_RANGE
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
@@ -270,47 +270,3 @@ class TritonEmitter:
         if code == var:  # the tile's own index: no statement that only copies it
             return var
         return self._temp(code, frozenset(), True)
-
-
-def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], float]:
-    """The generated module's softmax_scale(D) for a `scale:` expression, as a function of D: the same
-    text (names are validated identifiers, numbers are literals), so compile-time checks run what
-    a call will run."""
-    return eval(f"lambda D: float({python_expr(e, params)})",
-                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max}})
-
-
-def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
-    """A host-side Python expression (for `scale:`, which may use only D, params and numbers)."""
-    if isinstance(e, ir.Const):
-        return literal(e.value, e.type) if e.type != "float" or not math.isinf(e.value) else (
-            "math.inf" if e.value > 0 else "-math.inf")
-    if isinstance(e, ir.Size):
-        return e.name
-    if isinstance(e, ir.Param):
-        return literal(params[e.name], e.type)
-    if isinstance(e, ir.Unary):
-        x = python_expr(e.operand, params)
-        return f"(not {x})" if e.op == "not" else f"(-{x})"
-    if isinstance(e, ir.Binary):
-        ops = {**_BINARY, "and": "and", "or": "or", "div": "/", "floordiv": "//", "mod": "%", "pow": "**"}
-        return f"({python_expr(e.left, params)} {ops[e.op]} {python_expr(e.right, params)})"
-    assert isinstance(e, ir.Call)
-    args = [python_expr(a, params) for a in e.args]
-    simple = {"tanh": "math.tanh", "exp": "math.exp", "log": "math.log", "log2": "math.log2",
-              "sqrt": "math.sqrt", "abs": "abs", "floor": "math.floor", "ceil": "math.ceil",
-              "min": "min", "max": "max"}
-    if e.fn in simple:
-        return f"{simple[e.fn]}({', '.join(args)})"
-    if e.fn == "exp2":
-        return f"(2.0 ** {args[0]})"
-    if e.fn == "rsqrt":
-        return f"(1.0 / math.sqrt({args[0]}))"
-    if e.fn == "sigmoid":
-        return f"(1.0 / (1.0 + math.exp(-{args[0]})))"
-    if e.fn == "clamp":
-        return f"min(max({args[0]}, {args[1]}), {args[2]})"
-    if e.fn == "where":
-        return f"({args[1]} if {args[0]} else {args[2]})"
-    assert e.fn == "softcap", e.fn
-    return f"({args[1]} * math.tanh({args[0]} / {args[1]}))"

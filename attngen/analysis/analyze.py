@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from attngen import analysis, grad, integers, ir
-from attngen.analysis import Region
+from attngen import ir
+from attngen.analysis import spans
+from attngen.analysis import derivatives
+from attngen.analysis import integers
+from attngen.analysis.spans import Region
 
 
 @dataclass(frozen=True, eq=False)
@@ -16,8 +19,10 @@ class Analysis:
 
     regions: per loop index ('k': the loop over keys for one query tile, as the forward and dQ
     kernels run it; 'q': over queries for one key tile, dK/dV) the closed-form spans of allowed
-    and fully allowed elements (analysis.region).
-    tile_table: the kernels follow tile tables built at call time (analysis.needs_tile_table),
+    and fully allowed elements (spans.region). loop_bounds: the same spans as the kernels compute
+    them, in int64 that provably cannot wrap (integers.exact_span), which the emitted loop bounds
+    and the tile map follow.
+    tile_table: the kernels follow tile tables built at call time (spans.needs_tile_table),
     from the inputs in `table_reads`, with one point per `block_steps` block.
     narrow: most visited tiles are partial, so the planner starts from smaller tiles.
     gather_bytes: what the spec's loads indexed by both q and k read per score element.
@@ -30,6 +35,7 @@ class Analysis:
     spec: ir.Spec
     params: Mapping[str, int | float]
     regions: Mapping[str, Region]
+    loop_bounds: Mapping[str, Region]
     tile_table: bool
     table_reads: tuple[str, ...]
     block_steps: Mapping[str, int | None]
@@ -46,19 +52,24 @@ def analyze(spec: ir.Spec) -> Analysis:
     """Every fact about `spec` that planning, emission and the reports use."""
     params = {p.name: p.value for p in spec.params}
     limit, culprit = integers.length_limit(spec)
-    regions = analysis.regions(spec.mask, params)
+    regions = spans.regions(spec.mask, params)
+    ranges = integers.Ranges(integers.box(spec, limit))
+    loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
+                                      integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
+                   for loop, region in regions.items()}
     return Analysis(
         spec=spec,
         params=MappingProxyType(params),
         regions=MappingProxyType(regions),
-        tile_table=analysis.needs_tile_table(spec.mask, params, regions),
-        table_reads=analysis.mask_inputs(spec),
-        block_steps=MappingProxyType(analysis.block_steps(spec.mask, params)),
-        narrow=analysis.is_narrow(spec.mask, params, regions),
-        gather_bytes=grad.gather_bytes(spec),
-        score_derivative=grad.derivative(spec.score, ir.Score()) if spec.score is not None else None,
-        learnable_derivatives=tuple((load, grad.derivative(spec.score, load)) for load in grad.learnable_loads(spec)),
+        loop_bounds=MappingProxyType(loop_bounds),
+        tile_table=spans.needs_tile_table(spec.mask, params, regions),
+        table_reads=spans.mask_inputs(spec),
+        block_steps=MappingProxyType(spans.block_steps(spec.mask, params)),
+        narrow=spans.is_narrow(spec.mask, params, regions),
+        gather_bytes=derivatives.gather_bytes(spec),
+        score_derivative=derivatives.derivative(spec.score, ir.Score()) if spec.score is not None else None,
+        learnable_derivatives=tuple((load, derivatives.derivative(spec.score, load)) for load in derivatives.learnable_loads(spec)),
         length_limit=limit,
         length_culprit=culprit,
-        ranges=integers.Ranges(integers.box(spec, limit)),
+        ranges=ranges,
     )

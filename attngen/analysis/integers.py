@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 
 from attngen import ir
-from attngen.analysis import Bound, Extremum, Gate, Linear, Span
-from attngen.intervals import I32_RANGE, I64_RANGE, Num, TileBox, Truth, node_value
+from attngen.analysis.spans import Bound, Extremum, Gate, Linear, Span
+from attngen.analysis.intervals import I32_RANGE, I64_RANGE, Num, TileBox, Truth, node_value
 
 # Positions are int32 in the kernels (their offsets are int32 tiles, and Triton passes an int
 # argument below 2**31 as i32), so no length reaches 2**31.

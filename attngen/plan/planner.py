@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from attngen import ir
-from attngen.analyze import Analysis
-from attngen.target import Target
+from attngen.analysis import Analysis
+from attngen.plan.targets import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
 
