@@ -14,13 +14,23 @@ decoding step, with no N x N mask and no device sync. Whatever a spec cannot exp
 patterns) is refused with an error naming the argument. A query row that sees no key (a left-padding
 token) gets 0, as with sdpa; eager averages every key there. Only padding positions see no key.
 
+Under torch.compile a forward (prefill or decoding step) of transformers' models has no graph break,
+so fullgraph=True works: kernels are built, and the mask functions the forward makes are read, while
+dynamo traces (see _build). Every value that picks a kernel is one dynamo guards on, so a call with
+another window, padding, scale or cap recompiles; a mask function made outside the compiled code,
+whose window dynamo would not guard on, is read in eager after a graph break. Refusals are the
+eager ones; with fullgraph=True dynamo raises its own error ("Observed exception") with attngen's as
+its cause.
+
 On a machine without a GPU, import attngen.hf before transformers' model classes: those import
 triton, which must see the TRITON_INTERPRET=1 that attngen sets (register() says so if not).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +45,6 @@ from attngen.errors import ArgumentError
 # are cache indices (q_offset, kv_offset), not position_ids, exactly as in transformers' eager attention.
 _INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_hidden_states",
                            "num_items_in_batch", "output_router_logits"})
-_BUILT: dict[tuple, attngen.Attention] = {}  # (causal, window, padded, scale, softcap) -> its kernels
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,16 +96,37 @@ def _float(value, name: str, positive: bool = False) -> str:
     return repr(float(value))  # the shortest text that reads back as the same double; the grammar's NUMBER
 
 
+class _Built:
+    """The kernels of each spec text built so far, one attribute each, named by _build.
+
+    Attributes, not a dict: dynamo copies a dict when a trace first reads it, so a spec built later
+    in the same trace (Gemma-2's second layer type) would be missing from the copy; an attribute is
+    read from the object when the trace reaches it.
+    """
+
+
+_BUILT = _Built()
+
+
 def _kernels(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None):
-    key = (causal, window, padded, float(scale), None if softcap is None else float(softcap))
-    if key not in _BUILT:
-        _build(key)
-    return _BUILT[key]
+    return getattr(_BUILT, _build(spec_text(causal, window, padded, scale, softcap)))
 
 
-@torch.compiler.disable  # parsing, planning and importing a module cannot be traced into a graph
-def _build(key: tuple) -> None:
-    _BUILT[key] = attngen.build(spec_text(*key))
+# Under torch.compile a forward must not break the graph, yet dynamo can trace neither a build (parse,
+# plan, render, import) nor a read of the closure cells of a function made inside the traced code, and
+# a torch.compiler.disable'd function is a graph break itself. So _build and _constant_window are
+# marked assume_constant_result: dynamo calls them while tracing and keeps their result as a constant,
+# with no guard of its own. That is exact only while their arguments are values dynamo guards on (it
+# recompiles when one changes): _build's spec text is made in the trace from such values (a value
+# traced symbolically cannot become text, and breaks the graph instead); _constant_window checks its
+# own (see there). In eager both are plain calls.
+@torch.compiler.assume_constant_result
+def _build(text: str) -> str:
+    """The name of the _BUILT attribute that holds the kernels of this spec text, built on first use."""
+    name = "spec_" + hashlib.sha256(text.encode()).hexdigest()  # an identifier; the same for the same text
+    if not hasattr(_BUILT, name):
+        setattr(_BUILT, name, attngen.build(text))
+    return name
 
 
 # transformers' mask functions are closures: the code object of each factory's inner function
@@ -111,30 +141,71 @@ def _pattern(mask_function, local_size) -> tuple[bool, int | None]:
         return True, None
     if mask_function is mu.bidirectional_mask_function:
         return False, None
-    return _closure_pattern(mask_function, local_size)
+    window = None
+    if getattr(mask_function, "__code__", None) is _AND_CODE:  # under dynamo too, which cannot read __closure__
+        window = _traced_window(mask_function) if torch.compiler.is_compiling() else _window(mask_function)
+    if window is None:
+        name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+        raise ArgumentError(f"mask_function must be transformers' causal, sliding-window causal or bidirectional "
+                            f"mask, got {name} (chunked, packed-sequence and or/and-combined masks are not "
+                            f"supported by attngen.hf)")
+    _int(window, "the mask function's sliding_window")
+    if local_size is not None and local_size != window:
+        raise ArgumentError(f"local_size must equal the mask function's sliding window {window}, got {local_size!r}")
+    return True, window
 
 
-@torch.compiler.disable  # dynamo cannot read these closure cells (AttributeError): read them outside the graph
-def _closure_pattern(mask_function, local_size) -> tuple[bool, int | None]:
+def _window(mask_function) -> int | None:
+    """w when mask_function, an and_masks closure, is exactly and_masks(sliding_window_overlay(w),
+    causal_mask_function) in either order (transformers' sliding_window_causal_mask_function, or an
+    and_mask_function overlay on the causal mask); None for any other."""
     parts = _cell(mask_function, _AND_CODE, "mask_functions")
-    if parts is not None and len(parts) == 2 and mu.causal_mask_function in parts:
-        window = _cell(parts[1] if parts[0] is mu.causal_mask_function else parts[0], _WINDOW_CODE, "sliding_window")
-        if window is not None:
-            _int(window, "the mask function's sliding_window")
-            if local_size is not None and local_size != window:
-                raise ArgumentError(f"local_size must equal the mask function's sliding window {window}, "
-                                    f"got {local_size!r}")
-            return True, window
-    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
-    raise ArgumentError(f"mask_function must be transformers' causal, sliding-window causal or bidirectional "
-                        f"mask, got {name} (chunked, packed-sequence and or/and-combined masks are not "
-                        f"supported by attngen.hf)")
+    if len(parts) != 2 or mu.causal_mask_function not in parts:
+        return None
+    return _cell(parts[1] if parts[0] is mu.causal_mask_function else parts[0], _WINDOW_CODE, "sliding_window")
 
 
 def _cell(fn, code, name: str):
     if getattr(fn, "__code__", None) is not code:
         return None
     return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _traced_window(mask_function) -> int | None:
+    """_window(mask_function) while dynamo traces: a constant where that is exact, else read in eager."""
+    # _constant_window needs the closure as a constant, which dynamo cannot make of one over tensors
+    # (packed-sequence and chunked masks): it fails inside dynamo then, with no word of the mask. repr()
+    # of such a closure is a graph break instead, after which this call runs in eager and refuses it.
+    repr(mask_function)
+    exact, window = _constant_window(mask_function, mask_function)
+    return window if exact else _eager_window(mask_function)
+
+
+@torch.compiler.assume_constant_result
+def _constant_window(mask_function, same_mask_function) -> tuple[bool, int | None]:
+    """(exact, _window(mask_function)), called by dynamo with one traced function as both arguments.
+
+    Dynamo passes a function made in the traced code (transformers makes its masks in the forward)
+    as a new function for each argument, rebuilt from the cell values it traced, which it guards on.
+    A function made outside it arrives as itself, the same object twice, and dynamo guards only its
+    code, not the cells this call reads: its window could change unseen, so the result is not exact
+    and the window is read in eager. _window reads the cells of mask_function and of its parts, no
+    deeper, so those are the functions checked.
+    """
+    parts = zip(_cell(mask_function, _AND_CODE, "mask_functions"),
+                _cell(same_mask_function, _AND_CODE, "mask_functions"))
+    exact = _rebuilt(mask_function, same_mask_function) and all(_rebuilt(a, b) for a, b in parts)
+    return exact, _window(mask_function)
+
+
+def _rebuilt(first, second) -> bool:
+    """Whether two arguments of one _constant_window call are dynamo's two copies of one traced
+    function, or a function with no cells, which has nothing dynamo would need to guard."""
+    functions = isinstance(first, types.FunctionType) and isinstance(second, types.FunctionType)
+    return functions and (first is not second or first.__closure__ is None)
+
+
+_eager_window = torch.compiler.disable(_window)  # a graph break: for the closures _constant_window cannot trust
 
 
 def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,

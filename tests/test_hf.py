@@ -9,6 +9,7 @@ Only real (non-padded) tokens are compared: a padded query row sees no key, wher
 eager a meaningless average; no real token reads such a row. The single calls below, whose reference
 is plain softmax attention under transformers' own boolean mask, follow the house rule instead
 (attngen.testing: against float64, at most 3x the float32 reference's own error plus a floor).
+Compiled runs (torch.compile, fullgraph=True) are held to eager attngen, at LOGIT_ULPS as well.
 """
 
 import os
@@ -185,7 +186,7 @@ def test_spec_text_is_a_fixed_template_with_checked_numbers():
 def test_each_combination_is_built_once(models, monkeypatch):
     builds = []
     build = attngen.build
-    monkeypatch.setattr(hf, "_BUILT", {})
+    monkeypatch.setattr(hf, "_BUILT", hf._Built())
     monkeypatch.setattr(attngen, "build", lambda text: builds.append(text) or build(text))
     ids, mask = _inputs(12, "left")
     for _ in range(2):
@@ -269,3 +270,130 @@ def test_call_level_refusals():
     with pytest.raises(attngen.ArgumentError, match="local_size must equal"):
         hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=5,
                         mask_function=mu.sliding_window_causal_mask_function(3))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(function, **options):
+    """fullgraph=True: any graph break raises. aot_eager on the CPU, as in test_compile."""
+    return torch.compile(function, backend="aot_eager", fullgraph=True, **options)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_model_has_no_graph_break(models, fresh_dynamo, monkeypatch, name):
+    """A compiled model equals eager attngen: a left-padded forward, then greedy generation through
+    a compiled forward (prefill, and a decoding step past the window). No spec is built before: each
+    is built while dynamo traces."""
+    model = models[name]
+    model.set_attn_implementation("attngen")
+    monkeypatch.setattr(hf, "_BUILT", hf._Built())
+    ids, mask = _inputs(20, "left")
+    with torch.no_grad():
+        actual = _compiled(model)(input_ids=ids, attention_mask=mask).logits
+        _assert_close_logits(f"{name} compiled logits", actual, model(input_ids=ids, attention_mask=mask).logits)
+
+    ids, mask = _inputs(10, "left", seed=2)
+
+    def generate():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+
+    eager = generate()
+    model.forward = _compiled(model.forward)
+    try:
+        actual = generate()
+    finally:
+        del model.forward  # the class's forward again
+    assert torch.equal(actual.sequences, eager.sequences)
+    _assert_close_logits(f"{name} compiled step logits", torch.stack(actual.logits), torch.stack(eager.logits))
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_compiled_training_step_has_no_graph_break(models, fresh_dynamo, name):
+    """Forward and backward of a compiled model in training mode give eager attngen's gradients."""
+    model = models[name]
+    model.set_attn_implementation("attngen")
+    ids, mask = _inputs(20, "left")
+    real = mask.bool()[..., None]
+    parameters = list(model.parameters())
+
+    def gradients(forward):
+        logits = forward(input_ids=ids, attention_mask=mask).logits
+        return torch.autograd.grad(torch.where(real, logits, 0).square().sum(), parameters)
+
+    model.train()
+    try:
+        eager, actual = gradients(model), gradients(_compiled(model))
+    finally:
+        model.eval()
+    for (parameter, _), got, want in zip(model.named_parameters(), actual, eager):
+        _assert_close_logits(f"{name} compiled gradient of {parameter}", got, want)
+
+
+def test_compiled_calls_run_each_calls_kernel(fresh_dynamo):
+    """One compiled function, called with another window, padding, scale or cap each time, runs each
+    call's own kernel, with no graph break: dynamic=False keeps every value a constant dynamo guards
+    on (and recompiles for), as a model's config values are."""
+    q, k, v = testing.random_qkv(2, 4, 2, 8, 8, 16, 16, torch.float32, device="cpu", seed=6)
+    padding_mask = torch.ones(2, 8, dtype=torch.bool)
+    padding_mask[0, :3] = False
+    module = SimpleNamespace(training=False, is_causal=True)
+
+    def attention(padding_mask, window, scaling, softcap):
+        function = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+        mask = hf.prepare_mask(batch_size=2, q_length=8, kv_length=8, mask_function=function,
+                               attention_mask=padding_mask)
+        return hf.attention_forward(module, q, k, v, mask, scaling=scaling, softcap=softcap)[0]
+
+    calls = [(padding_mask, 6, 0.25, None), (padding_mask, 3, 0.25, None), (None, 3, 0.25, None),
+             (None, 3, 0.5, None), (None, 3, 0.5, 1.0), (padding_mask, None, 0.5, 1.0), (padding_mask, 6, 0.25, None)]
+    compiled = _compiled(attention, dynamic=False)
+    outputs = [compiled(*call) for call in calls]
+    for call, output, previous in zip(calls, outputs, [None] + outputs):
+        assert torch.equal(output, attention(*call)), call
+        assert previous is None or not torch.equal(output, previous), call  # so a stale kernel would show
+
+
+def _compiled_window(mask_function, local_size=None):
+    return hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, mask_function=mask_function,
+                           local_size=local_size).window
+
+
+def test_compiled_mask_reads_each_calls_window(fresh_dynamo):
+    """The window under torch.compile is the mask function's own, call after call, wherever its closure
+    was made. Dynamo guards only the code of a closure made outside the compiled code (here, passed in;
+    or split off by a graph break, as when the window int turns symbolic on a recompile), so such a
+    window is read in eager: one kept in the graph would repeat an earlier call's."""
+    windows = [6, 3, 4, 5]
+    cases = {  # how the compiled function comes by its mask function, from each call's argument
+        "made inside": (mu.sliding_window_causal_mask_function, windows),
+        "made outside": (lambda f: f, [mu.sliding_window_causal_mask_function(w) for w in windows]),
+        "overlay made outside": (lambda f: mu.and_masks(f, mu.causal_mask_function),
+                                 [mu.sliding_window_overlay(w) for w in windows]),
+    }
+    for case, (make, args) in cases.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, arg: (x, _compiled_window(make(arg))), backend="aot_eager")
+        assert [compiled(torch.zeros(1), arg)[1] for arg in args] == windows, case
+
+
+def test_compiled_refusals_are_the_eager_ones(fresh_dynamo):
+    """Without fullgraph a refused mask raises the eager error under torch.compile too, closures over
+    tensors (which dynamo cannot make constants) included."""
+    refused = {
+        "packed": (lambda x: _compiled_window(mu.and_masks(mu.causal_mask_function,
+                                                           mu.packed_sequence_mask_function(x))), "mask_function must"),
+        "chunked": (lambda x: _compiled_window(mu.chunked_causal_mask_function(2, x[:, 0])), "mask_function must"),
+        "or": (lambda x: _compiled_window(mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3))),
+               "mask_function must"),
+        "local_size": (lambda x: _compiled_window(mu.sliding_window_causal_mask_function(3), 4), "local_size must"),
+    }
+    for case, (function, message) in refused.items():
+        torch._dynamo.reset()
+        with pytest.raises(attngen.ArgumentError, match=message):
+            torch.compile(function, backend="aot_eager")(torch.zeros(1, 4, dtype=torch.long))
