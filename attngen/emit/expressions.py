@@ -1,15 +1,15 @@
-"""Spells IR expressions as Triton statements (for kernels) and as Python (for the host-side scale)."""
+"""Spells IR expressions, constant-folded, and the analysis' loop bounds as Triton statements of the kernels."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
 from attngen.analysis.integers import Ranges
-from attngen.analysis.intervals import I32_RANGE
+from attngen.analysis.intervals import I32_RANGE, I64_RANGE
+from attngen.emit.fold import fold
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
@@ -77,6 +77,10 @@ class TritonEmitter:
         return self.shapes.get(code, frozenset())
 
     def emit(self, e: ir.Expr) -> str:
+        """The name or literal that holds `e`, constant-folded (`fold`), after the statements it needs."""
+        return self._spell(fold(e, self.params))
+
+    def _spell(self, e: ir.Expr) -> str:
         if e in self.memo:
             return self.memo[e]
         code = self._emit(e)
@@ -114,12 +118,11 @@ class TritonEmitter:
 
     def _emit(self, e: ir.Expr) -> str:
         sp = self.spelling
-        if isinstance(e, (ir.Const, ir.Param)):
-            value = e.value if isinstance(e, ir.Const) else self.params[e.name]
+        if isinstance(e, ir.Const):  # params are constants too, after `fold`
             if e.type != "int":
-                return literal(value, e.type)
-            code = self._int_literal(int(value))
-            if code != str(int(value)):
+                return literal(e.value, e.type)
+            code = self._int_literal(int(e.value))
+            if code != str(int(e.value)):
                 self.wide.add(code)
             return code
         if isinstance(e, (ir.Var, ir.Size, ir.Score)):
@@ -130,7 +133,7 @@ class TritonEmitter:
         if isinstance(e, ir.Load):
             return self._load(e)
         if isinstance(e, ir.Unary):
-            x = self.emit(e.operand)
+            x = self._spell(e.operand)
             dims = self.dims_of(x)
             (x,), wide = self._operands(e, [x], [e.operand])
             code = f"({x} == 0)" if e.op == "not" else f"-{x}"
@@ -141,7 +144,7 @@ class TritonEmitter:
 
     def _load(self, e: ir.Load) -> str:
         decl = self.inputs[e.input]
-        indices = [self.emit(i) for i in e.index]
+        indices = [self._spell(i) for i in e.index]
         dims = frozenset().union(*(self.dims_of(i) for i in indices)) if indices else frozenset()
         offset = " + ".join(f"({i}) * stride_{e.input}_{n}" for n, i in enumerate(indices)) or "0"
         # Masked: padding rows/columns of a tile, and out-of-range user indices, never read memory.
@@ -157,10 +160,12 @@ class TritonEmitter:
     def _binary(self, e: ir.Binary) -> str:
         if e.op == "pow" and self.ranges.is_int(e):
             return self._int_pow(e)
-        a, b = self.emit(e.left), self.emit(e.right)
+        a, b = self._spell(e.left), self._spell(e.right)
         dims = self.dims_of(a) | self.dims_of(b)
         (a, b), wide = self._operands(e, [a, b], [e.left, e.right])
         if e.op in _BINARY:
+            if e.op in ("add", "sub") and b.startswith("-"):
+                b = f"({b})"  # a folded negative literal: `x - (-0.5)` reads better than `x - -0.5`
             return self._temp(f"{a} {_BINARY[e.op]} {b}", dims, wide)
         if e.op == "div":
             if not (self._is_float(e.left) or self._is_float(e.right)):
@@ -188,7 +193,7 @@ class TritonEmitter:
         n = self.ranges.value(e.right)
         assert n.lo == n.hi and n.lo >= 0, f"an int power needs a constant exponent: {e}"
         n = int(n.lo)
-        x = self.emit(e.left)
+        x = self._spell(e.left)
         dims = self.dims_of(x)
         (cast,), wide = self._operands(e, [x], [e.left])
         if cast != x:
@@ -205,7 +210,7 @@ class TritonEmitter:
             x = self._temp(f"{x} * {x}", dims, wide)
 
     def _call(self, e: ir.Call) -> str:
-        args = [self.emit(a) for a in e.args]
+        args = [self._spell(a) for a in e.args]
         dims = frozenset().union(*(self.dims_of(a) for a in args))
         fn = e.fn
         if fn in _UNARY_FN:
@@ -233,8 +238,8 @@ class TritonEmitter:
         return self._temp(f"tl.where({args[0]}, {args[1]}, {args[2]})", dims, wide)
 
     def bound(self, b: Bound, tile_vars: dict[str, str]) -> str:
-        """A loop bound from the analysis, as a scalar int64 statement (made exact by `integers.exact_span`;
-        `integers.linear_steps` follows these steps)."""
+        """A loop bound from the analysis, as the name of a scalar int64 (made exact by `integers.exact_span`;
+        `integers.linear_steps` follows these steps, folded: a sum computes no partial sums of its own)."""
         if isinstance(b, Extremum):
             terms = [self.bound(t, tile_vars) for t in b.terms]
             fn = "tl.minimum" if b.op == "min" else "tl.maximum"
@@ -247,26 +252,53 @@ class TritonEmitter:
             opened, closed = (OPEN_LO, CLOSED_LO) if b.side == "lo" else (OPEN_HI, CLOSED_HI)
             return self._temp(f"tl.where({cond} >= 0, {opened}, {closed})", frozenset())
         assert isinstance(b, Linear)
-        var = tile_vars[b.var]
+        terms = []
         if b.coef:
-            var = self._temp(int64(var), frozenset(), True)
+            var = self._temp(int64(tile_vars[b.var]), frozenset(), True)
             if b.var_div != 1 or b.var_offset is not None:
-                shifted = var if b.var_offset is None else f"{var} + {self.emit(b.var_offset)}"
+                shifted = self._sum([(1, var), *self._terms(b.var_offset)])
                 var = self._temp(f"_floordiv({shifted}, {self._int_literal(b.var_div)})", frozenset(), True)
-        parts = []
-        if b.coef:
-            parts.append(var if b.coef == 1 else f"{self._int_literal(b.coef)} * {var}")
-        if b.const is not None:
-            const = self.emit(b.const)
-            parts.append(const if const in self.wide or parts else int64(const))
-        code = " + ".join(parts) or int64("0")
+            terms.append((b.coef, var))
+        const = self._terms(b.const)
+        if not terms:  # the constant alone: computed in int64 like the rest of the bound
+            const = [(c, code if code in self.wide else int64(code)) for c, code in const]
+        code = self._sum(terms + const) if terms or const else int64("0")
         if b.den != 1:
             helper = "_floordiv" if b.round == "floor" else "_ceildiv"
             code = f"{helper}({code}, {self._int_literal(b.den)})"
+        elif b.out_scale != 1 and not code.isidentifier():
+            code = f"({code})"
         if b.out_scale != 1:
-            code = f"{self._int_literal(b.out_scale)} * ({code})"
+            code = f"{self._int_literal(b.out_scale)} * {code}"
         if b.out_offset is not None:
-            code = f"{code} + {self.emit(b.out_offset)}"
-        if code == var:  # the tile's own index: no statement that only copies it
-            return var
-        return self._temp(code, frozenset(), True)
+            code = self._sum([(1, code), *self._terms(b.out_offset)])
+        # A bound that is one name already (the tile's own index, a constant) needs no statement.
+        return code if code.isidentifier() else self._temp(code, frozenset(), True)
+
+    def _terms(self, e: ir.Expr | None) -> list[tuple[int, str]]:
+        """A uniform int of a bound as (coefficient, code) terms of a sum: none for 0, a literal
+        or a negation with its sign (so that `_sum` subtracts it), else the expression itself. The
+        expression is not split further: `integers.exact_span` proved its value fits int64, not
+        that of partial sums of its parts."""
+        e = None if e is None else fold(e, self.params)
+        if e is None or (isinstance(e, ir.Const) and e.value == 0):
+            return []
+        if isinstance(e, ir.Const) and e.value < 0 and -e.value <= I64_RANGE[1]:
+            return [(-1, self._spell(ir.Const(type="int", value=-e.value)))]
+        if isinstance(e, ir.Unary) and e.op == "neg":
+            return [(-1, self._spell(e.operand))]
+        return [(1, self._spell(e))]
+
+    def _sum(self, terms: list[tuple[int, str]]) -> str:
+        """sum(coefficient * code) as one int64 expression: `b - a` and `a - 3`, not `-1 * a + b` and
+        `a + -3`. The first term spelled is int64 or the sum has an int64 term, so Triton computes
+        every partial sum in int64 (at most one term is a bare int32 name or literal)."""
+        terms = sorted(terms, key=lambda term: term[0] < 0)  # a positive term first: nothing to negate
+        code = ""
+        for coef, term in terms:
+            magnitude = term if abs(coef) == 1 else f"{self._int_literal(abs(coef))} * {term}"
+            if not code:
+                code = magnitude if coef > 0 else f"-{magnitude}"
+            else:
+                code += f" + {magnitude}" if coef > 0 else f" - {magnitude}"
+        return code
