@@ -2,7 +2,7 @@
 
 import os as _os
 
-__version__ = "0.1.0"
+from attngen.version import __version__
 
 
 def _interpret_without_gpu() -> None:

@@ -1,4 +1,4 @@
-"""Runs the pipeline in order: parse, lower, plan, render, load; the entry points users call."""
+"""Runs the pipeline in order (frontend, analyze, plan, emit, load): the entry points users call."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from attngen.frontend import parse_spec
 from attngen.plan import Plan, plan_for
 from attngen.frontend.printer import expr_to_source
 from attngen.emit.module import render
+from attngen.emit.static import shared
 from attngen.plan.targets import Target, get_target
+from attngen.report.explain import report
 
 SpecLike = str | os.PathLike | ir.Spec
 
@@ -62,6 +64,14 @@ class Attention:
         return self.module.visit_counts(q, k, v, **inputs)
 
 
+@dataclass(frozen=True)
+class Explanation:
+    """The report of `explain`: its text, and the tile maps (kernel -> TileMap) it was computed from."""
+    spec: ir.Spec
+    text: str
+    maps: dict
+
+
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     """The pipeline up to the plan: parse (or take) the spec, apply params, analyze, plan."""
     parsed, text = load_spec(spec)
@@ -70,8 +80,8 @@ def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     return facts, text, tgt, plan_for(facts, tgt)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+# TRITON_INTERPRET as generated modules read it; the package asks anew on every call.
+_interpreting = shared._interpreting
 
 
 def interpreter_came_too_late() -> bool:
@@ -98,6 +108,13 @@ def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | 
     """The standalone module source for a spec (imports only torch and triton)."""
     facts, text, _, kernel_plan = _prepare(spec, params, target)
     return render(facts, kernel_plan, text)
+
+
+def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_v: int, dtype: str,
+            params: dict | None = None, target: str | Target | None = None) -> Explanation:
+    """`attngen explain`: what the compiler decided for a spec at these sizes (report.explain)."""
+    facts, _, _, kernel_plan = _prepare(spec, params, target)
+    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:

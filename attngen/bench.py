@@ -390,7 +390,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
                             tile_tables=tables, sdpa_backends=backends, is_causal=is_causal)
     timings = [_time(name, call, leaves, dout, backward, step) for name, call in calls.items()]
 
-    info = {"spec": attn.spec.name, "params": {p.name: p.value for p in attn.spec.params},
+    info = {"spec": attn.spec.name, "params": attn.spec.param_values,
             **asdict(problem), "DV": D, "backward": backward,
             "allowed_pairs": counted.pairs, "allowed_pairs_exact": counted.exact,
             "flops_fwd": counted.forward, "flops_fwdbwd": counted.forward_backward,

@@ -182,9 +182,8 @@ def explain_command(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the tile maps into this image (needs matplotlib).")] = None,
 ) -> None:
     """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
-    from attngen import ArgumentError, SpecError, load_spec
+    from attngen import ArgumentError, SpecError, api
     from attngen.report import explain
-    from attngen.plan.targets import get_target
 
     for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
                                 ("--head-dim", head_dim, HEAD_DIMS[-1]),
@@ -195,12 +194,12 @@ def explain_command(
     _check_output("--plot", plot)
     kv_len = kv_len if kv_len is not None else q_len
     try:
-        parsed = load_spec(spec)[0].with_params(_defines(define))
-        text, maps = explain.report(parsed, get_target(target), q_len, kv_len, head_dim,
-                                    head_dim_v if head_dim_v is not None else head_dim, dtype)
-        typer.echo(text)
+        result = api.explain(spec, params=_defines(define), target=target, q_len=q_len, kv_len=kv_len,
+                             head_dim=head_dim, head_dim_v=head_dim_v if head_dim_v is not None else head_dim,
+                             dtype=dtype)
+        typer.echo(result.text)
         if plot is not None:
-            explain.plot(maps, f"{parsed.name}: Q_LEN={q_len} KV_LEN={kv_len}", plot)
+            explain.plot(result.maps, f"{result.spec.name}: Q_LEN={q_len} KV_LEN={kv_len}", plot)
             typer.echo(f"\nwrote {plot}")
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)

@@ -205,7 +205,7 @@ class _Translator:
 
     def __init__(self, spec: ir.Spec, ranges: integers.Ranges, inputs: Mapping[str, Tensor],
                  sizes: dict[str, int], float_dtype: torch.dtype, device: torch.device):
-        self.params = {p.name: p.value for p in spec.params}
+        self.params = spec.param_values
         self.ranges = ranges
         self.inputs = inputs
         self.sizes = sizes

@@ -228,6 +228,11 @@ class Spec(Node):
         return next(i for i in self.inputs if i.name == name)
 
     @property
+    def param_values(self) -> dict[str, int | float]:
+        """Each param's value by name, as every stage reads them."""
+        return {p.name: p.value for p in self.params}
+
+    @property
     def learnable_inputs(self) -> tuple[InputDecl, ...]:
         return tuple(i for i in self.inputs if i.learnable)
 

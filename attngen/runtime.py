@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import triton
 
-from attngen import __version__
+from attngen.version import __version__
 
 _LOADED: dict[Path, ModuleType] = {}
 _SEAL_PREFIX = "# attngen cache seal: sha256 "

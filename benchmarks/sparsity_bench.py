@@ -97,7 +97,7 @@ def time_variants(B, H, N, D, names, device="cuda") -> list[dict]:
         flex = torch.compile(flex_attention, dynamic=False)
         path, params, mask_mod, inputs = variants(B, H, N, device)[name]
         attn = attngen.build(path, params=params)
-        row = dict(variant=name, B=B, H=H, N=N, D=D, dtype="bf16", tile_table=attn.module.TILE_TABLE)
+        row = dict(variant=name, B=B, H=H, N=N, D=D, dtype="bf16", tile_table=bool(attn.module.TILE_TABLE))
         try:
             def block_mask():
                 return create_block_mask(mask_mod, B, H, N, N, device=device)

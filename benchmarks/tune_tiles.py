@@ -1,5 +1,5 @@
 """Times tile configurations of the forward or backward kernels of several specs on the GPU, to
-calibrate the planner's starting points (plan.py) against measurements rather than folklore.
+calibrate the planner's starting points (plan/planner.py) against measurements rather than folklore.
 
     python benchmarks/tune_tiles.py --kernel bwd --specs sliding_window chunked_causal \
         --configs one:64x128w8s3,128x64w8s3 two:32x64w4s3,128x64w8s3 [--jobs 12] [--n 8192]

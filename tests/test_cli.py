@@ -92,17 +92,19 @@ def test_quickstart_example_runs():
     assert "out (1, 4, 200, 64)" in result.stdout
 
 
-def test_wheel_carries_grammar_and_templates(tmp_path):
+def test_wheel_carries_grammar_templates_and_static_code(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                              "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
     if result.returncode != 0 and "No module named" in result.stderr:
         pytest.fail(f"building the wheel needs setuptools and wheel installed: {result.stderr[-500:]}")
     assert result.returncode == 0, result.stderr[-2000:]
     wheel = next(tmp_path.glob("attngen-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "attngen/grammar/attn.lark" in names
-    for template in ("module.py.jinja", "fwd.py.jinja", "bwd.py.jinja", "host.py.jinja", "helpers.py.jinja"):
-        assert f"attngen/templates/{template}" in names
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = ROOT / "attngen"
+    data = {f"attngen/{p.relative_to(package).as_posix()}" for pattern in ("**/*.lark", "**/*.jinja", "**/static/*.py")
+            for p in package.glob(pattern)}
+    assert "attngen/frontend/grammar/attn.lark" in data and any(n.endswith("fwd.py.jinja") for n in data)
+    assert data <= names, f"missing from the wheel: {sorted(data - names)}"
 
 
 def test_explain_prints_the_ir_plan_tile_map_and_costs(tmp_path):

@@ -132,7 +132,7 @@ def test_h100_and_h200_plan_alike(plans):
 
 def test_sm90_bf16_d128_follows_the_known_good_tiles(plans):
     """Dense masks: FlexAttention-like tiles and one backward launch; narrow masks (windows, chunks,
-    documents): small tiles and two launches (the measurements are in plan.py)."""
+    documents): small tiles and two launches (the measurements are in plan/planner.py)."""
     dense = plans["h100"]
     entry = dense.lookup(128, 128, "bf16")
     assert entry.fwd == Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)

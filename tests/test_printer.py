@@ -178,7 +178,7 @@ def test_a_value_without_a_literal_is_an_error(spec):
 # --- random well-typed IR ----------------------------------------------------------------------
 
 def parse_spec(text: str, filename: str = "<spec>") -> ir.Spec:
-    """Text to IR without the number checks (attngen.checks, tested in test_integers.py): printing is
+    """Text to IR without the number checks (attngen.frontend.checks, tested in test_integers.py): printing is
     about syntax and types, and random IR overflows and divides by zero freely."""
     try:
         return lower(parse(text), check_numbers=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attngen import testing
+from attngen.testing import tolerances
 from attngen.api import parse_spec
 from attngen.ir import Binary, Call, Const, InputDecl, Load, Param, ParamDecl, Score, Size, Spec, Unary, Var
 from attngen.reference import evaluate, evaluate_expr, make_env, modified_scores, scale_value
@@ -380,7 +380,7 @@ def test_tolerance_counts_the_output_error_the_backward_reads(count_the_effect, 
     if count_the_effect:
         check_against_reference(spec, kernel, q_, k_, v_, inputs, seed=832)
     else:  # without it the tolerance is too tight for an exact backward: the term is needed
-        monkeypatch.setattr(testing, "output_error_effect", lambda *args: {})
+        monkeypatch.setattr(tolerances, "output_error_effect", lambda *args: {})
         with pytest.raises(AssertionError, match="d_table"):
             check_against_reference(spec, kernel, q_, k_, v_, inputs, seed=832)
 

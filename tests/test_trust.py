@@ -131,11 +131,11 @@ print(attngen.build({str(ROOT / 'specs' / 'causal.attn')!r}).path)
         return Path(result.stdout.strip())
 
     before = build_path()
-    template = tmp_path / "pkg" / "attngen" / "templates" / "fwd.py.jinja"
+    template = tmp_path / "pkg" / "attngen" / "emit" / "families" / "portable" / "fwd.py.jinja"
     template.write_text(template.read_text() + "\n# a change to a template\n")
     after = build_path()
     assert after != before and "# a change to a template" in after.read_text()
-    codegen = tmp_path / "pkg" / "attngen" / "codegen.py"
+    codegen = tmp_path / "pkg" / "attngen" / "emit" / "expressions.py"
     codegen.write_text(codegen.read_text() + "\n# a change to the compiler's Python\n")
     assert build_path() != after
 

@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (file, the text to replace, the bug, what it breaks)
 BUGS = {
     "window-off-by-one": (
-        "attngen/analysis.py",
+        "attngen/analysis/spans.py",
         "return [Affine(negd.cq, negd.ck, _const_add(negd.const, minus_one), negd.tq, negd.tk)]",
         "return [negd]",
         "`a < b` bounded as `a <= b`: a window `q - k < w` reaches one key too far in the loop bounds"),
     "tanh-derivative": (
-        "attngen/grad.py",
+        "attngen/analysis/derivatives.py",
         "return mul(sub(ONE, mul(expr, expr)), dx)",
         "return mul(sub(ONE, expr), dx)",
         "d tanh(x) = 1 - tanh(x) instead of 1 - tanh(x)^2"),

@@ -23,7 +23,8 @@ class Analysis:
     them, in int64 that provably cannot wrap (integers.exact_span), which the emitted loop bounds
     and the tile map follow.
     tile_table: the kernels follow tile tables built at call time (spans.needs_tile_table),
-    from the inputs in `table_reads`, with one point per `block_steps` block.
+    from the inputs in `table_reads`, with one point per `block_steps` block; a table differs per
+    batch (per head) only when the mask reads b (h or hkv): table_per_batch, table_per_head.
     narrow: most visited tiles are partial, so the planner starts from smaller tiles.
     gather_bytes: what the spec's loads indexed by both q and k read per score element.
     score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
@@ -38,6 +39,8 @@ class Analysis:
     loop_bounds: Mapping[str, Region]
     tile_table: bool
     table_reads: tuple[str, ...]
+    table_per_batch: bool
+    table_per_head: bool
     block_steps: Mapping[str, int | None]
     narrow: bool
     gather_bytes: int
@@ -50,9 +53,10 @@ class Analysis:
 
 def analyze(spec: ir.Spec) -> Analysis:
     """Every fact about `spec` that planning, emission and the reports use."""
-    params = {p.name: p.value for p in spec.params}
+    params = spec.param_values
     limit, culprit = integers.length_limit(spec)
     regions = spans.regions(spec.mask, params)
+    mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     ranges = integers.Ranges(integers.box(spec, limit))
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
                                       integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
@@ -64,6 +68,8 @@ def analyze(spec: ir.Spec) -> Analysis:
         loop_bounds=MappingProxyType(loop_bounds),
         tile_table=spans.needs_tile_table(spec.mask, params, regions),
         table_reads=spans.mask_inputs(spec),
+        table_per_batch="b" in mask_vars,
+        table_per_head=bool(mask_vars & {"h", "hkv"}),
         block_steps=MappingProxyType(spans.block_steps(spec.mask, params)),
         narrow=spans.is_narrow(spec.mask, params, regions),
         gather_bytes=derivatives.gather_bytes(spec),

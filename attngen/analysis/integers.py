@@ -38,7 +38,7 @@ def box(spec: ir.Spec, length: int) -> TileBox:
     """Everything a call may bring, with Q_LEN and KV_LEN at most `length`."""
     length = max(1, min(length, MAX_LENGTH))
     heads = (1, MAX_BATCH_HEADS)
-    return TileBox(q=(0, length - 1), k=(0, length - 1), params={p.name: p.value for p in spec.params},
+    return TileBox(q=(0, length - 1), k=(0, length - 1), params=spec.param_values,
                    sizes={"B": heads, "H": heads, "HKV": heads, "Q_LEN": (1, length), "KV_LEN": (1, length),
                           "D": HEAD_DIMS},
                    uniform={}, dtypes={i.name: i.dtype for i in spec.inputs})

@@ -1,5 +1,5 @@
-"""Emission: an analysed spec and its plan to the source text of a standalone kernel module."""
+"""Emission: an analysed spec and its plan to the source text of a standalone kernel module (`module.render`).
 
-from attngen.emit.module import comment_lines, render
-
-__all__ = ["comment_lines", "render"]
+Nothing is imported here: the package imports emit/static/shared.py (the facts it shares with every
+generated module) from the planner, which comes before emission.
+"""

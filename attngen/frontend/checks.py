@@ -94,7 +94,7 @@ def _scale_problems(spec: ir.Spec, ranges: Ranges) -> list[Problem]:
     if culprit is not None:
         return [Problem(culprit, f"'{expr_to_source(culprit)}' must fit in int64 for every head dim D in "
                                  f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]}, got values in {_range(ranges.value(culprit))}")]
-    scale = host_scale(spec.scale, {p.name: p.value for p in spec.params})
+    scale = host_scale(spec.scale, spec.param_values)
     for d in range(HEAD_DIMS[0], HEAD_DIMS[1] + 1):
         try:
             value = scale(d)

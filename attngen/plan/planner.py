@@ -8,11 +8,13 @@ from pydantic import BaseModel, ConfigDict
 
 from attngen import ir
 from attngen.analysis import Analysis
+from attngen.emit.static import shared
+from attngen.plan.families import choose_family
 from attngen.plan.targets import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
 
-DTYPES: tuple[str, ...] = ("f16", "bf16", "f32")
+DTYPES: tuple[str, ...] = tuple(shared._DTYPES.values())
 HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 ELEMENT_BYTES = {dtype: ir.DTYPE_BYTES[dtype] for dtype in DTYPES}
@@ -23,7 +25,7 @@ MAX_REGISTERS_PER_THREAD = 255
 # Pointers, offsets, loop counters, m_i / l_i and the like, per thread.
 REGISTER_OVERHEAD = 32
 MAX_WARPS = 8
-MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+MIN_BLOCK = shared._MIN_BLOCK
 # On the GPU, head dims that are not powers of two get tiles at least this wide. Found by fuzzing on
 # an H200 (Triton 3.6): with both head dims padded and the value tile narrower (D=17 with DV<=12,
 # D=40 or 65 with DV<=23), the forward kernel with 128-row tiles returned wrong outputs or faulted
@@ -71,6 +73,8 @@ class Plan(BaseModel):
 
     target: str
     entries: tuple[KernelPlan, ...]
+    family: str = "portable"  # the kernel family (plan.families): its templates are emit/families/<family>/
+    family_reason: str = ""
     narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
     one_launch_backward: bool = True
     masked_width_floor: int = MIN_BLOCK
@@ -87,11 +91,9 @@ class Plan(BaseModel):
     def widths(self, head_dim: int, head_dim_v: int) -> tuple[int, int]:
         """The tile widths of the two head dims: each rounded up to a power of two >= 16, and when
         either is not a power of two (its loads are masked), both at least `masked_width_floor`."""
-        d = _pad("head_dim", head_dim)
-        dv = _pad("head_dim_v", head_dim_v)
-        if (d, dv) != (head_dim, head_dim_v):
-            d, dv = max(d, self.masked_width_floor), max(dv, self.masked_width_floor)
-        return d, dv
+        _check_head_dim("head_dim", head_dim)
+        _check_head_dim("head_dim_v", head_dim_v)
+        return shared._tile_widths(head_dim, head_dim_v, self.masked_width_floor)
 
     def lookup(self, head_dim: int, head_dim_v: int, dtype: str) -> KernelPlan:
         """The entry for these (unpadded) head dims and dtype, at their tile widths (`widths`)."""
@@ -114,12 +116,11 @@ class Plan(BaseModel):
         return "\n".join(rows)
 
 
-def _pad(name: str, value: int) -> int:
+def _check_head_dim(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value > HEAD_DIMS[-1]:
         raise ValueError(f"{name} must be at most {HEAD_DIMS[-1]}, got {value}")
-    return max(MIN_BLOCK, 1 << (value - 1).bit_length())
 
 
 # Starting points (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, keyed by the
@@ -367,7 +368,10 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
 
 
 def plan_for(facts: Analysis, target: Target) -> Plan:
-    """The plan of an analysed spec on `target`: its gathers and the shape of its mask shape the tiles."""
+    """The plan of an analysed spec on `target`: the kernel family that serves it, and tiles shaped by
+    its gathers and its mask."""
+    family, why = choose_family(facts, target)
     # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
     blocks = dict(facts.block_steps) if facts.tile_table else None
-    return plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks)
+    tiles = plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks)
+    return tiles.model_copy(update={"family": family.name, "family_reason": why})

@@ -13,12 +13,11 @@ from pathlib import Path
 from attngen import ir
 from attngen.analysis import spans
 from attngen.errors import ArgumentError
-from attngen.analysis import Analysis, analyze
-from attngen.plan import ELEMENT_BYTES, plan_for
+from attngen.analysis import Analysis
 from attngen.frontend.printer import to_source
-from attngen.plan.targets import Target
+from attngen.plan import ELEMENT_BYTES, Plan
 from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
-                             tile_map)
+                                    tile_map)
 
 # Each map is a dense uint8 grid (one byte a tile), filled a row of tiles at a time in Python.
 MAX_MAP_TILES = 1 << 26
@@ -59,14 +58,13 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
-def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
+def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
            dtype: str, batch: int = 1, heads: int = 1) -> tuple[str, dict[str, TileMap]]:
-    """The text of the explanation, and the tile maps it was computed from."""
+    """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from."""
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
-    facts = analyze(spec)
-    kernel_plan = plan_for(facts, target)
+    spec = facts.spec
     entry = kernel_plan.lookup(head_dim, head_dim_v, dtype)
     for kernel in (entry.fwd, entry.bwd_dkdv, entry.bwd_dq):
         tiles = -(-q_len // kernel.block_m) * -(-kv_len // kernel.block_n)
@@ -75,13 +73,14 @@ def report(spec: ir.Spec, target: Target, q_len: int, kv_len: int, head_dim: int
                                 f"{q_len} x {kv_len} in {kernel.block_m}x{kernel.block_n} tiles = {tiles}")
     sizes = {"B": batch, "H": heads, "HKV": heads, "Q_LEN": q_len, "KV_LEN": kv_len, "D": head_dim}
     lines = [f"{spec.name}: Q_LEN={q_len} KV_LEN={kv_len} D={head_dim} DV={head_dim_v} {dtype}, "
-             f"target {target.name}", "", "spec, as the compiler reads it (builtins expanded)"]
+             f"target {kernel_plan.target}", "", "spec, as the compiler reads it (builtins expanded)"]
     lines += [f"  {line}" for line in to_source(spec).splitlines()]
     lines += ["", "IR (typed)"]
     for item in ("mask", "score", "scale"):
         e = getattr(spec, item)
         lines.append(f"  {item}: {ir_tree(e) if e is not None else '(none)'}")
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
+              f"  kernel family: {kernel_plan.family} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "

@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
+from attngen.emit.static import shared
 from attngen.ir import Load, Spec, walk
 from attngen.reference import (evaluate, evaluate_expr, make_env, modified_scores, probabilities,
                                scale_value)
@@ -183,9 +184,8 @@ def random_inputs(spec: Spec, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int,
     return result
 
 
-# The torch dtype of each DSL dtype (ir.DTYPES).
-TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+# The torch dtype of each DSL dtype (ir.DTYPES), as generated modules check inputs against it.
+TORCH_DTYPES = shared._INPUT_DTYPES
 
 
 def _extent(spec: Spec, name: str, dim: int, sizes: dict[str, int]) -> int:

@@ -4,92 +4,14 @@ Use: out = attn(q, k, v), or with return_lse=True for (out, lse).
 q is (B, H, Q_LEN, D); k is (B, HKV, KV_LEN, D); v is (B, HKV, KV_LEN, DV).
 """
 # The spec and the plan are text from outside: they enter this module only as these comment lines
-# (render.comment_lines), never as code or string literals.
+# (attngen.emit.module.comment_lines), never as code or string literals.
 #
 # Spec (fingerprint 3ad9bbf9cfce0bb5):
 #
 #    # full.attn: plain bidirectional softmax attention (encoders, cross-attention)
 #    attention full
 #
-# Plan:
-#
-#    plan for h200: BLOCK_MxBLOCK_N warps/stages
-#       D   DV dtype  fwd              bwd_dkdv         bwd_dq
-#      16   16 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   16 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   16 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      16   32 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   32 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   32 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      16   64 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   64 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16   64 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      16  128 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16  128 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      16  128 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      16  256 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      16  256 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      16  256 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#      32   16 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   16 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   16 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      32   32 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   32 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   32 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      32   64 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   64 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32   64 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      32  128 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32  128 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      32  128 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      32  256 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      32  256 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      32  256 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#      64   16 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   16 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   16 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      64   32 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   32 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   32 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      64   64 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   64 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64   64 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      64  128 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64  128 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#      64  128 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#      64  256 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      64  256 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#      64  256 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     128   16 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   16 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   16 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#     128   32 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   32 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   32 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#     128   64 f16    128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   64 bf16   128x128 8w/3s    64x128 8w/3s     128x64 8w/3s
-#     128   64 f32    64x64 8w/3s      32x64 8w/3s      64x32 8w/3s
-#     128  128 f16    128x64 8w/3s     64x128 8w/3s     128x64 8w/3s
-#     128  128 bf16   128x64 8w/3s     64x128 8w/3s     128x64 8w/3s
-#     128  128 f32    64x32 8w/3s      32x64 8w/3s      64x32 8w/3s
-#     128  256 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     128  256 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     128  256 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     256   16 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   16 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   16 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     256   32 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   32 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   32 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     256   64 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   64 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256   64 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     256  128 f16    64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256  128 bf16   64x64 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256  128 f32    32x32 4w/3s      32x32 8w/2s      64x16 8w/2s
-#     256  256 f16    64x32 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256  256 bf16   64x32 4w/3s      64x64 8w/2s      128x32 8w/2s
-#     256  256 f32    32x16 4w/3s      32x32 8w/2s      64x16 8w/2s
+# Plan: target h200; its tiles are PLAN below (`attngen explain` gives each entry's reasons).
 
 import contextlib
 import math
@@ -99,10 +21,168 @@ import torch
 import triton
 import triton.language as tl
 
+# --- this spec's facts, which the host code and the kernels read ------------------------------------
+SPEC_NAME = "full"
+FINGERPRINT = "3ad9bbf9cfce0bb5"
+# name -> (dtype, dims, learnable); dims are B H HKV Q_LEN KV_LEN, ints or "*".
+INPUTS = {}
+# (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for
+# the forward, dK/dV and dQ kernels.
+PLAN = {
+    (16, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (16, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (16, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (32, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (32, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (32, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (64, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (64, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (64, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (128, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 128, 'f16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 128, 'bf16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 128, 'f32'): ((64, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (128, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (128, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 16, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 16, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 16, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 32, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 32, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 32, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 64, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 64, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 64, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 128, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 128, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 128, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 256, 'f16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 256, 'bf16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 256, 'f32'): ((32, 16, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+}
+# Whether the kernels follow tile tables built at call time (the mask reads inputs at q or k, or
+# is not affine), which inputs the mask reads, and whether the table differs per batch and head.
+# A constexpr, so the kernels can read it too.
+TILE_TABLE = tl.constexpr(False)
+TABLE_READS = ()
+TABLE_PER_B = False
+TABLE_PER_H = False
+# The mask reads q (k) only as q // step: one point per block decides a tile (0: every element;
+# None: it does not read that index).
+TABLE_STEPS = {'q': None, 'k': None}
+# backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's layout: dQ
+# programs fill the SMs that dK/dV's last wave leaves)
+ONE_LAUNCH_BACKWARD = True
+# The longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact, and why
+# (attngen.analysis.integers proved the widths up to it); B * H is the launch grid's second axis.
+MAX_LENGTH = 2147483647
+MAX_LENGTH_REASON = "positions are int32 in the kernels"
+MAX_BATCH_HEADS = 65535
+# Head dims that are not powers of two get tiles at least this wide (attngen/plan/planner.py says why).
+MASKED_WIDTH_FLOOR = 64
+
+
+def softmax_scale(D):
+    """The score scale for query/key head dim D."""
+    return float(1.0 / math.sqrt(D))
+
+
+# --- facts the package shares: attngen/emit/static/shared.py ---------------------------------
+# q, k and v's dtypes, by the names the plan keys its tiles with.
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+# The torch dtype of each dtype an input may declare.
+_INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+def _interpreting():
+    """Whether TRITON_INTERPRET asks Triton for its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
+# torch.compile traces reads no environment.
+INTERPRETING = _interpreting()
+
+
+# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,
+# ~5 us a call on the host, and a call used a dozen of them.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+_MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+
+def _pad(n):
+    return max(_MIN_BLOCK, _next_power_of_2(n))
+
+
+def _tile_widths(D, DV, floor):
+    """Tile widths of head dims D and DV: each rounded up to a power of two >= 16, and when either is
+    not a power of two (its loads are masked), both at least `floor`."""
+    d, dv = _pad(D), _pad(DV)
+    if (d, dv) != (D, DV):
+        d, dv = max(d, floor), max(dv, floor)
+    return d, dv
+
+
+# --- scalar and element helpers -------------------------------------------------------------
+# Base-2 softmax (exp2 is one instruction): scores are scaled by log2(e) on the way in and the LSE
+# by ln(2) on the way out. The host reads LOG2E.value, a float, to fold it into qk_scale.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# --- scalar and element helpers -------------------------------------------------------------
+
 # Python's floor division and modulo (Triton's `//` and `%` truncate toward zero, like C).
 @triton.jit
 def _floordiv(a, b):
@@ -230,29 +310,25 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
             tl.atomic_add(visits + start // BLOCK, 16, sem="relaxed")
 
 
-
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
 # tiles of K and V through SRAM, keeping the running row max m_i, row sum l_i (base 2) and
 # the unnormalised output acc. HEAD_DIM / HEAD_DIM_V are the true head dims, *_PAD the
 # power-of-two tile widths. MASKED tiles run the spec's mask and the bounds checks; the
 # others are proven fully allowed and in bounds. The key tiles come either from closed-form
-# ranges (masks the analysis bounds) or from a tile table's lists (INDEXED).
+# ranges (masks the analysis bounds) or from a tile table's lists (TILE_TABLE).
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-               tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-               off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-               
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               INDEXED: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, INDEXED)
+def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles, j_lo, j_hi,
+               gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
+               HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, INDEXED)
+        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
         k = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
                        offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM,
                        MASKED, HEAD_DIM != HEAD_DIM_PAD)
@@ -275,17 +351,11 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn
     return acc, l_i, m_i
 
 
-
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
-                stride_qz, stride_qh, stride_qm, stride_qk,
-                stride_kz, stride_kh, stride_kn, stride_kk,
-                stride_vz, stride_vh, stride_vn, stride_vk,
-                stride_oz, stride_oh, stride_om, stride_ok,
-                
-                B, H, HKV, Q_LEN, KV_LEN, Visits,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
+                stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
+                stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
@@ -307,7 +377,6 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-
     q_first = start_m * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     kv_lo = 0
@@ -316,18 +385,19 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     kv_full_hi = KV_LEN
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
     # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
-    # costs one pipeline fill, not two), then the stretch itself.
+    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+    full_tiles, full_lo, full_hi = 0, t1, t2
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                               off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                               BLOCK_M, BLOCK_N, True, False, COUNT_VISITS, DOT_PRECISION)
+                               masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv,
+                               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                               DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               K, t1, t2, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                               off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                               BLOCK_M, BLOCK_N, False, False, COUNT_VISITS, DOT_PRECISION)
-
+                               full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale,
+                               qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                               HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
+                               DOT_PRECISION)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
     has_keys = l_i > 0.0
@@ -338,7 +408,6 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale,
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(Lse + off_bh.to(tl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
-
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -376,23 +445,21 @@ def _base2_lse(Lse, row, offs, n):
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
+
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
-                    stride_qm, stride_qk, stride_dom, stride_dok,
-                    tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale,
-                    off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                    
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk, stride_dom,
+                    stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, offs_d, offs_dv, sm_scale,
+                    qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    INDEXED: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Works on transposed tiles (keys along rows), so dK and dV need no transpose of P.
-    start_m = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_M, INDEXED)
+    start_m = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_m, BLOCK_M, MASKED, COUNT_VISITS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, INDEXED)
+        start_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
         qT = _load_tile(Q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qk,
                         offs_m[None, :] < Q_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         do = _load_tile(DO_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok,
@@ -417,21 +484,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
 
 
 
-
 @triton.jit
-def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
-                     stride_qz, stride_qh, stride_qm, stride_qk,
-                     stride_kz, stride_kh, stride_kn, stride_kk,
-                     stride_vz, stride_vh, stride_vn, stride_vk,
-                     stride_doz, stride_doh, stride_dom, stride_dok,
-                     stride_dkz, stride_dkh, stride_dkn, stride_dkk,
-                     stride_dvz, stride_dvh, stride_dvn, stride_dvk,
-                     
-                     B, H, HKV, Q_LEN, KV_LEN, Visits,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
+                      stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
+                      stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
+                      stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
+                      stride_dvk, B, H, HKV, Q_LEN, KV_LEN, Visits, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     # dK and dV of key tile start_n of one (batch, kv head).
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
@@ -447,8 +508,6 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                    offs_n[:, None] < KV_LEN, offs_dv[None, :] < HEAD_DIM_V, True, HEAD_DIM_V != HEAD_DIM_V_PAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
-    k_first = start_n * BLOCK_N
-    k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
     n_k_tiles = (KV_LEN + BLOCK_N - 1) // BLOCK_N
     for g in range(0, group):
         off_h = off_hkv * group + g
@@ -457,25 +516,27 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         DO_head = DO + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
         visits = Visits + ((off_b * H + off_h).to(tl.int64) * n_k_tiles + start_n) * (
             (Q_LEN + BLOCK_M - 1) // BLOCK_M)
-
+        k_first = start_n * BLOCK_N
+        k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
         q_lo = 0
         q_hi = Q_LEN
         q_full_lo = 0
         q_full_hi = Q_LEN
         t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
-                                 stride_qm, stride_qk, stride_dom, stride_dok,
-                                 Q, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale,
-                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                 BLOCK_M, BLOCK_N, True, False, COUNT_VISITS, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row,
-                                 stride_qm, stride_qk, stride_dom, stride_dok,
-                                 Q, t1, t2, 0, 0, visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale,
-                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                 BLOCK_M, BLOCK_N, False, False, COUNT_VISITS, DOT_PRECISION)
-
+        # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
+        # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+        masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+        full_tiles, full_lo, full_hi = 0, t1, t2
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
+                                 stride_dom, stride_dok, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                                 visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
+                                 H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                 BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
+                                 stride_dom, stride_dok, full_tiles, full_lo, full_hi, 0, 0, visits, offs_n,
+                                 offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                                 KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
+                                 False, COUNT_VISITS, DOT_PRECISION)
     ok_k = (offs_n[:, None] < KV_LEN) & (offs_d[None, :] < HEAD_DIM)
     ok_v = (offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(DK + off_b.to(tl.int64) * stride_dkz + off_hkv.to(tl.int64) * stride_dkh
@@ -486,21 +547,20 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
              dv.to(DV.dtype.element_ty), mask=ok_v)
 
 
+
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                  tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                  off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                  
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  INDEXED: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, INDEXED)
+def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles,
+                  j_lo, j_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, INDEXED)
+        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
         kT = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
                         offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         vT = _load_tile(V_head + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vk,
@@ -523,20 +583,14 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
 
 
 
-
 @triton.jit
-def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
-                   stride_qz, stride_qh, stride_qm, stride_qk,
-                   stride_kz, stride_kh, stride_kn, stride_kk,
-                   stride_vz, stride_vh, stride_vn, stride_vk,
-                   stride_doz, stride_doh, stride_dom, stride_dok,
-                   stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                   
-                   B, H, HKV, Q_LEN, KV_LEN, Visits,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, stride_qz, stride_qh,
+                    stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
+                    stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz,
+                    stride_dqh, stride_dqm, stride_dqk, B, H, HKV, Q_LEN, KV_LEN, Visits,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # dQ of query tile start_m of one (batch, head).
     off_b = off_bh // H
     off_h = off_bh % H
@@ -558,7 +612,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
-
     q_first = start_m * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     kv_lo = 0
@@ -566,17 +619,19 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     kv_full_lo = 0
     kv_full_hi = KV_LEN
     t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
+    # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
+    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+    full_tiles, full_lo, full_hi = 0, t1, t2
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       K, t0, t1 + (t3 - t2), t1, t2 - t1, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                       off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                       HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                       BLOCK_M, BLOCK_N, True, False, COUNT_VISITS, DOT_PRECISION)
+                       masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv,
+                       sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                       HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                       DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       K, t1, t2, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                       off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, 
-                       HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                       BLOCK_M, BLOCK_N, False, False, COUNT_VISITS, DOT_PRECISION)
-
+                       full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
+                       off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                       HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
@@ -594,203 +649,63 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
 # head's dQ programs run while its K, V, Q and dO are still in L2. PARTS=1 (dK/dV only) and
 # PARTS=2 (dQ only) are the two halves, for launching on separate streams with different warps.
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale,
-                stride_qz, stride_qh, stride_qm, stride_qk,
-                stride_kz, stride_kh, stride_kn, stride_kk,
-                stride_vz, stride_vh, stride_vn, stride_vk,
-                stride_doz, stride_doh, stride_dom, stride_dok,
-                stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                stride_dkz, stride_dkh, stride_dkn, stride_dkk,
-                stride_dvz, stride_dvh, stride_dvn, stride_dvk,
-                
-                B, H, HKV, Q_LEN, KV_LEN, VisitsKV, VisitsQ,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm,
+                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
+                stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm,
+                stride_dqk, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
+                stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, VisitsQ, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 PARTS: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     off_bhkv = tl.program_id(1)
     if PARTS == 1:
-        _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
-                          stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                          stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                          stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn, stride_dvk,
-                          B, H, HKV, Q_LEN, KV_LEN, VisitsKV,
-                          HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                          BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION)
+        _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
+                          stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+                          stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
+                          stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh,
+                          stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, HEAD_DIM, HEAD_DIM_V,
+                          HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION)
     elif PARTS == 2:
         # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
         n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
         off_bh = (off_bhkv // HKV) * H + (off_bhkv % HKV) * (H // HKV) + (pid) // n_q_tiles
-        _bwd_dq_program((pid) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
-                        stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                        stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                        stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                        B, H, HKV, Q_LEN, KV_LEN, VisitsQ,
-                        HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                        BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION)
+        _bwd_dq_program((pid) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, stride_qz,
+                        stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
+                        stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
+                        stride_dqz, stride_dqh, stride_dqm, stride_dqk, B, H, HKV, Q_LEN, KV_LEN, VisitsQ,
+                        HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS,
+                        DOT_PRECISION)
     else:
         n_kv_tiles = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1
         if pid < n_kv_tiles:
-            _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
-                              stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                              stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                              stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn, stride_dvk,
-                              B, H, HKV, Q_LEN, KV_LEN, VisitsKV,
-                              HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                              BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION)
+            _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
+                              stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+                              stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
+                              stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz,
+                              stride_dvh, stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, HEAD_DIM,
+                              HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS,
+                              DOT_PRECISION)
         else:
             # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
             n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
             off_bh = (off_bhkv // HKV) * H + (off_bhkv % HKV) * (H // HKV) + (pid - n_kv_tiles) // n_q_tiles
-            _bwd_dq_program((pid - n_kv_tiles) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
-                            stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                            stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                            stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                            B, H, HKV, Q_LEN, KV_LEN, VisitsQ,
-                            HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                            BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION)
+            _bwd_dq_program((pid - n_kv_tiles) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale,
+                            qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh,
+                            stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz,
+                            stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm, stride_dqk,
+                            B, H, HKV, Q_LEN, KV_LEN, VisitsQ, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                            HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION)
 
 
-
+# No tile tables (TILE_TABLE is off): the host never launches their kernels.
+_table_by_query_classify = _table_by_key_classify = _table_compact = None
 
 
 # --- host side: argument checks, launches, autograd -------------------------------------------
-SPEC_NAME = "full"
-FINGERPRINT = "3ad9bbf9cfce0bb5"
-# name -> (dtype, dims, learnable); dims are B H HKV Q_LEN KV_LEN, ints or "*".
-INPUTS = {}
-# (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for
-# the forward, dK/dV and dQ kernels.
-PLAN = {
-    (16, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (16, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (16, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (32, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (32, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (32, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (64, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (64, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (64, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (128, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 128, 'f16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 128, 'bf16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 128, 'f32'): ((64, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (128, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (128, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 16, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 16, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 16, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 32, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 32, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 32, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 64, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 64, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 64, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 128, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 128, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 128, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 256, 'f16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 256, 'bf16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 256, 'f32'): ((32, 16, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-}
-# Whether the kernels follow tile tables built at call time (the mask reads inputs at q or k, or
-# is not affine), which inputs the mask reads, and whether the table differs per batch and head.
-TILE_TABLE = False
-TABLE_READS = ()
-TABLE_PER_B = False
-TABLE_PER_H = False
-# The mask reads q (k) only as q // step: one point per block decides a tile (0: every element;
-# None: it does not read that index).
-TABLE_STEPS = {'q': None, 'k': None}
-# backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's layout: dQ
-# programs fill the SMs that dK/dV's last wave leaves)
-ONE_LAUNCH_BACKWARD = True
-# The longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact, and why (attngen.integers
-# proved the widths up to it); B * H is the launch grid's second axis.
-MAX_LENGTH = 2147483647
-MAX_LENGTH_REASON = "positions are int32 in the kernels"
-MAX_BATCH_HEADS = 65535
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-_INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
-
-
-def softmax_scale(D):
-    """The score scale for query/key head dim D."""
-    return float(1.0 / math.sqrt(D))
-
-
-# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,
-# ~5 us a call on the host, and a call used a dozen of them.
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_power_of_2(n):
-    return 1 << (n - 1).bit_length()
-
-
-def _pad(n):
-    return max(16, _next_power_of_2(n))
-
-
-# Head dims that are not powers of two get tiles at least this wide (attngen/plan.py says why).
-MASKED_WIDTH_FLOOR = 64
-
-
 def _widths(D, DV):
     """Tile widths of the head dims (HEAD_DIM_PAD, HEAD_DIM_V_PAD), as Plan.widths gives them."""
-    d, dv = _pad(D), _pad(DV)
-    if (d, dv) != (D, DV):
-        d, dv = max(d, MASKED_WIDTH_FLOOR), max(dv, MASKED_WIDTH_FLOOR)
-    return d, dv
+    return _tile_widths(D, DV, MASKED_WIDTH_FLOOR)
 
 
 def _fail(message):
@@ -858,11 +773,6 @@ def _check(q, k, v, inputs):
 def _declared(name):
     dtype, dims, learnable = INPUTS[name]
     return f"{dtype}[{', '.join(map(str, dims))}]" + (" learnable" if learnable else "")
-
-
-# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
-# torch.compile traces reads no environment.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _input_args(tensors):
@@ -1032,7 +942,7 @@ def _forward(q, k, v, tensors, table, visits=None):
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     _fwd_kernel[grid](
-        q, k, v, out, lse, sm_scale, sm_scale * 1.4426950408889634,
+        q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *_input_args(tensors), *_table_args(_table_key(q, v, 0), table, _sizes(q, k)),
         B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse,
@@ -1081,7 +991,7 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
     bm2, bn2, warps2, stages2 = _tiles(q, v, 2)
     n_kv_tiles, n_q_tiles = _cdiv(KV_LEN, bn1), _cdiv(Q_LEN, bm2) * (H // HKV)
     table_args = [_table_args(_table_key(q, v, kernel), table, sizes) for kernel, table in zip((1, 2), tables)]
-    args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * 1.4426950408889634,
+    args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             *_input_args(tensors), *grad_args, *table_args[0], *table_args[1],
             B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta))
@@ -1151,7 +1061,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "d448a673434ccaf1"
+MODULE_DIGEST = "80c0603d47593fb5"
 
 
 def _define_operators(table_name, forward_name, backward_name):
@@ -1229,11 +1139,11 @@ def _compiled_attention(q, k, v, tensors, known):
 
 
 def attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs):
-    """full attention: softmax over the allowed keys of the modified scores, times V.
+    """This module's attention: softmax over the allowed keys of the modified scores, times V.
 
     Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
     LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
-    in q, k, v (once: no double backward).
+    in q, k, v and the learnable inputs, if any (once: no double backward).
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
     Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS.
@@ -1292,4 +1202,3 @@ def visit_counts(q, k, v, **inputs):
         _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                   visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts
-

@@ -1,4 +1,18 @@
+"""The Triton helpers every generated kernel calls: Python's integer division, tanh, pow, dots, masked
+tile loads, loop bounds and visit counters."""
+
+import triton
+import triton.language as tl
+
+# ---- inlined into every generated module from here on ----
+
 # --- scalar and element helpers -------------------------------------------------------------
+# Base-2 softmax (exp2 is one instruction): scores are scaled by log2(e) on the way in and the LSE
+# by ln(2) on the way out. The host reads LOG2E.value, a float, to fold it into qk_scale.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 # Python's floor division and modulo (Triton's `//` and `%` truncate toward zero, like C).
 @triton.jit
 def _floordiv(a, b):

@@ -1,61 +1,20 @@
+"""The host side of every generated module: argument checks, tile tables, launches, autograd and the
+torch.compile operators, reading the spec's facts from the names the module's preamble defines."""
+
+import contextlib
+
+import torch
+
+from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _next_power_of_2, _pad,
+                                       _tile_widths)
+
+# ---- inlined into every generated module from here on ----
+
 # --- host side: argument checks, launches, autograd -------------------------------------------
-SPEC_NAME = {{ name | tojson }}
-FINGERPRINT = {{ fingerprint | tojson }}
-# name -> (dtype, dims, learnable); dims are B H HKV Q_LEN KV_LEN, ints or "*".
-INPUTS = {{ inputs_table }}
-# (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for
-# the forward, dK/dV and dQ kernels.
-PLAN = {{ plan_table }}
-# Whether the kernels follow tile tables built at call time (the mask reads inputs at q or k, or
-# is not affine), which inputs the mask reads, and whether the table differs per batch and head.
-TILE_TABLE = {{ table }}
-TABLE_READS = {{ table_reads }}
-TABLE_PER_B = {{ table_per_b }}
-TABLE_PER_H = {{ table_per_h }}
-# The mask reads q (k) only as q // step: one point per block decides a tile (0: every element;
-# None: it does not read that index).
-TABLE_STEPS = {{ table_steps }}
-# {{ launch_reason | wordwrap(96, wrapstring="\n# ") }}
-ONE_LAUNCH_BACKWARD = {{ one_launch_backward }}
-# The longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact, and why (attngen.integers
-# proved the widths up to it); B * H is the launch grid's second axis.
-MAX_LENGTH = {{ max_length }}
-MAX_LENGTH_REASON = {{ max_length_reason | tojson }}
-MAX_BATCH_HEADS = {{ max_batch_heads }}
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-_INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
-
-
-def softmax_scale(D):
-    """The score scale for query/key head dim D."""
-    return float({{ scale_expr }})
-
-
-# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,
-# ~5 us a call on the host, and a call used a dozen of them.
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_power_of_2(n):
-    return 1 << (n - 1).bit_length()
-
-
-def _pad(n):
-    return max(16, _next_power_of_2(n))
-
-
-# Head dims that are not powers of two get tiles at least this wide (attngen/plan.py says why).
-MASKED_WIDTH_FLOOR = {{ masked_width_floor }}
-
-
 def _widths(D, DV):
     """Tile widths of the head dims (HEAD_DIM_PAD, HEAD_DIM_V_PAD), as Plan.widths gives them."""
-    d, dv = _pad(D), _pad(DV)
-    if (d, dv) != (D, DV):
-        d, dv = max(d, MASKED_WIDTH_FLOOR), max(dv, MASKED_WIDTH_FLOOR)
-    return d, dv
+    return _tile_widths(D, DV, MASKED_WIDTH_FLOOR)
 
 
 def _fail(message):
@@ -123,11 +82,6 @@ def _check(q, k, v, inputs):
 def _declared(name):
     dtype, dims, learnable = INPUTS[name]
     return f"{dtype}[{', '.join(map(str, dims))}]" + (" learnable" if learnable else "")
-
-
-# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
-# torch.compile traces reads no environment.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _input_args(tensors):
@@ -297,7 +251,7 @@ def _forward(q, k, v, tensors, table, visits=None):
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     _fwd_kernel[grid](
-        q, k, v, out, lse, sm_scale, sm_scale * 1.4426950408889634,
+        q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *_input_args(tensors), *_table_args(_table_key(q, v, 0), table, _sizes(q, k)),
         B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse,
@@ -346,7 +300,7 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
     bm2, bn2, warps2, stages2 = _tiles(q, v, 2)
     n_kv_tiles, n_q_tiles = _cdiv(KV_LEN, bn1), _cdiv(Q_LEN, bm2) * (H // HKV)
     table_args = [_table_args(_table_key(q, v, kernel), table, sizes) for kernel, table in zip((1, 2), tables)]
-    args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * 1.4426950408889634,
+    args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             *_input_args(tensors), *grad_args, *table_args[0], *table_args[1],
             B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta))
@@ -494,11 +448,11 @@ def _compiled_attention(q, k, v, tensors, known):
 
 
 def attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs):
-    """{{ name }} attention: softmax over the allowed keys of the modified scores, times V.
+    """This module's attention: softmax over the allowed keys of the modified scores, times V.
 
     Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
     LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
-    in q, k, v{% if any_learnable %} and the learnable inputs{% endif %} (once: no double backward).
+    in q, k, v and the learnable inputs, if any (once: no double backward).
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
     Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS.

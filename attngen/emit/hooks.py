@@ -1,0 +1,276 @@
+"""The spec's code inside the kernel skeletons: hooks that each declare the names they read and define, in each kernel's spelling."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from attngen import ir
+from attngen.analysis import Analysis
+from attngen.emit.expressions import Spelling, TritonEmitter
+from attngen.emit.signatures import POSITIONS, TABLE, kernel_signatures
+from attngen.frontend.printer import expr_to_source
+
+_SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
+_UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
+# Forward and dQ tiles are (query, key); the dK/dV kernel works on transposed (key, query) tiles.
+ROW_MAJOR = Spelling(
+    names={**_SIZES, **_UNIFORM, "q": "offs_m[:, None]", "k": "offs_n[None, :]", "score": "s"},
+    dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
+    full_shape="[BLOCK_M, BLOCK_N]")
+TRANSPOSED = Spelling(
+    names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
+    dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
+    full_shape="[BLOCK_N, BLOCK_M]")
+BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
+
+# What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
+# parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
+# batch and heads.
+ELEMENT_NAMES = ("offs_m", "offs_n", *POSITIONS)
+# What the tile-range hook defines: the masked loop over [masked_lo, masked_hi) (skipping `gap` tiles
+# from number `gap_at` on) and the unmasked loop over [full_lo, full_hi); with a tile table, the
+# tiles are the entries of `masked_tiles` and `full_tiles` (pointers into the table's row).
+TILE_RANGE_NAMES = ("masked_tiles", "masked_lo", "masked_hi", "gap_at", "gap", "full_tiles", "full_lo", "full_hi")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Code of the spec spliced into a kernel skeleton, FlexAttention-style: it reads `inputs` (names
+    the skeleton defines before the splice point; module constants, helpers and the kernel's
+    parameters aside) and defines `outputs` for the skeleton, and `shared` temporaries that a later
+    hook of the same kernel may read (the score's, for its derivative). `source` is the spec line
+    it implements, shown above the code."""
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    code: str
+    source: str = ""
+    shared: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if not self.source:
+            return self.code
+        # Printed from the IR (validated names, literals): one line, no text of the spec's own.
+        return f"# {self.source}\n{self.code}"
+
+
+def undeclared_reads(hook: Hook, known: set[str]) -> set[str]:
+    """The names `hook` reads before defining them that it did not declare and `known` (the module's
+    and the kernel's names) does not hold: empty for a hook that keeps its contract."""
+    defined = set(hook.inputs) | known
+    missing = set()
+    for statement in ast.parse(hook.code).body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in defined:
+                missing.add(node.id)
+        defined |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return missing
+
+
+def defined_names(hook: Hook) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(hook.code)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
+    return TritonEmitter(spelling, facts.params, {i.name: i for i in facts.spec.inputs}, prefix, facts.ranges)
+
+
+def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
+    """s2, the modified score in base-2 units, from the raw dot product qk."""
+    inputs = ("qk", "sm_scale", "qk_scale", *ELEMENT_NAMES)
+    if spec.score is None or spec.score == ir.Score():
+        return Hook("score", inputs, ("s2",),
+                    "s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor")
+    start = len(em.lines)
+    result = em.emit_full(spec.score)
+    temporaries = [line.split(" = ", 1)[0] for line in em.lines[start:]]
+    return Hook("score", inputs, ("s2",), "\n".join(["s = qk * sm_scale", *em.lines[start:], f"s2 = {result} * LOG2E"]),
+                source=f"score: {expr_to_source(spec.score)}", shared=("s", *temporaries))
+
+
+def _mask_hook(facts: Analysis, spelling: Spelling) -> Hook:
+    """`allowed`: the spec's mask and the tile's bounds checks."""
+    q_bound, k_bound = _bounds_checks(spelling)
+    bounds = f"({q_bound}) & ({k_bound})"
+    if facts.spec.mask is None:
+        return Hook("mask", ELEMENT_NAMES, ("allowed",), f"allowed = {bounds}")
+    em = _emitter(facts, spelling, "mk")
+    mask = em.emit(facts.spec.mask)
+    return Hook("mask", ELEMENT_NAMES, ("allowed",), "\n".join([*em.lines, f"allowed = ({mask}) & {bounds}"]),
+                source=f"mask: {expr_to_source(facts.spec.mask)}")
+
+
+def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> Hook:
+    """Turns `var`, the gradient w.r.t. the modified score, into the gradient w.r.t. the raw score."""
+    inputs = (var, *score.shared, *ELEMENT_NAMES)
+    if facts.score_derivative is None:
+        return Hook("dscore", inputs, (var,), f"# d score'/d score = 1: {var} is already the gradient of the raw score")
+    start = len(em.lines)
+    d = em.emit(facts.score_derivative)
+    return Hook("dscore", inputs, (var,), "\n".join([*em.lines[start:], f"{var} = {var} * {d}"]),
+                source=f"d score'/d score = {expr_to_source(facts.score_derivative)}")
+
+
+def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook) -> Hook:
+    return Hook("learnable", ("ds", "allowed", "MASKED", *score.shared, *ELEMENT_NAMES), (),
+                _learnable_code(facts, em))
+
+
+def _learnable_code(facts: Analysis, em: TritonEmitter) -> str:
+    """Scatters ds * d score'/d input into each learnable input's fp32 gradient."""
+    lines = []
+    for n, (load, derivative) in enumerate(facts.learnable_derivatives):
+        start = len(em.lines)
+        d = em.emit(derivative)
+        indices = [em.emit(i) for i in load.index]
+        dims = frozenset().union(*(em.dims_of(i) for i in indices)) if indices else frozenset()
+        offset = " + ".join(f"({i}) * stride_{load.input}_{j}" for j, i in enumerate(indices)) or "0"
+        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{load.input}_{j})" for j, i in enumerate(indices))
+        contribution = f"g{n}"
+        lines += em.lines[start:]
+        lines.append(f"{contribution} = ds * {d}")
+        lines.append("if MASKED:")
+        lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
+        # Reduce along the axes the index does not vary on: one atomic per distinct address.
+        if dims == frozenset("mn"):
+            lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
+            continue
+        if dims == frozenset("m"):
+            value = f"tl.sum({contribution}, 1)[:, None]"
+        elif dims == frozenset("n"):
+            value = f"tl.sum({contribution}, 0)[None, :]"
+        else:
+            value = f"tl.sum(tl.sum({contribution}, 1), 0)"
+        mask = f", mask={bounds}" if bounds else ""
+        # Relaxed: only the sum after the kernel matters, so no ordering fence per element (the
+        # default, acq_rel, orders every atomic against the program's other memory operations).
+        lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
+    return "\n".join(lines) if lines else "# no learnable inputs"
+
+
+def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:
+    """Atomically adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds.
+
+    An index that varies over the tile may still take few values on it: a clamped relative position
+    puts most tiles wholly at the clamp (one address) and the tiles on the band's edge partly so.
+    Atomics on one address serialize in L2, which made a T5-style bias's backward 17x slower than
+    FlexAttention's. So the tile's smallest and largest addresses get their sums in one atomic each,
+    and only the addresses strictly between them go out per element (if there are any).
+    """
+    a, ok, lo, hi, mid = (f"{x}{n}" for x in ("gaddr", "gok", "glo", "ghi", "gmid"))
+    return [
+        f"{a} = {offset}",
+        f"{ok} = {bounds}",
+        f"{lo} = tl.min(tl.min(tl.where({ok}, {a}, 2147483647), 1), 0)",
+        f"{hi} = tl.max(tl.max(tl.where({ok}, {a}, -1), 1), 0)",
+        f"tl.atomic_add({ptr} + {lo}, tl.sum(tl.sum(tl.where({ok} & ({a} == {lo}), {value}, 0.0), 1), 0),",
+        f"              mask={lo} <= {hi}, sem=\"relaxed\")",
+        f"tl.atomic_add({ptr} + {hi}, tl.sum(tl.sum(tl.where({ok} & ({a} == {hi}), {value}, 0.0), 1), 0),",
+        f"              mask={lo} < {hi}, sem=\"relaxed\")",
+        f"{mid} = {ok} & ({a} != {lo}) & ({a} != {hi})",
+        f"if tl.max(tl.max({mid}.to(tl.int32), 1), 0) > 0:",
+        f"    tl.atomic_add({ptr} + {a}, {value}, mask={mid}, sem=\"relaxed\")",
+    ]
+
+
+def _bounds_hook(facts: Analysis, loop: str) -> Hook:
+    """The element bounds of the loop over `loop` ('k' or 'q') for one tile of the other index.
+
+    Bounds are scalars per tile, so they are computed in int64; the analysis made sure that cannot
+    wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
+    visit, full = facts.loop_bounds[loop].visit, facts.loop_bounds[loop].full
+    em = _emitter(facts, BOUNDS, "bd")
+    other = "q" if loop == "k" else "k"
+    tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}
+    name = "kv" if loop == "k" else "q"
+    length = "KV_LEN" if loop == "k" else "Q_LEN"
+
+    def side(bound, default: str, upper: bool) -> str:
+        if bound is None:
+            return default
+        code = em.bound(bound, tile_vars)
+        return f"_index_bound({code} + 1, {length})" if upper else f"_index_bound({code}, {length})"
+
+    if visit is None:
+        assignments = [f"{name}_lo = 0", f"{name}_hi = 0"]
+    else:
+        assignments = [f"{name}_lo = {side(visit.lo, '0', False)}",
+                       f"{name}_hi = {side(visit.hi, length, True)}"]
+    if full is None:
+        assignments += [f"{name}_full_lo = 0", f"{name}_full_hi = 0"]
+    else:
+        assignments += [f"{name}_full_lo = {side(full.lo, '0', False)}",
+                        f"{name}_full_hi = {side(full.hi, length, True)}"]
+    return Hook("bounds", (*tile_vars.values(), *POSITIONS),
+                tuple(f"{name}_{part}" for part in ("lo", "hi", "full_lo", "full_hi")),
+                "\n".join([*em.lines, *assignments]))
+
+
+def _tile_range_hook(facts: Analysis, loop: str) -> Hook:
+    """Which tiles of `loop` one program visits with mask code and which without (TILE_RANGE_NAMES):
+    the rows of its tile table, or its closed-form bounds cut into tiles."""
+    tile, block, other_block, length = (("start_m", "BLOCK_N", "BLOCK_M", "Q_LEN") if loop == "k"
+                                        else ("start_n", "BLOCK_M", "BLOCK_N", "KV_LEN"))
+    if facts.tile_table:
+        code = [
+            "# This tile's partial tiles (listed from the left of its row) and full ones (from the right).",
+            f"trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + {tile}",
+            "masked_tiles = TblIdx + trow * tbl_cols",
+            "masked_lo, masked_hi, gap_at, gap = 0, tl.load(TblNum + 2 * trow), 0, 0",
+            "n_full = tl.load(TblNum + 2 * trow + 1)",
+            "full_tiles, full_lo, full_hi = masked_tiles + tbl_cols - n_full, 0, n_full",
+        ]
+        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(code))
+    other = "q" if loop == "k" else "k"
+    bounds = _bounds_hook(facts, loop)
+    lo, hi, full_lo, full_hi = bounds.outputs
+    code = [
+        f"{other}_first = {tile} * {other_block}",
+        f"{other}_last = tl.minimum({other}_first + {other_block}, {length}) - 1",
+        bounds.code,
+        f"t0, t1, t2, t3 = _tile_ranges({lo}, {hi}, {full_lo}, {full_hi}, {block})",
+        "# One masked loop over the partial tiles before and after the fully allowed stretch (one loop",
+        "# costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.",
+        "masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1",
+        "full_tiles, full_lo, full_hi = 0, t1, t2",
+    ]
+    return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(code))
+
+
+def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
+    """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
+    if spelling is ROW_MAJOR:
+        return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
+    return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
+
+
+def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
+    em = _emitter(facts, spelling, "sc")
+    score = _score_hook(facts.spec, em)
+    hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop)}
+    if ds_var == "ds":
+        hooks["learnable"] = _learnable_hook(facts, em, score)
+    if ds_var:
+        hooks["dscore"] = _dscore_hook(facts, em, score, ds_var)
+    return hooks
+
+
+def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
+    """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
+    return {"bounds": _bounds_hook(facts, loop), "mask": _mask_hook(facts, spelling)}
+
+
+def kernel_context(facts: Analysis) -> dict:
+    """What the kernel templates fill in for this spec: every kernel's signature and each kernel's hooks."""
+    return dict(
+        sig=kernel_signatures(facts.spec, facts.tile_table),
+        fwd=_kernel_hooks(facts, ROW_MAJOR, "k", ""),
+        dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
+        dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
+        table=facts.tile_table,
+        table_by_query=_table_hooks(facts, ROW_MAJOR, "k") if facts.tile_table else None,
+        table_by_key=_table_hooks(facts, TRANSPOSED, "q") if facts.tile_table else None,
+        kv_table={name: f"kv_{name}" for name in TABLE} if facts.tile_table else {},
+        q_table={name: f"q_{name}" for name in TABLE} if facts.tile_table else {},
+    )

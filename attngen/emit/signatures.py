@@ -1,0 +1,129 @@
+"""The kernels' parameter lists, declared once in Python and rendered as each @triton.jit function's `def` and its calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attngen import ir
+
+LINE_WIDTH = 112
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One @triton.jit function: its name and parameters in order (`constexprs` among them are
+    tl.constexpr). A call passes every parameter by the caller's variable of the same name unless
+    told otherwise, as FlexAttention's templates do with gen_argdefs: a parameter is added in one
+    place and every call site follows."""
+    name: str
+    params: tuple[str, ...]
+    constexprs: frozenset[str] = frozenset()
+
+    def definition(self) -> str:
+        """The `def` line(s), wrapped with the parameters aligned after the parenthesis."""
+        spelled = [f"{p}: tl.constexpr" if p in self.constexprs else p for p in self.params]
+        return _wrapped(f"def {self.name}(", spelled, "):", 0)
+
+    def call(self, column: int, **values) -> str:
+        """A call starting at `column`, passing `values[p]` for the parameters named there (code as
+        str, or a Python bool or int) and each other parameter's own name. Its lines after the first
+        are indented relative to the call (the template indents them to `column`)."""
+        unknown = set(values) - set(self.params)
+        assert not unknown, f"{self.name} has no parameter(s) {sorted(unknown)}"
+        return _wrapped(f"{self.name}(", [_code(values.get(p, p)) for p in self.params], ")", column)
+
+
+def _code(value) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _wrapped(opening: str, items: list[str], closing: str, column: int) -> str:
+    """`opening` + the items separated by commas + `closing`, as lines of at most LINE_WIDTH columns
+    (the first starts at `column`), breaking only between items."""
+    width = LINE_WIDTH - column - len(opening)
+    lines, line = [], ""
+    for n, item in enumerate(items):
+        text = item + (closing if n == len(items) - 1 else ",")
+        if line and len(line) + 1 + len(text) > width:
+            lines.append(line)
+            line = text
+        else:
+            line = f"{line} {text}" if line else text
+    lines.append(line)
+    return ("\n" + " " * len(opening)).join([opening + lines[0], *lines[1:]])
+
+
+def _strides(tensor: str, rows: str) -> tuple[str, ...]:
+    """A (batch, head, row, column) tensor's strides, named as in the Triton tutorial (stride_qz ...)."""
+    return tuple(f"stride_{tensor}{axis}" for axis in ("z", "h", rows, "k"))
+
+
+SIZES = ("B", "H", "HKV", "Q_LEN", "KV_LEN")
+POSITIONS = ("off_b", "off_h", "off_hkv")
+HEAD_DIMS = ("HEAD_DIM", "HEAD_DIM_V", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD")
+TILE_LOOP = ("tiles", "j_lo", "j_hi", "gap_at", "gap", "visits")
+TABLE = ("TblNum", "TblIdx", "tbl_sb", "tbl_sh", "tbl_cols")
+_INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
+_PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
+
+
+def input_params(spec: ir.Spec) -> tuple[str, ...]:
+    """Per input: its pointer, one stride and one size per dim."""
+    return tuple(name for i in spec.inputs for name in (
+        f"{i.name}_ptr", *(f"stride_{i.name}_{d}" for d in range(len(i.dims))),
+        *(f"size_{i.name}_{d}" for d in range(len(i.dims)))))
+
+
+def grad_params(spec: ir.Spec) -> tuple[str, ...]:
+    # `NAME_grad` never equals another input's `NAME_ptr`: `grad_x` beside a learnable `x` is fine.
+    return tuple(f"{i.name}_grad" for i in spec.learnable_inputs)
+
+
+def table_params(prefix: str = "") -> tuple[str, ...]:
+    """A tile table's parameters: counts, indices, batch and head strides, row length."""
+    return tuple(prefix + name for name in TABLE)
+
+
+def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
+    """Every kernel and inner loop of the portable family, for this spec's inputs and tile table."""
+    inputs, grads = input_params(spec), grad_params(spec)
+    table = table_params() if tile_table else ()
+
+    def sig(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
+        return Signature(name, params + constants, frozenset(constants))
+
+    return {
+        "fwd_inner": sig("_fwd_inner", (
+            "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn", "stride_vk",
+            *TILE_LOOP, "offs_m", "offs_d", "offs_dv", "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs),
+            _INNER_CONSTANTS),
+        "fwd_kernel": sig("_fwd_kernel", (
+            "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
+            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits"),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")),
+        "dkdv_inner": sig("_bwd_dkdv_inner", (
+            "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
+            "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "offs_d", "offs_dv", "sm_scale", "qk_scale",
+            *POSITIONS, *SIZES, *inputs), _INNER_CONSTANTS),
+        "dkdv_program": sig("_bwd_dkdv_program", (
+            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
+            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
+            *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits"), _PROGRAM_CONSTANTS),
+        "dq_inner": sig("_bwd_dq_inner", (
+            "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
+            "stride_vk", *TILE_LOOP, "offs_m", "offs_d", "offs_dv", "sm_scale", "qk_scale", *POSITIONS,
+            *SIZES, *inputs, *grads), _INNER_CONSTANTS),
+        "dq_program": sig("_bwd_dq_program", (
+            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
+            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
+            *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits"), _PROGRAM_CONSTANTS),
+        "bwd_kernel": sig("_bwd_kernel", (
+            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
+            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
+            *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
+            *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ"),
+            (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION")),
+        **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
+                                ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
+           for rows in ("by_query", "by_key")},
+    }

@@ -1,0 +1,56 @@
+"""The facts the package and every generated module must agree on: head-dim tile widths, dtype tables,
+interpreter mode.
+
+The package imports this file (Plan.widths, the plan's and the tests' dtype tables, api's reading of
+TRITON_INTERPRET); every generated module inlines the code below the marker, so both run the same
+lines. The underscored names are the module's internals, not its API.
+"""
+
+import os
+
+import torch
+
+# ---- inlined into every generated module from here on ----
+
+# --- facts the package shares: attngen/emit/static/shared.py ---------------------------------
+# q, k and v's dtypes, by the names the plan keys its tiles with.
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+# The torch dtype of each dtype an input may declare.
+_INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+def _interpreting():
+    """Whether TRITON_INTERPRET asks Triton for its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
+# torch.compile traces reads no environment.
+INTERPRETING = _interpreting()
+
+
+# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,
+# ~5 us a call on the host, and a call used a dozen of them.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+_MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+
+def _pad(n):
+    return max(_MIN_BLOCK, _next_power_of_2(n))
+
+
+def _tile_widths(D, DV, floor):
+    """Tile widths of head dims D and DV: each rounded up to a power of two >= 16, and when either is
+    not a power of two (its loads are masked), both at least `floor`."""
+    d, dv = _pad(D), _pad(DV)
+    if (d, dv) != (D, DV):
+        d, dv = max(d, floor), max(dv, floor)
+    return d, dv
