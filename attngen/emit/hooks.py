@@ -105,7 +105,7 @@ def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> H
     """Turns `var`, the gradient w.r.t. the modified score, into the gradient w.r.t. the raw score."""
     inputs = (var, *score.shared, *ELEMENT_NAMES)
     if facts.score_derivative is None:
-        return Hook("dscore", inputs, (var,), f"# d score'/d score = 1: {var} is already the gradient of the raw score")
+        return Hook("dscore", inputs, (), f"# d score'/d score = 1: {var} is already the gradient of the raw score")
     start = len(em.lines)
     d = em.emit(facts.score_derivative)
     return Hook("dscore", inputs, (var,), "\n".join([*em.lines[start:], f"{var} = {var} * {d}"]),
