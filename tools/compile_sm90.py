@@ -1,0 +1,117 @@
+"""Compiles every kernel of every catalog spec's module for sm_90 (Hopper) on a machine without a GPU, so
+a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
+
+    python tools/compile_sm90.py [--only causal document_causal ...] [--ptx DIR]
+
+Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
+must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
+generated module. Parameter types follow the kernels' declared signatures (attngen.emit.signatures):
+pointers by name, ints as i32, the two scales as fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Pointer parameters and their element types in a bf16 call; every other non-constexpr parameter is an
+# i32 (strides, sizes, lengths) except the fp32 scales.
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
+            "DV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DLse": "*fp32", "Visits": "*i32", "VisitsKV": "*i32",
+            "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32"}
+FLOATS = {"sm_scale", "qk_scale"}
+INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
+
+
+def _type(name: str, inputs: dict) -> str:
+    if name in POINTERS:
+        return POINTERS[name]
+    if name.endswith("TblNum") or name.endswith("TblIdx"):
+        return "*i32"
+    if name.endswith("_ptr") and name[:-4] in inputs:
+        return INPUT_TYPES[inputs[name[:-4]][0]]
+    if name.endswith("_grad") and name[:-5] in inputs:
+        return "*fp32"
+    return "fp32" if name in FLOATS else "i32"
+
+
+def compile_module(path: str, ptx_dir: str | None) -> dict:
+    """In a process without TRITON_INTERPRET: compile the module's kernels at D=128 bf16 on its h200 plan."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = importlib.util.spec_from_file_location("attngen_sm90_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = GPUTarget("cuda", 90, 32)
+    plan = module.PLAN[(128, 128, "bf16")]
+    head = dict(HEAD_DIM=128, HEAD_DIM_V=128, HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128, COUNT_VISITS=False,
+                DOT_PRECISION="tf32")
+    launches = [("_fwd_kernel", dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1]), plan[0])]
+    backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1])
+    for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
+        launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
+    if module.TILE_TABLE:
+        for name in ("_table_by_query_classify", "_table_by_key_classify"):
+            launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
+                                        LOOP_STEP=0, LOOP_POINTS=1), (0, 0, 4, 1)))
+    sizes = {}
+    for name, constants, tiles in launches:
+        fn = getattr(module, name)
+        signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.INPUTS)) for p in fn.params}
+        constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
+                                  options=dict(num_warps=tiles[2], num_stages=tiles[3]))
+        ptx = compiled.asm["ptx"]
+        if ptx_dir:
+            # Without debug lines, so two versions of a template compare by their instructions alone.
+            lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
+            Path(ptx_dir, f"{Path(path).stem}{name}{constants.get('PARTS', '')}.ptx").write_text("\n".join(lines))
+        sizes[f"{name}{constants.get('PARTS', '')}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
+                                                        "mma": "mma.sync" in ptx}
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--ptx", help="write each kernel's PTX (without debug lines) to this folder")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(compile_module(args.child, args.ptx)))
+        return
+    import attngen
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    failed = 0
+    with tempfile.TemporaryDirectory() as folder:
+        for path in sorted((ROOT / "specs").glob("*.attn")):
+            if args.only and path.stem not in args.only:
+                continue
+            module = Path(folder) / f"{path.stem}.py"
+            module.write_text(attngen.compile_source(path.read_text(), target="h200"))
+            ptx = ["--ptx", str(Path(args.ptx).resolve())] if args.ptx else []
+            if args.ptx:
+                Path(args.ptx).mkdir(parents=True, exist_ok=True)
+            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx], env=env,
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                failed += 1
+                print(f"{path.stem}: FAILED\n{run.stderr[-3000:]}")
+                continue
+            kernels = json.loads(run.stdout.strip().splitlines()[-1])
+            print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines" for k, v in kernels.items()))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
