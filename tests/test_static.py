@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pyflakes import messages
 from pyflakes.checker import Checker
 
 import attngen
@@ -79,17 +78,7 @@ def test_static_files_are_inlined_verbatim_from_their_marker(sources):
 def test_generated_module_passes_pyflakes_with_no_builtins(path, sources, monkeypatch):
     monkeypatch.delenv("PYFLAKES_BUILTINS", raising=False)
     source = sources[path.stem]
-    static = {n for name in emit.STATIC_FILES for n in _top_level_names(ast.parse(emit.static_code(name)))}
-    functions = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
-
-    def in_kernel_template(message) -> bool:
-        owner = next((f.name for f in functions if f.lineno <= message.lineno <= f.end_lineno), None)
-        return owner is not None and owner not in static
-
-    # The kernel templates (not static code) still assign tile bounds that some specs never read
-    # (k_last, kv_full_lo, ...); Triton drops them. Every other message fails.
-    problems = [m for m in _flakes(source, path.stem)
-                if not (isinstance(m, messages.UnusedVariable) and in_kernel_template(m))]
+    problems = _flakes(source, path.stem)
     assert not problems, "\n".join(map(str, problems))
 
 

@@ -174,11 +174,12 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
     ]
 
 
-def _bounds_hook(facts: Analysis, loop: str) -> Hook:
+def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
     """The element bounds of the loop over `loop` ('k' or 'q') for one tile of the other index.
 
     Bounds are scalars per tile, so they are computed in int64; the analysis made sure that cannot
-    wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1)."""
+    wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1). `with_full`: also the
+    bounds of the fully allowed elements (the table classifier needs only the visited ones)."""
     visit, full = facts.loop_bounds[loop].visit, facts.loop_bounds[loop].full
     em = _emitter(facts, BOUNDS, "bd")
     other = "q" if loop == "k" else "k"
@@ -197,13 +198,13 @@ def _bounds_hook(facts: Analysis, loop: str) -> Hook:
     else:
         assignments = [f"{name}_lo = {side(visit.lo, '0', False)}",
                        f"{name}_hi = {side(visit.hi, length, True)}"]
-    if full is None:
+    if with_full and full is None:
         assignments += [f"{name}_full_lo = 0", f"{name}_full_hi = 0"]
-    else:
+    elif with_full:
         assignments += [f"{name}_full_lo = {side(full.lo, '0', False)}",
                         f"{name}_full_hi = {side(full.hi, length, True)}"]
-    return Hook("bounds", (*tile_vars.values(), *POSITIONS),
-                tuple(f"{name}_{part}" for part in ("lo", "hi", "full_lo", "full_hi")),
+    parts = ("lo", "hi", "full_lo", "full_hi") if with_full else ("lo", "hi")
+    return Hook("bounds", (*tile_vars.values(), *POSITIONS), tuple(f"{name}_{part}" for part in parts),
                 "\n".join([*em.lines, *assignments]))
 
 
@@ -225,9 +226,11 @@ def _tile_range_hook(facts: Analysis, loop: str) -> Hook:
     other = "q" if loop == "k" else "k"
     bounds = _bounds_hook(facts, loop)
     lo, hi, full_lo, full_hi = bounds.outputs
+    # The tile's first and last index, where the bounds read them (a full mask's do not).
+    ends = [f"{other}_first = {tile} * {other_block}",
+            f"{other}_last = tl.minimum({other}_first + {other_block}, {length}) - 1"]
     code = [
-        f"{other}_first = {tile} * {other_block}",
-        f"{other}_last = tl.minimum({other}_first + {other_block}, {length}) - 1",
+        *(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])),
         bounds.code,
         f"t0, t1, t2, t3 = _tile_ranges({lo}, {hi}, {full_lo}, {full_hi}, {block})",
         "# One masked loop over the partial tiles before and after the fully allowed stretch (one loop",
@@ -258,7 +261,22 @@ def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -
 
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
     """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
-    return {"bounds": _bounds_hook(facts, loop), "mask": _mask_hook(facts, spelling)}
+    bounds, mask = _bounds_hook(facts, loop, with_full=False), _mask_hook(facts, spelling)
+    return {"positions": _positions_hook(bounds.code + "\n" + mask.code), "bounds": bounds, "mask": mask}
+
+
+def _positions_hook(code: str) -> Hook:
+    """The batch and heads of a table program's group `g`, those of them `code` reads."""
+    read = [p for p in POSITIONS if _reads(code, p)]
+    if "off_hkv" in read and "off_h" not in read:
+        read.insert(1, "off_h")  # off_hkv is derived from off_h
+    lines = {"off_b": "off_b = g // G_H", "off_h": "off_h = g % G_H", "off_hkv": "off_hkv = off_h // (H // HKV)"}
+    return Hook("positions", ("g",), tuple(read), "\n".join(lines[p] for p in POSITIONS if p in read)
+                or "# the mask reads neither the batch nor the head")
+
+
+def _reads(code: str, name: str) -> bool:
+    return name in {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
 
 
 def kernel_context(facts: Analysis) -> dict:

@@ -647,11 +647,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
 
 
-
-
-
-
-
 # One kernel serves both backward parts. PARTS=3 runs them in one launch, as FlashAttention-2's
 # and FlexAttention's Triton backward do: along axis 0 of each (batch, kv head) row of the grid,
 # the first programs compute dK/dV of one key tile each and the rest dQ of one query tile of one
@@ -746,17 +741,13 @@ def _table_by_query_classify(State, doc_ptr, stride_doc_0, size_doc_0, B, H, HKV
     start = tl.program_id(0)
     j = tl.program_id(1)
     g = tl.program_id(2)
-    off_b = g // G_H
-    off_h = g % G_H
-    off_hkv = off_h // (H // HKV)
+    # the mask reads neither the batch nor the head
     q_first = start * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     offs_m = _table_points(q_first, q_last, BLOCK_M, ROW_STEP, ROW_POINTS)
     bd0 = tl.cast(q_last, tl.int64)
     kv_lo = 0
     kv_hi = _index_bound(bd0 + 1, KV_LEN)
-    kv_full_lo = 0
-    kv_full_hi = 0
     lo = kv_lo
     hi = tl.maximum(kv_hi, lo)
     state = start * 0
@@ -788,17 +779,13 @@ def _table_by_key_classify(State, doc_ptr, stride_doc_0, size_doc_0, B, H, HKV, 
     start = tl.program_id(0)
     j = tl.program_id(1)
     g = tl.program_id(2)
-    off_b = g // G_H
-    off_h = g % G_H
-    off_hkv = off_h // (H // HKV)
+    # the mask reads neither the batch nor the head
     k_first = start * BLOCK_N
     k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
     offs_n = _table_points(k_first, k_last, BLOCK_N, ROW_STEP, ROW_POINTS)
     bd0 = tl.cast(k_first, tl.int64)
     q_lo = _index_bound(bd0, Q_LEN)
     q_hi = Q_LEN
-    q_full_lo = 0
-    q_full_hi = 0
     lo = q_lo
     hi = tl.maximum(q_hi, lo)
     state = start * 0
@@ -1201,7 +1188,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "c6d41aa11ae1fc33"
+MODULE_DIGEST = "3b4870f9d13af86d"
 
 
 def _define_operators(table_name, forward_name, backward_name):

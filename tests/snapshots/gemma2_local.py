@@ -687,11 +687,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
 
 
-
-
-
-
-
 # One kernel serves both backward parts. PARTS=3 runs them in one launch, as FlashAttention-2's
 # and FlexAttention's Triton backward do: along axis 0 of each (batch, kv head) row of the grid,
 # the first programs compute dK/dV of one key tile each and the rest dQ of one query tile of one
@@ -1111,7 +1106,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "10c3d37d5582cdb2"
+MODULE_DIGEST = "d532e4a3dc1c3aa4"
 
 
 def _define_operators(table_name, forward_name, backward_name):

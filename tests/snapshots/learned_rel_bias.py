@@ -388,8 +388,6 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-    q_first = start_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     kv_lo = 0
     kv_hi = KV_LEN
     kv_full_lo = 0
@@ -538,8 +536,6 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         DO_head = DO + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
         visits = Visits + ((off_b * H + off_h).to(tl.int64) * n_k_tiles + start_n) * (
             (Q_LEN + BLOCK_M - 1) // BLOCK_M)
-        k_first = start_n * BLOCK_N
-        k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
         q_lo = 0
         q_hi = Q_LEN
         q_full_lo = 0
@@ -659,8 +655,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
-    q_first = start_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
     kv_lo = 0
     kv_hi = KV_LEN
     kv_full_lo = 0
@@ -684,11 +678,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
-
-
-
-
-
 
 
 # One kernel serves both backward parts. PARTS=3 runs them in one launch, as FlashAttention-2's
@@ -1115,7 +1104,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "9b5768464e406aef"
+MODULE_DIGEST = "f10205feb0e23240"
 
 
 def _define_operators(table_name, forward_name, backward_name):
