@@ -56,6 +56,7 @@ def analyze(spec: ir.Spec) -> Analysis:
     params = spec.param_values
     limit, culprit = integers.length_limit(spec)
     regions = spans.regions(spec.mask, params)
+    steps = spans.block_steps(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     ranges = integers.Ranges(integers.box(spec, limit))
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
@@ -70,8 +71,8 @@ def analyze(spec: ir.Spec) -> Analysis:
         table_reads=spans.mask_inputs(spec),
         table_per_batch="b" in mask_vars,
         table_per_head=bool(mask_vars & {"h", "hkv"}),
-        block_steps=MappingProxyType(spans.block_steps(spec.mask, params)),
-        narrow=spans.is_narrow(spec.mask, params, regions),
+        block_steps=MappingProxyType(steps),
+        narrow=spans.is_narrow(spec.mask, params, regions, steps),
         gather_bytes=derivatives.gather_bytes(spec),
         score_derivative=derivatives.derivative(spec.score, ir.Score()) if spec.score is not None else None,
         learnable_derivatives=tuple((load, derivatives.derivative(spec.score, load)) for load in derivatives.learnable_loads(spec)),

@@ -356,16 +356,17 @@ DENSE_TEXT = (f"most visited tiles are full (no band of constant width; inputs a
 
 
 def is_narrow(mask: ir.Expr | None, params: dict[str, int | float],
-              known: Mapping[str, Region] | None = None) -> bool:
+              known: Mapping[str, Region] | None = None, steps: Mapping[str, int | None] | None = None) -> bool:
     """Whether most visited tiles are partial, so small tiles waste less: each query tile sees only a
     band of keys of constant width (windows, chunks), or the mask is decided element by element from
     inputs (documents). Dense masks (none, causal, prefix-LM, coarse block layouts) want large tiles.
-    `known`: the mask's `regions`, when the caller has them."""
+    `known`, `steps`: the mask's `regions` and `block_steps`, when the caller has them."""
     if mask is None:
         return False
     known = known or regions(mask, params)
     if needs_tile_table(mask, params, known):
-        return any(step is not None and step < COARSE_BLOCK for step in block_steps(mask, params).values())
+        steps = steps if steps is not None else block_steps(mask, params)
+        return any(step is not None and step < COARSE_BLOCK for step in steps.values())
     span = known["k"].visit
     return span is not None and bool(_slopes(span.lo, "lo") & _slopes(span.hi, "hi"))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from attngen import ir
@@ -10,22 +9,13 @@ from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound
 from attngen.analysis.integers import Ranges
 from attngen.analysis.intervals import I32_RANGE, I64_RANGE
 from attngen.emit.fold import fold
+from attngen.frontend.printer import literal
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
              "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs",
              "tanh": "_tanh"}
-
-
-def literal(value, type_: str) -> str:
-    if type_ == "bool":
-        return "True" if value else "False"
-    if type_ == "int":
-        return str(int(value))
-    if math.isinf(value):
-        return 'float("inf")' if value > 0 else 'float("-inf")'
-    return repr(float(value))
 
 
 def int64(code: str) -> str:

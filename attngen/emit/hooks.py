@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from attngen import ir
 from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling, TritonEmitter
-from attngen.emit.signatures import POSITIONS, TABLE, kernel_signatures
+from attngen.emit.signatures import POSITIONS, TABLE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
@@ -61,15 +61,18 @@ def undeclared_reads(hook: Hook, known: set[str]) -> set[str]:
     defined = set(hook.inputs) | known
     missing = set()
     for statement in ast.parse(hook.code).body:
-        for node in ast.walk(statement):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in defined:
-                missing.add(node.id)
-        defined |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        missing |= _names(statement, ast.Load) - defined
+        defined |= _names(statement, ast.Store)
     return missing
 
 
 def defined_names(hook: Hook) -> set[str]:
-    return {n.id for n in ast.walk(ast.parse(hook.code)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return _names(ast.parse(hook.code), ast.Store)
+
+
+def _names(tree: ast.AST, context: type[ast.expr_context] = ast.expr_context) -> set[str]:
+    """The names `tree` reads (ast.Load), assigns (ast.Store) or, by default, uses either way."""
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, context)}
 
 
 def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
@@ -276,7 +279,7 @@ def _positions_hook(code: str) -> Hook:
 
 
 def _reads(code: str, name: str) -> bool:
-    return name in {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+    return name in _names(ast.parse(code))
 
 
 def kernel_context(facts: Analysis) -> dict:
@@ -289,6 +292,7 @@ def kernel_context(facts: Analysis) -> dict:
         table=facts.tile_table,
         table_by_query=_table_hooks(facts, ROW_MAJOR, "k") if facts.tile_table else None,
         table_by_key=_table_hooks(facts, TRANSPOSED, "q") if facts.tile_table else None,
-        kv_table={name: f"kv_{name}" for name in TABLE} if facts.tile_table else {},
-        q_table={name: f"q_{name}" for name in TABLE} if facts.tile_table else {},
+        # _bwd_kernel's two tables, passed to the programs' unprefixed table parameters.
+        kv_table=dict(zip(TABLE, table_params("kv_"))) if facts.tile_table else {},
+        q_table=dict(zip(TABLE, table_params("q_"))) if facts.tile_table else {},
     )

@@ -117,13 +117,14 @@ _PYTHON_BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "l
                   "gt": ">", "ge": ">="}
 
 
-def _python_literal(value, type_: str) -> str:
+def literal(value, type_: str) -> str:
+    """A constant of the IR as a literal that Python and Triton's kernels read alike."""
     if type_ == "bool":
         return "True" if value else "False"
     if type_ == "int":
         return str(int(value))
     if math.isinf(value):
-        return "math.inf" if value > 0 else "-math.inf"
+        return 'float("inf")' if value > 0 else 'float("-inf")'
     return repr(float(value))
 
 
@@ -138,11 +139,11 @@ def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], fl
 def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
     """A host-side Python expression (for `scale:`, which may use only D, params and numbers)."""
     if isinstance(e, ir.Const):
-        return _python_literal(e.value, e.type)
+        return literal(e.value, e.type)
     if isinstance(e, ir.Size):
         return e.name
     if isinstance(e, ir.Param):
-        return _python_literal(params[e.name], e.type)
+        return literal(params[e.name], e.type)
     if isinstance(e, ir.Unary):
         x = python_expr(e.operand, params)
         return f"(not {x})" if e.op == "not" else f"(-{x})"

@@ -157,16 +157,17 @@ _NARROW_STARTS: dict[str, dict[str, dict[int, _Start]]] = {
 }
 
 
-def _family(target: Target) -> str:
-    # Hopper and datacenter Blackwell share the 227 KiB budget; anything else starts from the
-    # Ampere points and is shrunk by its own budget.
+def _generation(target: Target) -> str:
+    # Which starting points (a GPU generation, not a kernel family: plan.families): Hopper and
+    # datacenter Blackwell share the 227 KiB budget; anything else starts from the Ampere points and
+    # is shrunk by its own budget.
     return "sm90" if target.capability is not None and target.capability[0] in (9, 10) else "sm80"
 
 
-def _start(family: str, kernel: str, d: int, dv: int, dtype: str, narrow: bool = False) -> Tiles:
-    table = _STARTS[family][kernel]
+def _start(generation: str, kernel: str, d: int, dv: int, dtype: str, narrow: bool = False) -> Tiles:
+    table = _STARTS[generation][kernel]
     if narrow:
-        table = {**table, **_NARROW_STARTS.get(family, {}).get(kernel, {})}
+        table = {**table, **_NARROW_STARTS.get(generation, {}).get(kernel, {})}
     key = min(k for k in table if k >= max(d, dv))
     bm, bn, warps, stages = table[key]
     if dtype == "f32":
@@ -280,11 +281,11 @@ def _scatter_bytes(kernel: str, t: Tiles, gather_bytes: int) -> int:
     return gather_bytes * (t.num_stages + extra) * t.block_m * t.block_n
 
 
-def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
+def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: str,
          score_cost: int, gather_bytes: int = 0, narrow: bool = False,
          mask_blocks: dict[str, int | None] | None = None) -> tuple[Tiles, list[str]]:
-    """The first candidate from the family's starting point that fits shared memory and registers."""
-    start = _start(family, kernel, d, dv, dtype, narrow)
+    """The first candidate from the generation's starting point that fits shared memory and registers."""
+    start = _start(generation, kernel, d, dv, dtype, narrow)
     streamed_start, streamed_index = ((start.block_m, "q") if kernel == "bwd_dkdv" else (start.block_n, "k"))
     block = (mask_blocks or {}).get(streamed_index) or 0
     keep_streamed = block >= streamed_start
@@ -322,7 +323,7 @@ def _fit(target: Target, kernel: str, family: str, d: int, dv: int, dtype: str,
         streamed_name = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         resident_name = "BLOCK_N" if kernel == "bwd_dkdv" else "BLOCK_M"
         reasons.append(
-            f"{kernel}: the {family} {dtype} starting point BLOCK_M={start.block_m} "
+            f"{kernel}: the {generation} {dtype} starting point BLOCK_M={start.block_m} "
             f"BLOCK_N={start.block_n}, {start.num_warps} warps, {start.num_stages} stages {why}; "
             + (f"tried more warps, then down to 2 stages (the mask is constant on blocks of "
                f"{block}), then a smaller {streamed_name}, a smaller {resident_name}"
@@ -346,6 +347,7 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     if score_cost < 0:
         raise ValueError(f"score_cost must be >= 0, got {score_cost}")
     entries = []
+    generation = _generation(target)
     for d in HEAD_DIMS:
         for dv in HEAD_DIMS:
             for dtype in DTYPES:
@@ -355,8 +357,7 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
                                               fwd=tiles, bwd_dkdv=tiles, bwd_dq=tiles,
                                               reasons=(INTERPRETER_TILES_REASON,)))
                     continue
-                family = _family(target)
-                fitted = {k: _fit(target, k, family, d, dv, dtype, score_cost, gather_bytes, narrow,
+                fitted = {k: _fit(target, k, generation, d, dv, dtype, score_cost, gather_bytes, narrow,
                                   mask_blocks) for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
