@@ -59,6 +59,11 @@ class Attention:
         again whenever the values the mask reads change: a call cannot tell they are stale."""
         return self.module.tile_tables(q, k, v, **inputs)
 
+    def forward_family(self, q, k, v, **inputs) -> str:
+        """The kernel family whose forward kernel a call with these arguments runs ("decode" or
+        "portable"): each family's rule on the call's shapes picks it (`attngen explain` lists them)."""
+        return self.module.forward_family(q, k, v, **inputs)
+
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
         return self.module.visit_counts(q, k, v, **inputs)

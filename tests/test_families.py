@@ -16,39 +16,64 @@ ROOT = Path(__file__).resolve().parent.parent
 CAUSAL = ROOT / "specs" / "causal.attn"
 
 
-def test_the_portable_family_serves_every_target_and_says_so():
+def test_the_portable_family_serves_every_target_last_and_says_so():
     spec = attngen.parse_spec(CAUSAL.read_text())
     for target in ("a100", "h100", "h200", "interpreter"):
-        family, why = families.choose_family(analyze(spec), get_target(target))
-        assert family is families.PORTABLE and why == families.PORTABLE.strength
+        chosen, why = families.choose_families(analyze(spec), get_target(target))
+        assert chosen == (families.DECODE, families.PORTABLE)
+        assert why.endswith(f"portable: {families.PORTABLE.strength}") and families.DECODE.per_call in why
+
+
+MIRROR_KERNELS = "# rendered from the mirror family\n"
+MIRROR_LAUNCH = """\"\"\"A test family: the portable forward, counted.\"\"\"
+
+# ---- inlined into every generated module from here on ----
+
+MIRROR_CALLS = []
+
+
+def _mirror_serves(q, k, v):
+    return q.shape[2] == 1
+
+
+def _mirror_forward(q, k, v, tensors, table):
+    MIRROR_CALLS.append(tuple(q.shape))
+    return _portable_forward(q, k, v, tensors, table)
+"""
 
 
 def test_a_new_family_is_a_folder_and_an_entry(tmp_path):
     package = tmp_path / "pkg" / "attngen"
     shutil.copytree(ROOT / "attngen", package, ignore=shutil.ignore_patterns("__pycache__"))
-    # The new family's templates: the portable ones, marked so the test can tell which were used.
     mirror = package / "emit" / "families" / "mirror"
-    shutil.copytree(package / "emit" / "families" / "portable", mirror)
-    kernels = mirror / "kernels.py.jinja"
-    kernels.write_text("# rendered from the mirror family\n"
-                       + kernels.read_text().replace("families/portable/", "families/mirror/"))
+    mirror.mkdir()
+    (mirror / "kernels.py.jinja").write_text(MIRROR_KERNELS)
+    (mirror / "launch.py").write_text(MIRROR_LAUNCH)
     script = f"""
+import os
+import torch
 import attngen
 from attngen import api
 from attngen.plan import families
 assert attngen.__file__.startswith({str(package)!r}), attngen.__file__
-MIRROR = families.Family("mirror", "a test family", lambda facts, target: None if target.name == "h200" else "h200 only")
-families.FAMILIES = (MIRROR, families.PORTABLE)
-for target in ("h200", "a100"):
+MIRROR = families.Family("mirror", "a test family", lambda facts, target: None if target.name != "a100" else "not on a100",
+                         kernels=("fwd",), per_call="one query")
+families.FAMILIES = (MIRROR, *families.FAMILIES)
+for target in ("interpreter", "a100"):
     plan = api._prepare({str(CAUSAL)!r}, None, target)[3]
     source = attngen.compile_source({str(CAUSAL)!r}, target=target)
-    print(target, plan.family, "# rendered from the mirror family" in source, plan.family_reason)
+    print(target, ",".join(plan.families), {MIRROR_KERNELS!r} in source, plan.family_reason.split(";")[0])
+attn = attngen.build({str(CAUSAL)!r})
+q, k, v = (torch.randn(1, 2, n, 16) for n in (1, 5, 5))
+assert torch.equal(attn(q, k, v), attn.module._portable_forward(q, k, v, [], ())[0])
+print(attn.module.MIRROR_CALLS, attn.module.forward_family(q, k, v))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "pkg"), os.environ.get("PYTHONPATH", "")]),
-           "ATTNGEN_CACHE_DIR": str(tmp_path / "cache")}
+           "ATTNGEN_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    h200, a100 = result.stdout.strip().splitlines()
-    assert h200 == "h200 mirror True a test family"
-    assert a100 == f"a100 portable False not mirror: h200 only; {families.PORTABLE.strength}"
+    interpreter, a100, calls = result.stdout.strip().splitlines()
+    assert interpreter == "interpreter mirror,decode,portable True mirror (fwd for one query): a test family"
+    assert a100 == "a100 decode,portable False not mirror: not on a100"
+    assert calls == "[(1, 2, 1, 16)] mirror"

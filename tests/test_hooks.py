@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 import attngen
 from attngen.analysis import analyze
 from attngen.emit.hooks import Hook, defined_names, kernel_context, undeclared_reads
+from attngen.plan import get_target
+from attngen.plan.families import choose_families
 from attngen.testing import strategies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,13 +21,15 @@ CATALOG = sorted(ROOT.glob("specs/*.attn"))
 
 
 def _hooks(context: dict):
-    for kernel in ("fwd", "dq", "dkdv", "table_by_query", "table_by_key"):
+    for kernel in ("fwd", "dq", "dkdv", "table_by_query", "table_by_key", "decode"):
         for name, hook in (context[kernel] or {}).items():
             yield f"{kernel}.{name}", hook
 
 
 def _check_contracts(spec: attngen.Spec) -> None:
-    context = kernel_context(analyze(spec))
+    facts = analyze(spec)
+    chosen, _ = choose_families(facts, get_target("h200"))
+    context = kernel_context(facts, tuple(f.name for f in chosen))
     module = ast.parse(attngen.compile_source(spec, target="h200"))
     globals_ = {t.id for node in module.body if isinstance(node, ast.Assign) for t in node.targets
                 if isinstance(t, ast.Name)}

@@ -96,3 +96,31 @@ def test_the_compiled_kernels_take_the_declared_parameters():
     for key, kernel in (("fwd_kernel", "_fwd_kernel"), ("bwd_kernel", "_bwd_kernel"),
                         ("table_by_query", "_table_by_query_classify")):
         assert tuple(getattr(attn.module, kernel).arg_names) == signatures[key].params
+    decode = attngen.build(ROOT / "specs" / "alibi_causal.attn")
+    signatures = kernel_signatures(decode.spec, False)
+    for key, kernel in (("decode_fwd", "_decode_fwd_kernel"), ("decode_combine", "_decode_combine")):
+        assert tuple(getattr(decode.module, kernel).arg_names) == signatures[key].params
+
+
+def test_decode_launches_follow_the_declared_signatures(monkeypatch):
+    attn = attngen.build(ROOT / "specs" / "alibi_causal.attn")
+    module, spec = attn.module, attn.spec
+    signatures = kernel_signatures(spec, False)
+    B, H, HKV, Q_LEN, KV_LEN, D = 2, 8, 2, 3, 300, 32
+    q, k, v = random_qkv(B, H, HKV, Q_LEN, KV_LEN, D, D, torch.float32)
+    inputs = random_inputs(spec, B, H, HKV, Q_LEN, KV_LEN)
+    tensors = [inputs[n].contiguous() for n in module.INPUTS]
+    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    split, combine = Recorder(), Recorder()
+    monkeypatch.setattr(module, "_decode_fwd_kernel", split)
+    monkeypatch.setattr(module, "_decode_combine", combine)
+    out, lse = module._forward(q, k, v, tensors, ())
+    bound = _bound(signatures["decode_fwd"], *split.calls[0])
+    _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v")})
+    assert {n: bound[n] for n in sizes} == sizes and bound["SPLITS"] > 1
+    assert bound["OutPart"].shape == (bound["SPLITS"], B, H, Q_LEN, D) and bound["BLOCK_M"] == 16
+    _check_inputs(bound, spec, inputs)
+    merged = _bound(signatures["decode_combine"], *combine.calls[0])
+    assert merged["OutPart"] is bound["OutPart"] and merged["LsePart"] is bound["LsePart"]
+    assert merged["Out"] is out and merged["Lse"] is lse and merged["SPLITS"] == bound["SPLITS"]
+    assert merged["n_rows"] == B * H * Q_LEN

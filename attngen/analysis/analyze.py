@@ -25,6 +25,8 @@ class Analysis:
     tile_table: the kernels follow tile tables built at call time (spans.needs_tile_table),
     from the inputs in `table_reads`, with one point per `block_steps` block; a table differs per
     batch (per head) only when the mask reads b (h or hkv): table_per_batch, table_per_head.
+    mask_reads_head: the mask reads the query head h (not only hkv), so its tile bounds may differ
+    between the query heads of one key/value head.
     narrow: most visited tiles are partial, so the planner starts from smaller tiles.
     gather_bytes: what the spec's loads indexed by both q and k read per score element.
     score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
@@ -41,6 +43,7 @@ class Analysis:
     table_reads: tuple[str, ...]
     table_per_batch: bool
     table_per_head: bool
+    mask_reads_head: bool
     block_steps: Mapping[str, int | None]
     narrow: bool
     gather_bytes: int
@@ -71,6 +74,7 @@ def analyze(spec: ir.Spec) -> Analysis:
         table_reads=spans.mask_inputs(spec),
         table_per_batch="b" in mask_vars,
         table_per_head=bool(mask_vars & {"h", "hkv"}),
+        mask_reads_head="h" in mask_vars,
         block_steps=MappingProxyType(steps),
         narrow=spans.is_narrow(spec.mask, params, regions, steps),
         gather_bytes=derivatives.gather_bytes(spec),

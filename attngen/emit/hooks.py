@@ -23,11 +23,18 @@ TRANSPOSED = Spelling(
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
     full_shape="[BLOCK_N, BLOCK_M]")
 BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
+# The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
+# of head row_h[r], so the head varies along the rows.
+DECODE_ROWS = Spelling(
+    names={**ROW_MAJOR.names, "h": "row_h[:, None]"},
+    dims={**ROW_MAJOR.dims, "h": frozenset("m")},
+    full_shape="[BLOCK_M, BLOCK_N]")
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
 # batch and heads.
 ELEMENT_NAMES = ("offs_m", "offs_n", *POSITIONS)
+DECODE_ELEMENT_NAMES = ("offs_m", "offs_n", "off_b", "row_h", "off_hkv", "row_ok")
 # What the tile-range hook defines: the masked loop over [masked_lo, masked_hi) (skipping `gap` tiles
 # from number `gap_at` on) and the unmasked loop over [full_lo, full_hi); with a tile table, the
 # tiles are the entries of `masked_tiles` and `full_tiles` (pointers into the table's row).
@@ -79,9 +86,13 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
     return TritonEmitter(spelling, facts.params, {i.name: i for i in facts.spec.inputs}, prefix, facts.ranges)
 
 
+def _element_names(spelling: Spelling) -> tuple[str, ...]:
+    return DECODE_ELEMENT_NAMES if spelling is DECODE_ROWS else ELEMENT_NAMES
+
+
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
     """s2, the modified score in base-2 units, from the raw dot product qk."""
-    inputs = ("qk", "sm_scale", "qk_scale", *ELEMENT_NAMES)
+    inputs = ("qk", "sm_scale", "qk_scale", *_element_names(em.spelling))
     if spec.score is None or spec.score == ir.Score():
         return Hook("score", inputs, ("s2",),
                     "s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor")
@@ -96,11 +107,12 @@ def _mask_hook(facts: Analysis, spelling: Spelling) -> Hook:
     """`allowed`: the spec's mask and the tile's bounds checks."""
     q_bound, k_bound = _bounds_checks(spelling)
     bounds = f"({q_bound}) & ({k_bound})"
+    names = _element_names(spelling)
     if facts.spec.mask is None:
-        return Hook("mask", ELEMENT_NAMES, ("allowed",), f"allowed = {bounds}")
+        return Hook("mask", names, ("allowed",), f"allowed = {bounds}")
     em = _emitter(facts, spelling, "mk")
     mask = em.emit(facts.spec.mask)
-    return Hook("mask", ELEMENT_NAMES, ("allowed",), "\n".join([*em.lines, f"allowed = ({mask}) & {bounds}"]),
+    return Hook("mask", names, ("allowed",), "\n".join([*em.lines, f"allowed = ({mask}) & {bounds}"]),
                 source=f"mask: {expr_to_source(facts.spec.mask)}")
 
 
@@ -248,6 +260,8 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
     if spelling is ROW_MAJOR:
         return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
+    if spelling is DECODE_ROWS:
+        return "row_ok[:, None]", "offs_n[None, :] < KV_LEN"
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
@@ -260,6 +274,19 @@ def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -
     if ds_var:
         hooks["dscore"] = _dscore_hook(facts, em, score, ds_var)
     return hooks
+
+
+def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
+    """Hooks of the decode family's forward kernel: one tile holds all queries of a key/value head's
+    query heads, so its key bounds are those of queries 0 .. Q_LEN-1 (plan.families.DECODE serves no
+    mask whose bounds read the query head)."""
+    bounds = _bounds_hook(facts, "k")
+    assert not _reads(bounds.code, "off_h"), "the decode family serves no mask whose bounds read h"
+    ends = ["q_first = 0", "q_last = Q_LEN - 1"]
+    code = [*(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])), bounds.code]
+    key_range = Hook("key_range", ("off_b", "off_hkv"), bounds.outputs, "\n".join(code))
+    return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
+            "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
 
 
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
@@ -282,9 +309,11 @@ def _reads(code: str, name: str) -> bool:
     return name in _names(ast.parse(code))
 
 
-def kernel_context(facts: Analysis) -> dict:
-    """What the kernel templates fill in for this spec: every kernel's signature and each kernel's hooks."""
+def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -> dict:
+    """What the kernel templates of `families` fill in for this spec: every kernel's signature and
+    each kernel's hooks."""
     return dict(
+        decode=_decode_hooks(facts) if "decode" in families else None,
         sig=kernel_signatures(facts.spec, facts.tile_table),
         fwd=_kernel_hooks(facts, ROW_MAJOR, "k", ""),
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),

@@ -15,6 +15,7 @@ from attngen.analysis import Analysis, integers
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
+from attngen.plan.families import DECODE_MAX_ROWS, PORTABLE
 from attngen.version import __version__
 
 # What the preamble in module.py.jinja defines (the spec's facts) and what the kernel templates define
@@ -22,10 +23,12 @@ from attngen.version import __version__
 # as builtins there.
 PREAMBLE_NAMES = ("SPEC_NAME", "FINGERPRINT", "INPUTS", "PLAN", "TILE_TABLE", "TABLE_READS", "TABLE_PER_B",
                   "TABLE_PER_H", "TABLE_STEPS", "ONE_LAUNCH_BACKWARD", "MAX_LENGTH", "MAX_LENGTH_REASON",
-                  "MAX_BATCH_HEADS", "MASKED_WIDTH_FLOOR", "softmax_scale")
+                  "MAX_BATCH_HEADS", "MASKED_WIDTH_FLOOR", "FAMILY_TILES", "softmax_scale")
 KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_query_classify",
                 "_table_by_key_classify", "_table_compact")
-LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES
+# What the module defines after the host code: the families' forward launches, in order of preference.
+FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES",)
+LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
 # Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
 # the line after this one.
@@ -45,7 +48,17 @@ def _environment() -> jinja2.Environment:
 def static_code(name: str) -> str:
     """The code of emit/static/`name`.py that every module inlines, verbatim: the file after its
     INLINE_MARKER line."""
-    text = resources.files("attngen.emit.static").joinpath(f"{name}.py").read_text()
+    return _inlined(resources.files("attngen.emit.static").joinpath(f"{name}.py").read_text(), name)
+
+
+@lru_cache(maxsize=None)
+def family_launch_code(family: str) -> str:
+    """The host code of a kernel family beside the portable one (emit/families/`family`/launch.py,
+    after its INLINE_MARKER line): its per-call rule `_<family>_serves` and `_<family>_forward`."""
+    return _inlined(resources.files("attngen.emit").joinpath(f"families/{family}/launch.py").read_text(), family)
+
+
+def _inlined(text: str, name: str) -> str:
     _, marker, code = text.partition(INLINE_MARKER)
     assert marker and INLINE_MARKER not in code, name
     return code.strip("\n")
@@ -102,6 +115,13 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         + ", ".join(_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))
                     for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + "),\n"
         for e in plan.entries) + "}"
+    family_tiles_table = "{\n" + "".join(
+        f"    ({e.head_dim_pad}, {e.head_dim_v_pad}, {e.dtype!r}): {{"
+        + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))}"
+                    for family, t in e.family_tiles) + "},\n"
+        for e in plan.entries if e.family_tiles) + "}" if any(e.family_tiles for e in plan.entries) else "{}"
+    others = [family for family in plan.families if family != PORTABLE.name]
+    forward_families = "(" + "".join(f"({f!r}, _{f}_serves, _{f}_forward), " for f in others).rstrip(" ") + ")"
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
@@ -116,8 +136,10 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         table_per_b=facts.table_per_batch, table_per_h=facts.table_per_head,
         max_length=facts.length_limit, max_length_reason=_length_reason(facts),
         max_batch_heads=integers.MAX_BATCH_HEADS,
-        static={name: static_code(name) for name in STATIC_FILES}, family=plan.family,
-        **kernel_context(facts),
+        static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
+        family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
+        forward_families=forward_families, decode_max_rows=DECODE_MAX_ROWS,
+        **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))
 

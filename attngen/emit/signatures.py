@@ -85,7 +85,7 @@ def table_params(prefix: str = "") -> tuple[str, ...]:
 
 
 def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
-    """Every kernel and inner loop of the portable family, for this spec's inputs and tile table."""
+    """Every kernel and inner loop of every family, for this spec's inputs and tile table."""
     inputs, grads = input_params(spec), grad_params(spec)
     table = table_params() if tile_table else ()
 
@@ -123,6 +123,11 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ"),
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION")),
+        "decode_fwd": sig("_decode_fwd_kernel", (
+            "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
+            *_strides("v", "n"), *inputs, *SIZES, "SPLITS"), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION")),
+        "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", "Lse", "n_rows", "SPLITS"),
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
                                 ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
            for rows in ("by_query", "by_key")},

@@ -1,4 +1,5 @@
-"""The kernel families, each a folder of templates under attngen/emit/families/ with its entry here: which targets and specs it serves, and why."""
+"""The kernel families, each a folder under attngen/emit/families/ with its entry here: which targets and
+specs it serves, which kernels it provides, by what rule the host picks it for a call, and its tiles."""
 
 from __future__ import annotations
 
@@ -8,14 +9,26 @@ from typing import Callable
 from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
+KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) and why, for a padded head dim pair and dtype.
+TileRule = Callable[[Target, int, int, str], tuple[tuple[int, int, int, int], str]]
+
 
 @dataclass(frozen=True)
 class Family:
     """A kernel family: `name` is its template folder; `problem(analysis, target)` says why it cannot
-    serve that spec on that target (None: it can), `strength` why it is chosen when it can."""
+    serve that spec on that target (None: it can), `strength` why it is chosen when it can.
+
+    The portable family provides every kernel and serves every call. Another family provides
+    `kernels` (a subset of KERNELS) for the calls its `per_call` rule admits, checked by the host on
+    each call's shapes (its folder's launch.py); the other calls and kernels go to the portable
+    family. `tiles` gives its launch shape per padded head dim pair and dtype."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
+    kernels: tuple[str, ...] = KERNELS
+    per_call: str = "every call"
+    tiles: TileRule | None = None
 
 
 PORTABLE = Family(
@@ -25,16 +38,56 @@ PORTABLE = Family(
     problem=lambda facts, target: None,
 )
 
-# In order of preference: the first family that can serve a spec on a target gets it.
-FAMILIES: tuple[Family, ...] = (PORTABLE,)
+# Rows of one decode tile: the queries of all the query heads that share a key/value head.
+DECODE_MAX_ROWS = 64
 
 
-def choose_family(facts: Analysis, target: Target) -> tuple[Family, str]:
-    """The family for this spec on `target`, and why (including why each preferred one could not)."""
-    passed_over = []
+def _decode_problem(facts: Analysis, target: Target) -> str | None:
+    if facts.tile_table:
+        return "its mask follows tile tables (it reads inputs at q or k), which the split kernel does not read"
+    if facts.mask_reads_head:
+        return ("its mask reads the query head h, and a decode tile packs the query heads of one key/value "
+                "head together, whose tile bounds could then differ")
+    return None
+
+
+def _decode_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
+    if target.interpreter:
+        return (DECODE_MAX_ROWS, 16, 4, 1), "decode: BLOCK_N=16, 1 stage in the interpreter (tests cross tiles)"
+    block_n = 64 if max(d, dv) <= 128 else 32
+    if dtype == "f32":
+        block_n //= 2
+    return ((DECODE_MAX_ROWS, block_n, 4, 3),
+            f"decode: BLOCK_N={block_n}, 4 warps, 3 stages: a memory-bound loop over key tiles; "
+            f"{3 * block_n * (d + dv) * (4 if dtype == 'f32' else 2) // 1024} KiB of K/V in flight per program")
+
+
+DECODE = Family(
+    name="decode",
+    strength=("split-KV decoding: the queries of all query heads that share a key/value head in one tile, "
+              "the keys split across programs by the SM count, the splits merged by their LSE"),
+    problem=_decode_problem,
+    kernels=("fwd",),
+    per_call=(f"forward calls whose (H / HKV) * Q_LEN <= {DECODE_MAX_ROWS} (decoding, speculative "
+              "decoding): one tile holds every query of a key/value head"),
+    tiles=_decode_tiles,
+)
+
+# In order of preference; the portable family comes last and serves what the others do not.
+FAMILIES: tuple[Family, ...] = (DECODE, PORTABLE)
+
+
+def choose_families(facts: Analysis, target: Target) -> tuple[tuple[Family, ...], str]:
+    """The families of this spec's module on `target`, in order of preference (the portable family
+    last), and why (including why a family was passed over)."""
+    chosen, reasons = [], []
     for family in FAMILIES:
         problem = family.problem(facts, target)
-        if problem is None:
-            return family, "; ".join([*passed_over, family.strength])
-        passed_over.append(f"not {family.name}: {problem}")
-    raise AssertionError("the portable family serves every spec on every target")
+        if problem is not None:
+            reasons.append(f"not {family.name}: {problem}")
+            continue
+        chosen.append(family)
+        scope = "" if family.kernels == KERNELS else f" ({'/'.join(family.kernels)} for {family.per_call})"
+        reasons.append(f"{family.name}{scope}: {family.strength}")
+    assert chosen and chosen[-1] is PORTABLE, "the portable family serves every spec on every target, last"
+    return tuple(chosen), "; ".join(reasons)

@@ -9,14 +9,13 @@ from pydantic import BaseModel, ConfigDict
 from attngen import ir
 from attngen.analysis import Analysis
 from attngen.emit.static import shared
-from attngen.plan.families import choose_family
+from attngen.plan.families import KERNELS, Family, choose_families
 from attngen.plan.targets import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
 
 DTYPES: tuple[str, ...] = tuple(shared._DTYPES.values())
 HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
-KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 ELEMENT_BYTES = {dtype: ir.DTYPE_BYTES[dtype] for dtype in DTYPES}
 
 # Shared memory the compiler may need beyond the operand tiles (layout conversions, reductions).
@@ -55,7 +54,8 @@ class Tiles(BaseModel):
 
 
 class KernelPlan(BaseModel):
-    """The tiles of all three kernels for one (padded head dim, padded value head dim, dtype)."""
+    """The tiles of all three kernels for one (padded head dim, padded value head dim, dtype), and
+    those of the other families' kernels (`family_tiles`: (family, tiles) pairs)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     head_dim_pad: int
@@ -65,6 +65,7 @@ class KernelPlan(BaseModel):
     bwd_dkdv: Tiles
     bwd_dq: Tiles
     reasons: tuple[str, ...]
+    family_tiles: tuple[tuple[str, Tiles], ...] = ()
 
 
 class Plan(BaseModel):
@@ -73,7 +74,9 @@ class Plan(BaseModel):
 
     target: str
     entries: tuple[KernelPlan, ...]
-    family: str = "portable"  # the kernel family (plan.families): its templates are emit/families/<family>/
+    # The kernel families of the module, in the host's order of preference, the portable one last
+    # (plan.families): each one's templates and launch code are in emit/families/<family>/.
+    families: tuple[str, ...] = ("portable",)
     family_reason: str = ""
     narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
     one_launch_backward: bool = True
@@ -111,8 +114,9 @@ class Plan(BaseModel):
         rows = [f"plan for {self.target}: BLOCK_MxBLOCK_N warps/stages",
                 f"{'D':>4} {'DV':>4} {'dtype':<5}  {'fwd':<16} {'bwd_dkdv':<16} bwd_dq"]
         for e in self.entries:
+            others = "".join(f"  {family}: {t.short()}" for family, t in e.family_tiles)
             rows.append(f"{e.head_dim_pad:>4} {e.head_dim_v_pad:>4} {e.dtype:<5}  "
-                        f"{e.fwd.short():<16} {e.bwd_dkdv.short():<16} {e.bwd_dq.short():<16}".rstrip())
+                        f"{e.fwd.short():<16} {e.bwd_dkdv.short():<16} {e.bwd_dq.short():<16}{others}".rstrip())
         return "\n".join(rows)
 
 
@@ -333,7 +337,7 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
 
 
 def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: bool = False,
-         mask_blocks: dict[str, int | None] | None = None) -> Plan:
+         mask_blocks: dict[str, int | None] | None = None, families: tuple[Family, ...] = ()) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
     `score_cost` is a rough count of extra fp32 values live per score element that the user's
@@ -343,6 +347,7 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     backward pass as two launches so dK/dV can use fewer warps than dQ.
     `mask_blocks`: for "q" and "k", the length of aligned blocks the mask is constant on, if any
     (analysis.block_steps of a tile-table mask); streamed tiles are kept that long if they can be.
+    `families`: the kernel families beside the portable one whose tiles the entries also carry.
     """
     if score_cost < 0:
         raise ValueError(f"score_cost must be >= 0, got {score_cost}")
@@ -351,28 +356,35 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     for d in HEAD_DIMS:
         for dv in HEAD_DIMS:
             for dtype in DTYPES:
+                others = [(f.name, f.tiles(target, d, dv, dtype)) for f in families if f.tiles is not None]
+                family_tiles = tuple((name, Tiles(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+                                     for name, ((bm, bn, w, st), _) in others)
+                family_reasons = tuple(why for _, (_, why) in others)
                 if target.interpreter:
                     tiles = Tiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
                     entries.append(KernelPlan(head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                                               fwd=tiles, bwd_dkdv=tiles, bwd_dq=tiles,
-                                              reasons=(INTERPRETER_TILES_REASON,)))
+                                              reasons=(INTERPRETER_TILES_REASON, *family_reasons),
+                                              family_tiles=family_tiles))
                     continue
                 fitted = {k: _fit(target, k, generation, d, dv, dtype, score_cost, gather_bytes, narrow,
                                   mask_blocks) for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
                     fwd=fitted["fwd"][0], bwd_dkdv=fitted["bwd_dkdv"][0], bwd_dq=fitted["bwd_dq"][0],
-                    reasons=tuple(r for k in KERNELS for r in fitted[k][1])))
+                    reasons=tuple(r for k in KERNELS for r in fitted[k][1]) + family_reasons,
+                    family_tiles=family_tiles))
     return Plan(target=target.name, entries=tuple(entries), narrow=narrow,
                 one_launch_backward=target.interpreter or not narrow,
                 masked_width_floor=MIN_BLOCK if target.interpreter else MASKED_WIDTH_FLOOR)
 
 
 def plan_for(facts: Analysis, target: Target) -> Plan:
-    """The plan of an analysed spec on `target`: the kernel family that serves it, and tiles shaped by
+    """The plan of an analysed spec on `target`: the kernel families that serve it, and tiles shaped by
     its gathers and its mask."""
-    family, why = choose_family(facts, target)
+    families, why = choose_families(facts, target)
     # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
     blocks = dict(facts.block_steps) if facts.tile_table else None
-    tiles = plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks)
-    return tiles.model_copy(update={"family": family.name, "family_reason": why})
+    tiles = plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks,
+                 families=families)
+    return tiles.model_copy(update={"families": tuple(f.name for f in families), "family_reason": why})

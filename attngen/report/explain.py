@@ -80,7 +80,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
         e = getattr(spec, item)
         lines.append(f"  {item}: {ir_tree(e) if e is not None else '(none)'}")
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
-              f"  kernel family: {kernel_plan.family} ({kernel_plan.family_reason})",
+              f"  kernel families: {', '.join(kernel_plan.families)} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "

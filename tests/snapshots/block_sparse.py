@@ -128,6 +128,9 @@ MAX_LENGTH_REASON = "positions are int32 in the kernels"
 MAX_BATCH_HEADS = 65535
 # Head dims that are not powers of two get tiles at least this wide (attngen/plan/planner.py says why).
 MASKED_WIDTH_FLOOR = 64
+# The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
+# HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FAMILY_TILES = {}
 
 
 def softmax_scale(D):
@@ -1066,7 +1069,22 @@ def _sizes(q, k):
 
 
 def _forward(q, k, v, tensors, table, visits=None):
-    """Runs the forward kernel; `table` is its tile table (counts, indices), () without one."""
+    """Runs the forward pass with the first family whose per-call rule admits this call
+    (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
+    (counts, indices), () without one. Counting visits (visit_counts) follows the portable tiles."""
+    if visits is None:
+        for _, serves, launch in FORWARD_FAMILIES:
+            if serves(q, k, v):
+                return launch(q, k, v, tensors, table)
+    return _portable_forward(q, k, v, tensors, table, visits)
+
+
+def _forward_family_name(q, k, v):
+    return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
+
+
+def _portable_forward(q, k, v, tensors, table, visits=None):
+    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -1195,7 +1213,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "c65f986a5ec7f0f1"
+MODULE_DIGEST = "d679edda8e8250b4"
 
 
 def _define_operators(table_name, forward_name, backward_name):
@@ -1313,6 +1331,13 @@ def tile_tables(q, k, v, **inputs):
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
+def forward_family(q, k, v, **inputs):
+    """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
+    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules)."""
+    _check(q, k, v, inputs)
+    return _forward_family_name(q, k, v)
+
+
 def visit_counts(q, k, v, **inputs):
     """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
@@ -1336,3 +1361,8 @@ def visit_counts(q, k, v, **inputs):
         _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                   visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts
+
+
+# The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
+# launch); a call none of them admits runs the portable forward.
+FORWARD_FAMILIES = ()

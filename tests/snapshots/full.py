@@ -125,6 +125,85 @@ MAX_LENGTH_REASON = "positions are int32 in the kernels"
 MAX_BATCH_HEADS = 65535
 # Head dims that are not powers of two get tiles at least this wide (attngen/plan/planner.py says why).
 MASKED_WIDTH_FLOOR = 64
+# The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
+# HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FAMILY_TILES = {
+    (16, 16, 'f16'): {'decode': (64, 64, 4, 3)},
+    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (16, 16, 'f32'): {'decode': (64, 32, 4, 3)},
+    (16, 32, 'f16'): {'decode': (64, 64, 4, 3)},
+    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (16, 32, 'f32'): {'decode': (64, 32, 4, 3)},
+    (16, 64, 'f16'): {'decode': (64, 64, 4, 3)},
+    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (16, 64, 'f32'): {'decode': (64, 32, 4, 3)},
+    (16, 128, 'f16'): {'decode': (64, 64, 4, 3)},
+    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (16, 128, 'f32'): {'decode': (64, 32, 4, 3)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+    (32, 16, 'f16'): {'decode': (64, 64, 4, 3)},
+    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (32, 16, 'f32'): {'decode': (64, 32, 4, 3)},
+    (32, 32, 'f16'): {'decode': (64, 64, 4, 3)},
+    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (32, 32, 'f32'): {'decode': (64, 32, 4, 3)},
+    (32, 64, 'f16'): {'decode': (64, 64, 4, 3)},
+    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (32, 64, 'f32'): {'decode': (64, 32, 4, 3)},
+    (32, 128, 'f16'): {'decode': (64, 64, 4, 3)},
+    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (32, 128, 'f32'): {'decode': (64, 32, 4, 3)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+    (64, 16, 'f16'): {'decode': (64, 64, 4, 3)},
+    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (64, 16, 'f32'): {'decode': (64, 32, 4, 3)},
+    (64, 32, 'f16'): {'decode': (64, 64, 4, 3)},
+    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (64, 32, 'f32'): {'decode': (64, 32, 4, 3)},
+    (64, 64, 'f16'): {'decode': (64, 64, 4, 3)},
+    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (64, 64, 'f32'): {'decode': (64, 32, 4, 3)},
+    (64, 128, 'f16'): {'decode': (64, 64, 4, 3)},
+    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (64, 128, 'f32'): {'decode': (64, 32, 4, 3)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+    (128, 16, 'f16'): {'decode': (64, 64, 4, 3)},
+    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (128, 16, 'f32'): {'decode': (64, 32, 4, 3)},
+    (128, 32, 'f16'): {'decode': (64, 64, 4, 3)},
+    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (128, 32, 'f32'): {'decode': (64, 32, 4, 3)},
+    (128, 64, 'f16'): {'decode': (64, 64, 4, 3)},
+    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (128, 64, 'f32'): {'decode': (64, 32, 4, 3)},
+    (128, 128, 'f16'): {'decode': (64, 64, 4, 3)},
+    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
+    (128, 128, 'f32'): {'decode': (64, 32, 4, 3)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+}
 
 
 def softmax_scale(D):
@@ -691,6 +770,112 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
 _table_by_query_classify = _table_by_key_classify = _table_compact = None
 
 
+# --- decode (split-KV) forward ----------------------------------------------------------------
+# The most rows one decode tile holds: (H / HKV) * Q_LEN up to this goes to the decode kernels.
+DECODE_MAX_ROWS = 64
+
+# One program owns every query of the query heads that share one key/value head, packed into one
+# tile (row r: query r % Q_LEN of head off_hkv * G + r // Q_LEN), so each K/V tile is loaded once
+# for all of them; the program takes one of SPLITS equal shares of the key tiles the rows may see.
+# It writes its rows' normalised partial output and LSE, and _decode_combine merges the shares.
+# Tiles inside the fully allowed stretch skip the mask by a flag, not a second loop: the loop is
+# memory-bound, and one loop keeps each share's tiles contiguous.
+@triton.jit
+def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm,
+                       stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
+                       stride_vk, B, H, HKV, Q_LEN, KV_LEN, SPLITS, HEAD_DIM: tl.constexpr,
+                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    off_bhkv = tl.program_id(1)
+    off_b = off_bhkv // HKV
+    off_hkv = off_bhkv % HKV
+    G = H // HKV
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G * Q_LEN
+    offs_m = rows % Q_LEN
+    # Padding rows read head H - 1: every load stays in range; their results are never stored.
+    row_h = tl.minimum(off_hkv * G + rows // Q_LEN, H - 1)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
+    V_head = V + off_b.to(tl.int64) * stride_vz + off_hkv.to(tl.int64) * stride_vh
+    q = tl.load(Q + off_b.to(tl.int64) * stride_qz + row_h[:, None].to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    kv_lo = 0
+    kv_hi = KV_LEN
+    kv_full_lo = 0
+    kv_full_hi = KV_LEN
+    t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
+    share = (t3 - t0 + SPLITS - 1) // SPLITS
+    j_lo = t0 + split * share
+    j_hi = tl.minimum(j_lo + share, t3)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    for j in range(j_lo, j_hi):
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.load(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
+                    mask=(offs_n[None, :] < KV_LEN) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        qk = _dot(q, k, DOT_PRECISION)
+        s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
+        allowed = (row_ok[:, None]) & (offs_n[None, :] < KV_LEN)
+        s2 = tl.where(allowed | ((j >= t1) & (j < t2)), s2, float("-inf"))
+        # A row may have no allowed key yet: keep its max finite so exp2 never sees -inf - -inf.
+        m_ij = tl.maximum(m_i, tl.max(s2, 1))
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.exp2(s2 - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vk,
+                    mask=(offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_ij
+
+    # A share with no allowed key: O = 0 and LSE = -inf, which the merge weighs as nothing.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    # The partials are dense (SPLITS, B, H, Q_LEN, HEAD_DIM_V) and (SPLITS, B, H, Q_LEN) float32.
+    part_row = ((split * B + off_b).to(tl.int64) * H + row_h) * Q_LEN + offs_m
+    tl.store(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], acc,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LsePart + part_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(OutPart, LsePart, Out, Lse, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr,
+                    HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
+    for s in range(SPLITS):
+        part_row = s * n_rows.to(tl.int64) + rows
+        lse_s = tl.load(LsePart + part_row, mask=row_ok, other=float("-inf"))
+        o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        weight = tl.exp(lse_s - m_safe)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o_s
+        m = m_new
+    has_keys = total > 0.0
+    total_safe = tl.where(has_keys, total, 1.0)
+    lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
+    tl.store(Out + rows.to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+             (acc / total_safe[:, None]).to(Out.dtype.element_ty), mask=tile_ok)
+    tl.store(Lse + rows, lse, mask=row_ok)
+
+
 # --- host side: argument checks, launches, autograd -------------------------------------------
 def _widths(D, DV):
     """Tile widths of the head dims (HEAD_DIM_PAD, HEAD_DIM_V_PAD), as Plan.widths gives them."""
@@ -921,7 +1106,22 @@ def _sizes(q, k):
 
 
 def _forward(q, k, v, tensors, table, visits=None):
-    """Runs the forward kernel; `table` is its tile table (counts, indices), () without one."""
+    """Runs the forward pass with the first family whose per-call rule admits this call
+    (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
+    (counts, indices), () without one. Counting visits (visit_counts) follows the portable tiles."""
+    if visits is None:
+        for _, serves, launch in FORWARD_FAMILIES:
+            if serves(q, k, v):
+                return launch(q, k, v, tensors, table)
+    return _portable_forward(q, k, v, tensors, table, visits)
+
+
+def _forward_family_name(q, k, v):
+    return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
+
+
+def _portable_forward(q, k, v, tensors, table, visits=None):
+    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -1050,7 +1250,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "da0e59a557a5ada3"
+MODULE_DIGEST = "eed44a8f3d75f74a"
 
 
 def _define_operators(table_name, forward_name, backward_name):
@@ -1168,6 +1368,13 @@ def tile_tables(q, k, v, **inputs):
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
+def forward_family(q, k, v, **inputs):
+    """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
+    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules)."""
+    _check(q, k, v, inputs)
+    return _forward_family_name(q, k, v)
+
+
 def visit_counts(q, k, v, **inputs):
     """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
@@ -1191,3 +1398,67 @@ def visit_counts(q, k, v, **inputs):
         _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                   visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts
+
+
+# --- decode family: split-KV forward ----------------------------------------------------------------
+# Each program should still stream a few key tiles, so a share is at least this many tiles long; and
+# about this many programs per SM hide the loads' latency (the loop is memory-bound). Swept on an H200
+# (bf16, D=128, 32/8 heads, benchmarks/decode_bench.py --sweep): 2 per SM against 4 and 8, B=1 over
+# 128k keys took 0.152 ms against 0.212 and 0.259 (shorter shares pay their pipeline fill more
+# often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
+DECODE_MIN_TILES = 4
+DECODE_PROGRAMS_PER_SM = 2
+_SM_COUNTS = {}
+
+
+def _decode_serves(q, k, v):
+    """Whether this forward call goes to the decode family (plan.families.DECODE.per_call): all
+    queries of the query heads of one key/value head fit one tile."""
+    return (q.shape[1] // k.shape[1]) * q.shape[2] <= DECODE_MAX_ROWS
+
+
+def _sm_count(device):
+    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+def _decode_splits(n_tiles, programs, device):
+    """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
+    (a runtime argument, so no recompile per batch size or length)."""
+    wanted = _cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs)
+    return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
+
+
+def _decode_forward(q, k, v, tensors, table):
+    """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
+    no tile-table mask). Returns out and the natural-log LSE, as the portable forward does."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    sm_scale = softmax_scale(D)
+    d_pad, dv_pad = _widths(D, DV)
+    _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
+    block_m = max(16, _next_power_of_2((H // HKV) * Q_LEN))
+    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV, q.device)
+    part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    _decode_fwd_kernel[(splits, B * HKV)](
+        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k.stride(), *v.stride(),
+        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits,
+        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    n_rows = B * H * Q_LEN
+    block_r = 16
+    _decode_combine[(_cdiv(n_rows, block_r),)](part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+                                               HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+    return out, lse
+
+
+# The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
+# launch); a call none of them admits runs the portable forward.
+FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward),)

@@ -241,7 +241,22 @@ def _sizes(q, k):
 
 
 def _forward(q, k, v, tensors, table, visits=None):
-    """Runs the forward kernel; `table` is its tile table (counts, indices), () without one."""
+    """Runs the forward pass with the first family whose per-call rule admits this call
+    (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
+    (counts, indices), () without one. Counting visits (visit_counts) follows the portable tiles."""
+    if visits is None:
+        for _, serves, launch in FORWARD_FAMILIES:
+            if serves(q, k, v):
+                return launch(q, k, v, tensors, table)
+    return _portable_forward(q, k, v, tensors, table, visits)
+
+
+def _forward_family_name(q, k, v):
+    return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
+
+
+def _portable_forward(q, k, v, tensors, table, visits=None):
+    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -486,6 +501,13 @@ def tile_tables(q, k, v, **inputs):
     _resolve(range(3), q, v, known, _builder(sizes, q.device, tensors))
     keys = {kernel: _table_key(q, v, kernel) for kernel in range(3)}
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
+
+
+def forward_family(q, k, v, **inputs):
+    """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
+    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules)."""
+    _check(q, k, v, inputs)
+    return _forward_family_name(q, k, v)
 
 
 def visit_counts(q, k, v, **inputs):

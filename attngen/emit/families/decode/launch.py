@@ -1,0 +1,66 @@
+"""The decode family's host code: its per-call rule and its launches (plan.families.DECODE)."""
+
+import torch
+
+from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.shared import _DTYPES, _cdiv, _next_power_of_2
+
+# ---- inlined into every generated module from here on ----
+
+# --- decode family: split-KV forward ----------------------------------------------------------------
+# Each program should still stream a few key tiles, so a share is at least this many tiles long; and
+# about this many programs per SM hide the loads' latency (the loop is memory-bound). Swept on an H200
+# (bf16, D=128, 32/8 heads, benchmarks/decode_bench.py --sweep): 2 per SM against 4 and 8, B=1 over
+# 128k keys took 0.152 ms against 0.212 and 0.259 (shorter shares pay their pipeline fill more
+# often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
+DECODE_MIN_TILES = 4
+DECODE_PROGRAMS_PER_SM = 2
+_SM_COUNTS = {}
+
+
+def _decode_serves(q, k, v):
+    """Whether this forward call goes to the decode family (plan.families.DECODE.per_call): all
+    queries of the query heads of one key/value head fit one tile."""
+    return (q.shape[1] // k.shape[1]) * q.shape[2] <= DECODE_MAX_ROWS
+
+
+def _sm_count(device):
+    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+def _decode_splits(n_tiles, programs, device):
+    """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
+    (a runtime argument, so no recompile per batch size or length)."""
+    wanted = _cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs)
+    return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
+
+
+def _decode_forward(q, k, v, tensors, table):
+    """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
+    no tile-table mask). Returns out and the natural-log LSE, as the portable forward does."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    sm_scale = softmax_scale(D)
+    d_pad, dv_pad = _widths(D, DV)
+    _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
+    block_m = max(16, _next_power_of_2((H // HKV) * Q_LEN))
+    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV, q.device)
+    part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    _decode_fwd_kernel[(splits, B * HKV)](
+        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k.stride(), *v.stride(),
+        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits,
+        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    n_rows = B * H * Q_LEN
+    block_r = 16
+    _decode_combine[(_cdiv(n_rows, block_r),)](part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+                                               HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+    return out, lse

@@ -1,0 +1,112 @@
+"""The decode family (split-KV forward, plan.families.DECODE) against the float64 reference, and the
+per-call choice between it and the portable family.
+
+Calls whose (H / HKV) * Q_LEN fits one tile go to the decode kernels; in Triton's interpreter the
+host counts 4 SMs and the kernels use 16-key tiles, so the lengths below split the keys into several
+shares, some of them empty (narrow masks), and the merge of the shares is exercised."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import api, testing
+from attngen.plan import families
+
+SPECS = Path(__file__).parent.parent / "specs"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
+# (B, H, HKV, Q_LEN, KV_LEN, D, DV): one query over a long cache with GQA 4:1, speculative decoding's
+# few queries, a full 64-row tile, odd head dims, one key/value head per query head.
+SHAPES = [
+    (2, 8, 2, 1, 300, 32, 32),
+    (1, 6, 2, 3, 170, 24, 40),
+    (1, 4, 1, 16, 130, 16, 16),
+    (3, 2, 2, 5, 61, 64, 16),
+]
+
+
+def _build(name, **extra):
+    path = SPECS / f"{name}.attn"
+    declared = {p.name for p in attngen.load_spec(path)[0].params}
+    return attngen.build(path, params={k: v for k, v in {**SMALL_PARAMS, **extra}.items() if k in declared})
+
+
+def _decoded(attn, shape, dtype):
+    B, H, HKV, N, M, D, DV = shape
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, DV, dtype, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
+    assert attn.module.forward_family(q, k, v, **inputs) == "decode"
+    return q, k, v, inputs
+
+
+SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
+          "chunked_causal", "learned_rel_bias"]
+
+
+# fp32 on every shape; the 16-bit dtypes on the first two (their path differs only in the loads).
+CASES = [(shape, dtype) for n, shape in enumerate(SHAPES) for dtype in DTYPES if n < 2 or dtype == torch.float32]
+
+
+@pytest.mark.parametrize("shape, dtype", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
+@pytest.mark.parametrize("name", SERVED)
+def test_decode_matches_reference(name, shape, dtype):
+    attn = _build(name)
+    assert attn.plan.families == ("decode", "portable")
+    q, k, v, inputs = _decoded(attn, shape, dtype)
+    # The gradients come from the portable backward kernels, fed the decode forward's out and LSE.
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+def test_decode_splits_keys_and_merges_empty_shares():
+    attn = _build("sliding_window", window=3)
+    q, k, v, inputs = _decoded(attn, (1, 4, 1, 2, 400, 16, 16), torch.float32)
+    # 25 key tiles of 16: 7 shares of 4 tiles in the interpreter's count of SMs, but the window
+    # reaches 1 tile, so all shares but one are empty and weigh nothing in the merge.
+    assert attn.module._decode_splits(25, 1, q.device) > 1
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
+
+
+def test_decode_rows_with_no_key_give_zero_and_minus_infinity():
+    attn = attngen.build("attention padded\ninput kv_len: i32[B]\nmask: k < kv_len[b]\n")
+    q, k, v = testing.random_qkv(2, 4, 2, 1, 90, 16, 16, torch.float32, device=DEVICE)
+    kv_len = torch.tensor([0, 37], dtype=torch.int32, device=DEVICE)
+    assert attn.module.forward_family(q, k, v, kv_len=kv_len) == "decode"
+    out, lse = attn(q, k, v, kv_len=kv_len, return_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"kv_len": kv_len})
+
+
+def test_the_host_picks_the_family_per_call():
+    attn = _build("causal")
+    small = testing.random_qkv(1, 8, 2, 16, 40, 16, 16, torch.float32, device=DEVICE)  # 4 * 16 = 64 rows
+    large = testing.random_qkv(1, 8, 2, 17, 40, 16, 16, torch.float32, device=DEVICE)  # 68 rows
+    assert attn.module.forward_family(*small) == "decode"
+    assert attn.module.forward_family(*large) == "portable"
+    assert attn.module.DECODE_MAX_ROWS == families.DECODE_MAX_ROWS == 64
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("attention docs\ninput doc: i32[B, KV_LEN]\nmask: doc[b, q] == doc[b, k]\n", "tile tables"),
+    ("attention per_head_window\nmask: k <= q and q - k <= 4 + h\n", "query head h"),
+])
+def test_specs_the_decode_family_cannot_serve_stay_portable(spec, why):
+    attn = attngen.build(spec)
+    assert attn.plan.families == ("portable",)
+    assert why in attn.plan.family_reason and "not decode" in attn.plan.family_reason
+    B, H, HKV, N, M = 1, 4, 2, 1, 40
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, 16, 16, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
+    assert attn.module.forward_family(q, k, v, **inputs) == "portable"
+    assert attn.module.FORWARD_FAMILIES == ()
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
+
+
+def test_explain_states_the_families_and_their_rules():
+    text = api.explain(SPECS / "causal.attn", q_len=1, kv_len=4096, head_dim=128, head_dim_v=128, dtype="bf16",
+                       target="h200").text
+    assert "kernel families: decode, portable" in text
+    assert families.DECODE.per_call in text
+    assert "decode: BLOCK_N=64, 4 warps, 3 stages" in text
