@@ -21,6 +21,7 @@ from attngen.api import Attention, build, compile_source, load_spec, parse_spec 
 from attngen.errors import ArgumentError, SpecError  # noqa: E402
 from attngen.flex import to_flex  # noqa: E402
 from attngen.ir import Spec  # noqa: E402
+from attngen.merge import merge  # noqa: E402
 
-__all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source",
+__all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source", "merge",
            "load_spec", "parse_spec", "to_flex", "__version__"]

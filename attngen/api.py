@@ -44,14 +44,17 @@ def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
 
 @dataclass(frozen=True)
 class Attention:
-    """A built attention variant: call it as attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs)."""
+    """A built attention variant: call it as attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None,
+    return_lse=False, tile_tables=None, **inputs)."""
     spec: ir.Spec
     plan: Plan
     module: ModuleType
     path: Path
 
-    def __call__(self, q, k, v, *, return_lse: bool = False, tile_tables=None, **inputs):
-        return self.module.attn(q, k, v, return_lse=return_lse, tile_tables=tile_tables, **inputs)
+    def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse: bool = False,
+                 tile_tables=None, **inputs):
+        return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
+                                return_lse=return_lse, tile_tables=tile_tables, **inputs)
 
     def tile_tables(self, q, k, v, **inputs):
         """The tile tables of these mask inputs, to pass as attn(q, k, v, tile_tables=..., **inputs)
@@ -59,10 +62,11 @@ class Attention:
         again whenever the values the mask reads change: a call cannot tell they are stale."""
         return self.module.tile_tables(q, k, v, **inputs)
 
-    def forward_family(self, q, k, v, **inputs) -> str:
+    def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs) -> str:
         """The kernel family whose forward kernel a call with these arguments runs ("decode" or
         "portable"): each family's rule on the call's shapes picks it (`attngen explain` lists them)."""
-        return self.module.forward_family(q, k, v, **inputs)
+        return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
+                                          **inputs)
 
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""

@@ -27,15 +27,24 @@ class Env:
 
 def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int,
              inputs: Mapping[str, Tensor] | None = None, float_dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> Env:
-    """The environment of the (B, H, Q_LEN, KV_LEN) grid: each index variable varies along its own axis."""
+             device: torch.device | str = "cpu", kv_len: Tensor | None = None,
+             q_offset: Tensor | None = None) -> Env:
+    """The environment of the (B, H, Q_LEN, KV_LEN) grid: each index variable varies along its own axis.
+    A cache call (`kv_len`, `q_offset`: (B,) ints) puts query i of row b at position q_offset[b] + i
+    and makes KV_LEN row b's kv_len[b]."""
     def axis(n: int, dim: int) -> Tensor:
         return torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
 
+    def per_row(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=torch.int64).view(B, 1, 1, 1)
+
     h = axis(H, 1)
-    values = {"b": axis(B, 0), "h": h, "hkv": h // (H // HKV), "q": axis(Q_LEN, 2), "k": axis(KV_LEN, 3)}
+    q = axis(Q_LEN, 2) if q_offset is None else axis(Q_LEN, 2) + per_row(q_offset)
+    values = {"b": axis(B, 0), "h": h, "hkv": h // (H // HKV), "q": q, "k": axis(KV_LEN, 3)}
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D}
     values |= {name: torch.tensor(n, device=device) for name, n in sizes.items()}
+    if kv_len is not None:
+        values["KV_LEN"] = per_row(kv_len)
     values |= {p.name: _constant(p.type, p.value, float_dtype, device) for p in spec.params}
     return Env(values, dict(inputs or {}), float_dtype, device)
 
@@ -80,15 +89,18 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
     raise TypeError(f"not an expression: {expr!r}")
 
 
-def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
-             inputs: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
+             kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(O, LSE) of the spec, exactly as DSL.md defines them; differentiable in q, k, v and the inputs.
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
     O has q's dtype, LSE that arithmetic dtype.
+    A cache call: k and v hold MAX_KV keys of which row b uses the first kv_len[b] ((B,) ints), and
+    query i of row b sits at position q_offset[b] + i (by default kv_len - Q_LEN: the newest tokens;
+    0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN.
     """
-    p, lse = _softmax(modified_scores(spec, q, k, v, inputs))
+    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
@@ -99,15 +111,18 @@ def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
     return _softmax(modified_scores(spec, q, k, v, inputs))[0]
 
 
-def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
-                    inputs: Mapping[str, Tensor] | None = None) -> Tensor:
-    """score' of every (b, h, q, k), -inf where the mask forbids the key."""
+def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
+                    kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> Tensor:
+    """score' of every (b, h, q, k), -inf where the mask forbids the key (or it lies at or past
+    kv_len[b] in a cache call, as `evaluate` says)."""
     B, H, Q_LEN, D = _check_qkv(q, k, v)
     HKV, KV_LEN = k.shape[1], k.shape[2]
     float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
     inputs = _check_inputs(spec, inputs, {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN})
+    if kv_len is not None and q_offset is None:
+        q_offset = kv_len.long() - Q_LEN
     env = make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
-                   float_dtype=float_dtype, device=q.device)
+                   float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset)
     shape = (B, H, Q_LEN, KV_LEN)
 
     k = k.repeat_interleave(H // HKV, dim=1)
@@ -120,6 +135,8 @@ def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
         allowed = evaluate_expr(spec.mask, env)
         assert allowed.dtype == torch.bool, f"mask evaluated to {allowed.dtype}"
         score = torch.where(allowed.expand(shape), score, -math.inf)
+    if kv_len is not None:
+        score = torch.where(env.values["k"] < env.values["KV_LEN"], score, -math.inf)
     return score
 
 

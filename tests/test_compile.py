@@ -115,7 +115,7 @@ def test_argument_errors_are_raised_while_tracing():
 @pytest.mark.parametrize("name", ["document_causal", "learned_rel_bias"])
 def test_opcheck(name):
     attn, q, k, v, inputs = _case(name, 24)
-    table_op, forward_op, backward_op = attn.module.OPERATORS
+    table_op, forward_op, backward_op, _ = attn.module.OPERATORS
     tensors = [inputs[i.name] for i in attn.spec.inputs]
     tables = []
     if attn.module.TILE_TABLE:

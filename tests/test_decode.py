@@ -70,13 +70,13 @@ def test_decode_splits_keys_and_merges_empty_shares():
 
 
 def test_decode_rows_with_no_key_give_zero_and_minus_infinity():
-    attn = attngen.build("attention padded\ninput kv_len: i32[B]\nmask: k < kv_len[b]\n")
+    attn = attngen.build("attention padded\ninput lengths: i32[B]\nmask: k < lengths[b]\n")
     q, k, v = testing.random_qkv(2, 4, 2, 1, 90, 16, 16, torch.float32, device=DEVICE)
-    kv_len = torch.tensor([0, 37], dtype=torch.int32, device=DEVICE)
-    assert attn.module.forward_family(q, k, v, kv_len=kv_len) == "decode"
-    out, lse = attn(q, k, v, kv_len=kv_len, return_lse=True)
+    lengths = torch.tensor([0, 37], dtype=torch.int32, device=DEVICE)
+    assert attn.module.forward_family(q, k, v, lengths=lengths) == "decode"
+    out, lse = attn(q, k, v, lengths=lengths, return_lse=True)
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
-    testing.check_against_reference(attn.spec, attn, q, k, v, {"kv_len": kv_len})
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"lengths": lengths})
 
 
 def test_the_host_picks_the_family_per_call():

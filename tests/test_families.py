@@ -36,9 +36,9 @@ def _mirror_serves(q, k, v):
     return q.shape[2] == 1
 
 
-def _mirror_forward(q, k, v, tensors, table):
+def _mirror_forward(q, k, v, tensors, table, cache=None):
     MIRROR_CALLS.append(tuple(q.shape))
-    return _portable_forward(q, k, v, tensors, table)
+    return _portable_forward(q, k, v, tensors, table, cache=cache)
 """
 
 

@@ -46,12 +46,12 @@ def test_catalog_matches_reference(path, shape, dtype):
 
 
 def test_fully_masked_rows_give_zero_output_and_gradient():
-    attn = attngen.build("attention padded\ninput kv_len: i32[B]\nmask: k < kv_len[b] and q < 20\n")
+    attn = attngen.build("attention padded\ninput lengths: i32[B]\nmask: k < lengths[b] and q < 20\n")
     q, k, v = testing.random_qkv(2, 2, 2, 40, 30, 16, 16, torch.float32, device=DEVICE)
-    kv_len = torch.tensor([0, 17], dtype=torch.int32, device=DEVICE)  # batch 0: no key at all
-    testing.check_against_reference(attn.spec, attn, q, k, v, {"kv_len": kv_len})
+    lengths = torch.tensor([0, 17], dtype=torch.int32, device=DEVICE)  # batch 0: no key at all
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"lengths": lengths})
     q.requires_grad_()
-    out, lse = attn(q, k, v, kv_len=kv_len, return_lse=True)
+    out, lse = attn(q, k, v, lengths=lengths, return_lse=True)
     (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
     assert torch.all(out[1, :, 20:] == 0) and torch.all(lse[1, :, 20:] == float("-inf"))

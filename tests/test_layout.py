@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 # shared facts (tile widths, dtypes) the package imports so they are stated once. The frontend builds on
 # the analysis: lowering checks a spec's numbers with its int ranges.
 ORDER = ["emit.static", "version", "errors", "ir", "reference", "analysis", "frontend", "plan", "emit", "report", "testing",
-         "runtime", "api", "flex", "__init__", "bench", "hf", "cli"]
+         "runtime", "merge", "api", "flex", "__init__", "bench", "hf", "cli"]
 # The one import against the order, made inside the function: Spec.with_params (the IR) runs the number
 # checks again on new param values (frontend.checks, which builds on the IR), so an overridden spec is
 # checked wherever it is made.

@@ -29,7 +29,7 @@ SPECS = sorted(Path(__file__).parent.parent.joinpath("specs").glob("*.attn"))
 SMALL_PARAMS = {"window": 21, "cap": 2.0, "chunk": 24, "block": 16}
 EXTRA_MASKS = {
     "q_mod": "mask: q % 3 == k % 3 or q - k > 40",           # not affine: a table without inputs
-    "padding": "input kv_len: i32[B]\nmask: k < kv_len[b]",   # uniform load: closed form, gated
+    "padding": "input lengths: i32[B]\nmask: k < lengths[b]",   # uniform load: closed form, gated
     "band_or": "mask: (q - k >= 0 and q - k < 9) or (k - q >= 30 and k - q < 40)",
     "chunk_off": "param c = 12\nmask: (q + 5) // c == (k + 5) // c",
     "not_chunk": "mask: not (q // 16 == k // 16) and causal",

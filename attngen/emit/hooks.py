@@ -22,11 +22,17 @@ TRANSPOSED = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
     full_shape="[BLOCK_N, BLOCK_M]")
+# The forward kernels also serve cache calls, whose query i sits at position pos_m = q_off + i
+# (q_off = q_offset[b], 0 otherwise); the backward kernels never see an offset.
+FORWARD_ROWS = Spelling(
+    names={**ROW_MAJOR.names, "q": "pos_m[:, None]"},
+    dims=ROW_MAJOR.dims,
+    full_shape="[BLOCK_M, BLOCK_N]")
 BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
 # The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
-# of head row_h[r], so the head varies along the rows.
+# (at position pos_m[r]) of head row_h[r], so the head varies along the rows.
 DECODE_ROWS = Spelling(
-    names={**ROW_MAJOR.names, "h": "row_h[:, None]"},
+    names={**FORWARD_ROWS.names, "h": "row_h[:, None]"},
     dims={**ROW_MAJOR.dims, "h": frozenset("m")},
     full_shape="[BLOCK_M, BLOCK_N]")
 
@@ -34,7 +40,8 @@ DECODE_ROWS = Spelling(
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
 # batch and heads.
 ELEMENT_NAMES = ("offs_m", "offs_n", *POSITIONS)
-DECODE_ELEMENT_NAMES = ("offs_m", "offs_n", "off_b", "row_h", "off_hkv", "row_ok")
+FORWARD_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", *POSITIONS)
+DECODE_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", "off_b", "row_h", "off_hkv", "row_ok")
 # What the tile-range hook defines: the masked loop over [masked_lo, masked_hi) (skipping `gap` tiles
 # from number `gap_at` on) and the unmasked loop over [full_lo, full_hi); with a tile table, the
 # tiles are the entries of `masked_tiles` and `full_tiles` (pointers into the table's row).
@@ -87,7 +94,9 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 
 
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
-    return DECODE_ELEMENT_NAMES if spelling is DECODE_ROWS else ELEMENT_NAMES
+    if spelling is DECODE_ROWS:
+        return DECODE_ELEMENT_NAMES
+    return FORWARD_ELEMENT_NAMES if spelling is FORWARD_ROWS else ELEMENT_NAMES
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
@@ -223,7 +232,7 @@ def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
                 "\n".join([*em.lines, *assignments]))
 
 
-def _tile_range_hook(facts: Analysis, loop: str) -> Hook:
+def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
     """Which tiles of `loop` one program visits with mask code and which without (TILE_RANGE_NAMES):
     the rows of its tile table, or its closed-form bounds cut into tiles."""
     tile, block, other_block, length = (("start_m", "BLOCK_N", "BLOCK_M", "Q_LEN") if loop == "k"
@@ -241,9 +250,11 @@ def _tile_range_hook(facts: Analysis, loop: str) -> Hook:
     other = "q" if loop == "k" else "k"
     bounds = _bounds_hook(facts, loop)
     lo, hi, full_lo, full_hi = bounds.outputs
-    # The tile's first and last index, where the bounds read them (a full mask's do not).
-    ends = [f"{other}_first = {tile} * {other_block}",
-            f"{other}_last = tl.minimum({other}_first + {other_block}, {length}) - 1"]
+    # The tile's first and last position, where the bounds read them (a full mask's do not): its
+    # first and last index, plus the queries' offset in the forward kernel (`offset`).
+    shift = f" + {offset}" if offset else ""
+    ends = [f"{other}_first = {tile} * {other_block}{shift}",
+            f"{other}_last = tl.minimum({tile} * {other_block} + {other_block}, {length}) - 1{shift}"]
     code = [
         *(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])),
         bounds.code,
@@ -253,12 +264,12 @@ def _tile_range_hook(facts: Analysis, loop: str) -> Hook:
         "masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1",
         "full_tiles, full_lo, full_hi = 0, t1, t2",
     ]
-    return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(code))
+    return Hook("tile_range", (tile, *POSITIONS, *([offset] if offset else [])), TILE_RANGE_NAMES, "\n".join(code))
 
 
 def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
-    if spelling is ROW_MAJOR:
+    if spelling in (ROW_MAJOR, FORWARD_ROWS):
         return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
     if spelling is DECODE_ROWS:
         return "row_ok[:, None]", "offs_n[None, :] < KV_LEN"
@@ -268,7 +279,8 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
 def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
     em = _emitter(facts, spelling, "sc")
     score = _score_hook(facts.spec, em)
-    hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop)}
+    offset = "q_off" if spelling is FORWARD_ROWS else ""
+    hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop, offset)}
     if ds_var == "ds":
         hooks["learnable"] = _learnable_hook(facts, em, score)
     if ds_var:
@@ -277,14 +289,15 @@ def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -
 
 
 def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
-    """Hooks of the decode family's forward kernel: one tile holds all queries of a key/value head's
-    query heads, so its key bounds are those of queries 0 .. Q_LEN-1 (plan.families.DECODE serves no
-    mask whose bounds read the query head)."""
+    """Hooks of the decode family's forward kernel: a block of rows holds queries of all the query
+    heads of one key/value head, so its key bounds are those of its first and last query
+    (plan.families.DECODE serves no mask whose bounds read the query head)."""
     bounds = _bounds_hook(facts, "k")
     assert not _reads(bounds.code, "off_h"), "the decode family serves no mask whose bounds read h"
-    ends = ["q_first = 0", "q_last = Q_LEN - 1"]
+    ends = ["q_first = (block_row * BLOCK_M) // G + q_off",
+            "q_last = tl.minimum((block_row * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1) + q_off"]
     code = [*(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])), bounds.code]
-    key_range = Hook("key_range", ("off_b", "off_hkv"), bounds.outputs, "\n".join(code))
+    key_range = Hook("key_range", ("off_b", "off_hkv", "q_off", "block_row", "G"), bounds.outputs, "\n".join(code))
     return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
             "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
 
@@ -314,8 +327,11 @@ def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -
     each kernel's hooks."""
     return dict(
         decode=_decode_hooks(facts) if "decode" in families else None,
+        # Whether the decode kernel reads query positions (else it never loads q_offset).
+        decode_positions="decode" in families and any(
+            _reads(h.code, name) for h in _decode_hooks(facts).values() for name in ("pos_m", "q_off")),
         sig=kernel_signatures(facts.spec, facts.tile_table),
-        fwd=_kernel_hooks(facts, ROW_MAJOR, "k", ""),
+        fwd=_kernel_hooks(facts, FORWARD_ROWS, "k", ""),
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
         table=facts.tile_table,

@@ -399,10 +399,11 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # ranges (masks the analysis bounds) or from a tile table's lists (TILE_TABLE).
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles, j_lo, j_hi,
-               gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-               HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-               HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               gap_at, gap, visits, offs_m, pos_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv,
+               B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
@@ -416,7 +417,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         if MASKED:
             # mask: q >= k
-            mk0 = offs_m[:, None] >= offs_n[None, :]
+            mk0 = pos_m[:, None] >= offs_n[None, :]
             allowed = (mk0) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
             s2 = tl.where(allowed, s2, float("-inf"))
         # A row may have no allowed key yet: keep its max finite so exp2 never sees -inf - -inf.
@@ -436,10 +437,11 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn
 @triton.jit
 def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
                 stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
-                stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, HEAD_DIM: tl.constexpr,
-                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -455,12 +457,20 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
                    offs_m[:, None] < Q_LEN, offs_d[None, :] < HEAD_DIM, True, HEAD_DIM != HEAD_DIM_PAD)
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
+    # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
+    # kv_len[b] (clamped to the cache, so no value can reach past its memory).
+    q_off = 0
+    if HAS_Q_OFFSET:
+        q_off = tl.load(QOffset + off_b)
+    if HAS_KV_LEN:
+        KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
+    pos_m = offs_m + q_off
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-    q_first = start_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
+    q_first = start_m * BLOCK_M + q_off
+    q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1 + q_off
     bd0 = tl.cast(q_last, tl.int64)
     bd1 = tl.cast(q_first, tl.int64)
     kv_lo = 0
@@ -473,14 +483,14 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv,
-                               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
-                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
-                               DOT_PRECISION)
+                               masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, pos_m, offs_d,
+                               offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
+                               COUNT_VISITS, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale,
-                               qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                               HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
+                               full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m, offs_d, offs_dv,
+                               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
                                DOT_PRECISION)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
@@ -603,7 +613,7 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         visits = Visits + ((off_b * H + off_h).to(tl.int64) * n_k_tiles + start_n) * (
             (Q_LEN + BLOCK_M - 1) // BLOCK_M)
         k_first = start_n * BLOCK_N
-        k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
+        k_last = tl.minimum(start_n * BLOCK_N + BLOCK_N, KV_LEN) - 1
         bd0 = tl.cast(k_first, tl.int64)
         bd1 = tl.cast(k_last, tl.int64)
         q_lo = _index_bound(bd0, Q_LEN)
@@ -703,7 +713,7 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
     q_first = start_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
+    q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_last, tl.int64)
     bd1 = tl.cast(q_first, tl.int64)
     kv_lo = 0
@@ -790,40 +800,57 @@ _table_by_query_classify = _table_by_key_classify = _table_compact = None
 
 
 # --- decode (split-KV) forward ----------------------------------------------------------------
-# The most rows one decode tile holds: (H / HKV) * Q_LEN up to this goes to the decode kernels.
+# The most rows one decode tile holds: a contiguous cache's calls with (H / HKV) * Q_LEN up to this go
+# to the decode kernels (a paged cache's go whatever their length, in blocks of this many rows).
 DECODE_MAX_ROWS = 64
 
-# One program owns every query of the query heads that share one key/value head, packed into one
-# tile (row r: query r % Q_LEN of head off_hkv * G + r // Q_LEN), so each K/V tile is loaded once
-# for all of them; the program takes one of SPLITS equal shares of the key tiles the rows may see.
-# It writes its rows' normalised partial output and LSE, and _decode_combine merges the shares.
-# Tiles inside the fully allowed stretch skip the mask by a flag, not a second loop: the loop is
-# memory-bound, and one loop keeps each share's tiles contiguous.
+# One program owns BLOCK_M rows of the queries of the query heads that share one key/value head
+# (row r: query r // G of head off_hkv * G + r % G; decoding fits them all in one block), so each
+# K/V tile is loaded once for all of them; it takes one of SPLITS equal shares of the key tiles its
+# rows may see, and writes its rows' normalised partial output and LSE; _decode_combine merges the
+# shares. Tiles inside the fully allowed stretch skip the mask by a flag, not a second loop: the
+# loop is memory-bound, and one loop keeps each share's tiles contiguous.
+# A paged cache (PAGED) holds K and V as pages (NUM_PAGES, PAGE_SIZE, HKV, D): key n of batch b is
+# slot n % PAGE_SIZE of page PageTable[b, n // PAGE_SIZE]; the strides arrive as (page, head, slot, d).
 @triton.jit
 def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm,
                        stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
-                       stride_vk, B, H, HKV, Q_LEN, KV_LEN, SPLITS, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       stride_vk, B, H, HKV, Q_LEN, KV_LEN, SPLITS, KvLen, QOffset, PageTable, stride_pt,
+                       NUM_PAGES, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
+                       PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     split = tl.program_id(0)
     off_bhkv = tl.program_id(1)
+    block_row = tl.program_id(2)
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
     G = H // HKV
-    rows = tl.arange(0, BLOCK_M)
+    rows = block_row * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * Q_LEN
-    offs_m = rows % Q_LEN
-    # Padding rows read head H - 1: every load stays in range; their results are never stored.
-    row_h = tl.minimum(off_hkv * G + rows // Q_LEN, H - 1)
+    # Padding rows read the last query of head H - 1: every load stays in range; nothing of theirs is stored.
+    offs_m = tl.minimum(rows // G, Q_LEN - 1)
+    row_h = tl.where(row_ok, off_hkv * G + rows % G, H - 1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
-    V_head = V + off_b.to(tl.int64) * stride_vz + off_hkv.to(tl.int64) * stride_vh
+    K_head = K + off_hkv.to(tl.int64) * stride_kh
+    V_head = V + off_hkv.to(tl.int64) * stride_vh
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
     q = tl.load(Q + off_b.to(tl.int64) * stride_qz + row_h[:, None].to(tl.int64) * stride_qh
                 + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    q_first = 0
-    q_last = Q_LEN - 1
+    # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
+    # kv_len[b] (clamped to the cache, so no value can reach past its memory).
+    q_off = 0
+    if HAS_Q_OFFSET:
+        q_off = tl.load(QOffset + off_b)
+    if HAS_KV_LEN:
+        KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
+    pos_m = offs_m + q_off
+    q_first = (block_row * BLOCK_M) // G + q_off
+    q_last = tl.minimum((block_row * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1) + q_off
     bd0 = tl.cast(q_last, tl.int64)
     bd1 = tl.cast(q_first, tl.int64)
     kv_lo = 0
@@ -840,12 +867,22 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     for j in range(j_lo, j_hi):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.load(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
+        if PAGED:
+            # Page numbers are clamped to the pool, so no table entry can reach past its memory.
+            page = tl.load(PageTable + off_b.to(tl.int64) * stride_pt + offs_n // PAGE_SIZE,
+                           mask=offs_n < KV_LEN, other=0)
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+            key_rows = page * stride_kz + (offs_n % PAGE_SIZE) * stride_kn
+            value_rows = page * stride_vz + (offs_n % PAGE_SIZE) * stride_vn
+        else:
+            key_rows = offs_n * stride_kn
+            value_rows = offs_n * stride_vn
+        k = tl.load(K_head + key_rows[None, :] + offs_d[:, None] * stride_kk,
                     mask=(offs_n[None, :] < KV_LEN) & (offs_d[:, None] < HEAD_DIM), other=0.0)
         qk = _dot(q, k, DOT_PRECISION)
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         # mask: q >= k
-        mk0 = offs_m[:, None] >= offs_n[None, :]
+        mk0 = pos_m[:, None] >= offs_n[None, :]
         allowed = (mk0) & (row_ok[:, None]) & (offs_n[None, :] < KV_LEN)
         s2 = tl.where(allowed | ((j >= t1) & (j < t2)), s2, float("-inf"))
         # A row may have no allowed key yet: keep its max finite so exp2 never sees -inf - -inf.
@@ -854,7 +891,7 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
         p = tl.exp2(s2 - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vk,
+        v = tl.load(V_head + value_rows[:, None] + offs_dv[None, :] * stride_vk,
                     mask=(offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_ij
@@ -912,6 +949,21 @@ def _fail(message):
 
 
 def _check(q, k, v, inputs):
+    """The sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) of a call with k and v (B, HKV, KV_LEN, D/DV),
+    after checking the tensors and the inputs."""
+    _check_tensors(q, k, v)
+    B, H, Q_LEN, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        _fail(f"k and v must have batch size {B} like q, got {k.shape[0]} and {v.shape[0]}")
+    HKV, KV_LEN = k.shape[1], k.shape[2]
+    if v.shape[1] != HKV or v.shape[2] != KV_LEN:
+        _fail(f"v must have {HKV} heads and length {KV_LEN} like k, got shape {tuple(v.shape)}")
+    _check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3], inputs, q.device)
+    return B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3]
+
+
+def _check_tensors(q, k, v):
+    """q, k and v: 4-D tensors of one float dtype on one device, unit stride along the head dim."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -927,17 +979,14 @@ def _check(q, k, v, inputs):
         _fail(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device.type != "cuda" and not INTERPRETING:
         _fail(f"q must be on a CUDA device, got {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
-    B, H, Q_LEN, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        _fail(f"k and v must have batch size {B} like q, got {k.shape[0]} and {v.shape[0]}")
-    HKV, KV_LEN = k.shape[1], k.shape[2]
-    if k.shape[3] != D:
-        _fail(f"k must have head_dim {D} like q, got shape {tuple(k.shape)}")
-    if v.shape[1] != HKV or v.shape[2] != KV_LEN:
-        _fail(f"v must have {HKV} heads and length {KV_LEN} like k, got shape {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        _fail(f"k must have head_dim {q.shape[-1]} like q, got shape {tuple(k.shape)}")
+
+
+def _check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, DV, inputs, device):
+    """The call's sizes against the module's limits, then the inputs against the spec's declarations."""
     if HKV == 0 or H % HKV != 0:
         _fail(f"the query heads ({H}) must be a multiple of the key/value heads ({HKV})")
-    DV = v.shape[3]
     if not (1 <= D <= 256 and 1 <= DV <= 256):
         _fail(f"head dims must be between 1 and 256, got D={D}, DV={DV}")
     if min(B, H, Q_LEN, KV_LEN) < 1:
@@ -960,13 +1009,12 @@ def _check(q, k, v, inputs):
             _fail(f"input '{name}' must be a torch.Tensor {_declared(name)}, got {type(t).__name__}")
         if t.dtype != _INPUT_DTYPES[dtype]:
             _fail(f"input '{name}' must have dtype {_INPUT_DTYPES[dtype]} ({_declared(name)}), got {t.dtype}")
-        if t.device != q.device:
-            _fail(f"input '{name}' must be on {q.device} like q, got {t.device}")
+        if t.device != device:
+            _fail(f"input '{name}' must be on {device} like q, got {t.device}")
         expected = [sizes.get(d, d) for d in dims]
         if t.dim() != len(dims) or any(e != "*" and e != n for e, n in zip(expected, t.shape)):
             want = "(" + ", ".join(str(e) if e != "*" else "*" for e in expected) + ")"
             _fail(f"input '{name}' must have shape {want} ({_declared(name)}), got {tuple(t.shape)}")
-    return B, H, HKV, Q_LEN, KV_LEN, D, DV
 
 
 def _declared(name):
@@ -1130,22 +1178,31 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, table, visits=None):
+def _forward(q, k, v, tensors, table, visits=None, cache=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
-    (counts, indices), () without one. Counting visits (visit_counts) follows the portable tiles."""
+    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None.
+    Counting visits (visit_counts) follows the portable tiles."""
     if visits is None:
         for _, serves, launch in FORWARD_FAMILIES:
             if serves(q, k, v):
-                return launch(q, k, v, tensors, table)
-    return _portable_forward(q, k, v, tensors, table, visits)
+                return launch(q, k, v, tensors, table, cache)
+    return _portable_forward(q, k, v, tensors, table, visits, cache)
+
+
+def _cache_launch(cache, placeholder):
+    """A forward kernel's cache arguments: (KvLen, QOffset) tensors (`placeholder` where absent,
+    never read) and their HAS_KV_LEN / HAS_Q_OFFSET flags."""
+    kv_len, q_offset = cache if cache is not None else (None, None)
+    args = [kv_len if kv_len is not None else placeholder, q_offset if q_offset is not None else placeholder]
+    return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
 def _forward_family_name(q, k, v):
     return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
 
 
-def _portable_forward(q, k, v, tensors, table, visits=None):
+def _portable_forward(q, k, v, tensors, table, visits=None, cache=None):
     """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -1155,14 +1212,15 @@ def _portable_forward(q, k, v, tensors, table, visits=None):
     block_m, block_n, warps, stages = _tiles(q, v, 0)
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
+    cache_args, cache_flags = _cache_launch(cache, lse)
     _fwd_kernel[grid](
         q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *_input_args(tensors), *_table_args(_table_key(q, v, 0), table, _sizes(q, k)),
-        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse,
+        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags)
     return out, lse
 
 
@@ -1268,17 +1326,17 @@ class _Attention(torch.autograd.Function):
 
 
 # --- torch.compile: the kernels as custom operators ------------------------------------------------
-# Under torch.compile the kernels run as three opaque custom operators (torch.library.custom_op:
-# table, forward, backward) with fake implementations that give shapes, and an autograd formula
-# that calls the backward operator, so a compiled model has no graph break and dynamic lengths need
+# Under torch.compile the kernels run as four opaque custom operators (torch.library.custom_op:
+# table, forward, backward, and the forward of cache calls, which has no backward) with fake
+# implementations that give shapes, and an autograd formula that calls the backward operator, so a compiled model has no graph break and dynamic lengths need
 # no recompile. The host code is the same Python as in eager; eager calls skip the dispatcher,
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "638918e78d07cb52"
+MODULE_DIGEST = "d6f1ada47769411f"
 
 
-def _define_operators(table_name, forward_name, backward_name):
+def _define_operators(table_name, forward_name, backward_name, cache_name):
     @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
     def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
                  block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1329,10 +1387,22 @@ def _define_operators(table_name, forward_name, backward_name):
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
+    @torch.library.custom_op(f"attngen::{cache_name}", mutates_args=())
+    def cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                 kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        # kv_len, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
+        return _cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages)
+
+    @cache_op.register_fake
+    def _(q, k, v, tensors, kv_len, q_offset, pages):
+        B, H, Q_LEN, _ = q.shape
+        return q.new_empty((B, H, Q_LEN, v.shape[3])), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+
 
 def _operators():
-    """The (table, forward, backward) custom operators of this module's kernels."""
-    names = [f"{SPEC_NAME}_{MODULE_DIGEST}_{part}" for part in ("table", "forward", "backward")]
+    """The (table, forward, backward, cache forward) custom operators of this module's kernels."""
+    names = [f"{SPEC_NAME}_{MODULE_DIGEST}_{part}" for part in ("table", "forward", "backward", "cache")]
     if not all(hasattr(torch.ops.attngen, name) for name in names):
         _define_operators(*names)
     return tuple(getattr(torch.ops.attngen, name).default for name in names)
@@ -1352,17 +1422,30 @@ def _compiled_attention(q, k, v, tensors, known):
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
 
-def attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs):
+def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=False, tile_tables=None, **inputs):
     """This module's attention: softmax over the allowed keys of the modified scores, times V.
 
     Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
     LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
     in q, k, v and the learnable inputs, if any (once: no double backward).
+    A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
+    ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
+    first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
+    The mask and score see those positions as q and kv_len[b] as KV_LEN. Forward only.
+    A paged cache: k and v are pages (NUM_PAGES, PAGE_SIZE, HKV, D/DV), PAGE_SIZE a multiple of 16;
+    page_table ((B, MAX_PAGES) int32) maps row b's logical page p to a physical one; kv_len is
+    required (at most MAX_PAGES * PAGE_SIZE).
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
     Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS.
     """
+    if page_table is not None:
+        out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
+        return (out, lse) if return_lse else out
     B, H, HKV, Q_LEN, KV_LEN, _, _ = _check(q, k, v, inputs)
+    if kv_len is not None or q_offset is not None:
+        out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
+        return (out, lse) if return_lse else out
     if torch.is_grad_enabled():
         for name, (_, _, learnable) in INPUTS.items():
             if inputs[name].requires_grad and not learnable:
@@ -1376,6 +1459,106 @@ def attn(q, k, v, *, return_lse=False, tile_tables=None, **inputs):
     else:
         out, lse = _Attention.apply(q, k, v, known, *tensors)
     return (out, lse) if return_lse else out
+
+
+# The family whose forward kernels read paged caches (any query length): the split-KV kernels.
+PAGED_FAMILY = "decode"
+
+
+def _check_paged(q, k, v, page_table, kv_len, inputs):
+    """A paged call's tensors and sizes; returns MAX_KV, the longest row its page table can hold."""
+    _check_tensors(q, k, v)
+    B, H, Q_LEN, D = q.shape
+    NUM_PAGES, PAGE_SIZE, HKV = k.shape[0], k.shape[1], k.shape[2]
+    if tuple(v.shape[:3]) != (NUM_PAGES, PAGE_SIZE, HKV):
+        _fail(f"v must hold pages (NUM_PAGES, PAGE_SIZE, HKV, DV) = ({NUM_PAGES}, {PAGE_SIZE}, {HKV}, DV) like k, "
+              f"got shape {tuple(v.shape)}")
+    if PAGE_SIZE % 16 != 0:
+        _fail(f"the page size (k.shape[1]) must be a multiple of 16, got {PAGE_SIZE}")
+    if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32 and page_table.dim() == 2
+            and page_table.shape[0] == B and page_table.device == q.device):
+        _fail(f"page_table must be an int32 tensor of shape ({B}, MAX_PAGES) on {q.device}, got "
+              + (f"{page_table.dtype} {tuple(page_table.shape)} on {page_table.device}"
+                 if isinstance(page_table, torch.Tensor) else type(page_table).__name__))
+    if kv_len is None:
+        _fail("a paged cache needs kv_len, each row's number of valid keys")
+    MAX_KV = page_table.shape[1] * PAGE_SIZE
+    _check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
+    if not any(name == PAGED_FAMILY for name, _, _ in FORWARD_FAMILIES):
+        _fail(f"a paged cache is read only by the {PAGED_FAMILY} kernels, which cannot serve this spec (attngen "
+              f"explain says why)")
+    return MAX_KV
+
+
+def _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None):
+    """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone."""
+    B, Q_LEN = q.shape[0], q.shape[2]
+    if page_table is not None:
+        MAX_KV = _check_paged(q, k, v, page_table, kv_len, inputs)
+    else:
+        MAX_KV = k.shape[2]
+    for name, t in (("kv_len", kv_len), ("q_offset", q_offset)):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and tuple(t.shape) == (B,)
+                                  and t.device == q.device):
+            _fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
+                  + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if TILE_TABLE or tile_tables is not None:
+        _fail("kv_len and q_offset do not work yet with a mask that reads inputs at q or k (its tile tables "
+              "are built for positions 0 .. Q_LEN-1); call without them")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
+        _fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
+              "tensors that do not require grad")
+    defaulted = q_offset is None
+    if defaulted:
+        q_offset = kv_len - Q_LEN
+    if kv_len is not None:
+        kv_len = kv_len.contiguous()
+    q_offset = q_offset.contiguous()
+    # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
+    # captured or under torch.compile, where the kernels still clamp lengths and page numbers to
+    # the cache (memory stays safe).
+    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
+    tensors = [inputs[name].contiguous() for name in INPUTS]
+    pages = [page_table.contiguous()] if page_table is not None else []
+    if torch.compiler.is_compiling():
+        return OPERATORS[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages)
+    return _cache_forward(q, k, v, tensors, kv_len, q_offset, pages)
+
+
+def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
+    """A cache call's values: every flag computed on the device, read in one sync; the message,
+    only on failure, reads the offending range."""
+    Q_LEN = q.shape[2]
+    flags = [(q_offset < 0).any(), (q_offset > MAX_LENGTH - Q_LEN).any()]
+    if kv_len is not None:
+        flags += [(kv_len < 0).any(), (kv_len > MAX_KV).any()]
+    if page_table is not None:
+        page_size = MAX_KV // page_table.shape[1]
+        used = torch.arange(page_table.shape[1], device=q.device) * page_size < kv_len[:, None]
+        flags.append((used & ((page_table < 0) | (page_table >= NUM_PAGES))).any())
+    bad = torch.stack(flags).tolist()
+    if bad[0] or bad[1]:
+        offset = "q_offset (by default kv_len - Q_LEN)" if defaulted else "q_offset"
+        _fail(f"query positions q_offset + 0 .. q_offset + {Q_LEN - 1} must lie in [0, {MAX_LENGTH}): "
+              f"{offset} ranges over [{int(q_offset.min())}, {int(q_offset.max())}] for Q_LEN={Q_LEN}")
+    if kv_len is not None and (bad[2] or bad[3]):
+        length = "MAX_PAGES * PAGE_SIZE" if page_table is not None else "k.shape[2]"
+        _fail(f"kv_len must lie in [0, {MAX_KV}] (the cache's length, {length}), got values in "
+              f"[{int(kv_len.min())}, {int(kv_len.max())}]")
+    if page_table is not None and bad[4]:
+        named = page_table[used]
+        _fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
+              f"values in [{int(named.min())}, {int(named.max())}]")
+
+
+def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
+    """A checked cache call's forward: a paged one ([page_table] in `pages`) by the decode kernels,
+    a contiguous one by the family FORWARD_FAMILIES picks."""
+    if pages:
+        launch = next(launch for name, _, launch in FORWARD_FAMILIES if name == PAGED_FAMILY)
+        return launch(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0])
+    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset))
 
 
 def tile_tables(q, k, v, **inputs):
@@ -1393,9 +1576,13 @@ def tile_tables(q, k, v, **inputs):
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
-def forward_family(q, k, v, **inputs):
+def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs):
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
-    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules)."""
+    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
+    A cache call's kv_len and q_offset do not change the choice; a paged cache is the decode family's."""
+    if page_table is not None:
+        _check_paged(q, k, v, page_table, kv_len, inputs)
+        return PAGED_FAMILY
     _check(q, k, v, inputs)
     return _forward_family_name(q, k, v)
 
@@ -1458,23 +1645,40 @@ def _decode_splits(n_tiles, programs, device):
     return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
 
 
-def _decode_forward(q, k, v, tensors, table):
+def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
-    no tile-table mask). Returns out and the natural-log LSE, as the portable forward does."""
+    no tile-table mask), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
+    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
+    as the portable forward does."""
     B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    DV = v.shape[3]
+    if page_table is None:
+        HKV, KV_LEN = k.shape[1], k.shape[2]
+        # (batch, head, key, dim) strides; a paged cache's are (page, head, slot, dim).
+        k_strides, v_strides = k.stride(), v.stride()
+        pages = (None, 0, 1)  # no page table: the kernel never reads one
+    else:
+        HKV, KV_LEN = k.shape[2], page_table.shape[1] * k.shape[1]
+        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        pages = (page_table, page_table.stride(0), k.shape[0])
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
     _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
-    block_m = max(16, _next_power_of_2((H // HKV) * Q_LEN))
-    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV, q.device)
+    rows = (H // HKV) * Q_LEN
+    block_m = min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+    row_blocks = _cdiv(rows, block_m)
+    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    _decode_fwd_kernel[(splits, B * HKV)](
-        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k.stride(), *v.stride(),
-        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits,
+    cache_args, cache_flags = _cache_launch(cache, part_lse)
+    page_args = (pages[0] if pages[0] is not None else part_lse, *pages[1:])
+    _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
+        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
+        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None,
+        PAGE_SIZE=k.shape[1] if page_table is not None else 1, num_warps=warps, num_stages=stages, **cache_flags)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN

@@ -40,23 +40,40 @@ def _decode_splits(n_tiles, programs, device):
     return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
 
 
-def _decode_forward(q, k, v, tensors, table):
+def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
-    no tile-table mask). Returns out and the natural-log LSE, as the portable forward does."""
+    no tile-table mask), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
+    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
+    as the portable forward does."""
     B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    DV = v.shape[3]
+    if page_table is None:
+        HKV, KV_LEN = k.shape[1], k.shape[2]
+        # (batch, head, key, dim) strides; a paged cache's are (page, head, slot, dim).
+        k_strides, v_strides = k.stride(), v.stride()
+        pages = (None, 0, 1)  # no page table: the kernel never reads one
+    else:
+        HKV, KV_LEN = k.shape[2], page_table.shape[1] * k.shape[1]
+        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        pages = (page_table, page_table.stride(0), k.shape[0])
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
     _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
-    block_m = max(16, _next_power_of_2((H // HKV) * Q_LEN))
-    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV, q.device)
+    rows = (H // HKV) * Q_LEN
+    block_m = min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+    row_blocks = _cdiv(rows, block_m)
+    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    _decode_fwd_kernel[(splits, B * HKV)](
-        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k.stride(), *v.stride(),
-        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits,
+    cache_args, cache_flags = _cache_launch(cache, part_lse)
+    page_args = (pages[0] if pages[0] is not None else part_lse, *pages[1:])
+    _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
+        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
+        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None,
+        PAGE_SIZE=k.shape[1] if page_table is not None else 1, num_warps=warps, num_stages=stages, **cache_flags)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN

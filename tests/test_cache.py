@@ -1,0 +1,205 @@
+"""Cache calls: attn(q, k, v, kv_len=..., q_offset=...) against the float64 reference, which puts
+query i of row b at position q_offset[b] + i and makes KV_LEN row b's kv_len[b]; and their errors.
+
+Both forward families serve them: the decode kernels when (H / HKV) * Q_LEN fits one tile, the
+portable forward otherwise (chunked prefill)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import reference, testing
+
+SPECS = Path(__file__).parent.parent / "specs"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
+# (B, H, HKV, Q_LEN, MAX_KV, D): decode (GQA, one and several queries) and chunked prefill.
+SHAPES = [(3, 8, 2, 1, 150, 16), (2, 4, 2, 6, 90, 32), (2, 2, 1, 40, 100, 16)]
+SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
+          "chunked_causal", "learned_rel_bias"]
+
+
+def _build(name):
+    path = SPECS / f"{name}.attn"
+    declared = {p.name for p in attngen.load_spec(path)[0].params}
+    return attngen.build(path, params={k: v for k, v in SMALL_PARAMS.items() if k in declared})
+
+
+def _case(attn, shape, dtype=torch.float32, seed=0):
+    B, H, HKV, N, M, D = shape
+    torch.manual_seed(seed)
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
+    kv_len = torch.randint(N, M + 1, (B,), dtype=torch.int32, device=DEVICE)
+    kv_len[0] = M  # one row uses the whole cache
+    return q, k, v, inputs, kv_len
+
+
+def _assert_matches(attn, q, k, v, inputs, **cache):
+    with torch.no_grad():
+        out, lse = attn(q, k, v, return_lse=True, **inputs, **cache)
+    want, want_lse = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, **cache)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", SERVED)
+def test_cache_calls_match_the_reference(name, shape):
+    attn = _build(name)
+    q, k, v, inputs, kv_len = _case(attn, shape)
+    family = attn.forward_family(q, k, v, **inputs)
+    assert family == ("portable" if shape[3] * shape[1] // shape[2] > 64 else "decode")
+    _assert_matches(attn, q, k, v, inputs, kv_len=kv_len)  # the queries are the newest tokens
+    q_offset = torch.tensor([0, 17, 3][:shape[0]], dtype=torch.int32, device=DEVICE)
+    _assert_matches(attn, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset)
+    _assert_matches(attn, q, k, v, inputs, q_offset=q_offset)  # offsets alone: every key valid
+
+
+def test_cache_calls_in_half_precision():
+    attn = _build("alibi_causal")
+    q, k, v, inputs, kv_len = _case(attn, SHAPES[0], torch.float16)
+    _assert_matches(attn, q, k, v, inputs, kv_len=kv_len)
+
+
+def test_the_reference_cache_semantics():
+    spec = attngen.parse_spec("attention c\nmask: k <= q\n")
+    q, k, v = testing.random_qkv(2, 2, 2, 3, 10, 8, 8, torch.float64)
+    kv_len = torch.tensor([10, 6], dtype=torch.int32)
+    out, lse = reference.evaluate(spec, q, k, v, kv_len=kv_len)
+    # Row 1: the first 6 keys, queries at positions 3, 4, 5 (the newest tokens): bottom-right causal.
+    sliced = attngen.parse_spec("attention c\nmask: k <= q + 3\n")
+    want, want_lse = reference.evaluate(sliced, q[1:], k[1:, :, :6], v[1:, :, :6])
+    torch.testing.assert_close(out[1:], want)
+    torch.testing.assert_close(lse[1:], want_lse)
+    # No kv_len and no offset: the training semantics.
+    plain, _ = reference.evaluate(spec, q, k, v)
+    torch.testing.assert_close(reference.evaluate(spec, q, k, v, q_offset=torch.zeros(2, dtype=torch.int32))[0], plain)
+
+
+def test_rows_with_no_key_give_zero_and_minus_infinity():
+    attn = _build("causal")
+    q, k, v = testing.random_qkv(2, 4, 2, 1, 40, 16, 16, torch.float32, device=DEVICE)
+    kv_len = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    q_offset = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    out, lse = attn(q, k, v, kv_len=kv_len, q_offset=q_offset, return_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    _assert_matches(attn, q, k, v, {}, kv_len=kv_len, q_offset=q_offset)
+
+
+def test_cache_call_errors():
+    attn = _build("causal")
+    q, k, v = testing.random_qkv(2, 4, 2, 3, 40, 16, 16, torch.float32, device=DEVICE)
+    lengths = torch.tensor([40, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"kv_len must be an int32 tensor of shape \(2,\)"):
+        attn(q, k, v, kv_len=lengths.long())
+    with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 40\]"):
+        attn(q, k, v, kv_len=lengths + 1)
+    with pytest.raises(ValueError, match=r"q_offset \(by default kv_len - Q_LEN\) ranges over \[-1, 37\]"):
+        attn(q, k, v, kv_len=torch.tensor([40, 2], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="has no backward pass"):
+        attn(q.requires_grad_(), k, v, kv_len=lengths)
+    tables = attngen.build(SPECS / "document_causal.attn")
+    doc = torch.zeros(40, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="do not work yet with a mask that reads inputs at q or k"):
+        tables(q.detach(), k, v, kv_len=lengths, doc=doc)
+
+
+def test_cache_calls_under_torch_compile():
+    attn = _build("sliding_window")
+    q, k, v, inputs, kv_len = _case(attn, SHAPES[0])
+    compiled = torch.compile(lambda q, k, v, n: attn(q, k, v, kv_len=n), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v, kv_len), attn(q, k, v, kv_len=kv_len))
+
+
+def test_merge_of_two_halves_is_the_whole():
+    attn = _build("full")
+    q, k, v = testing.random_qkv(2, 4, 2, 3, 50, 16, 16, torch.float32, device=DEVICE)
+    whole, whole_lse = attn(q, k, v, return_lse=True)
+    parts = [attn(q, k[:, :, s], v[:, :, s], return_lse=True) for s in (slice(0, 21), slice(21, 50))]
+    out, lse = attngen.merge([p[0] for p in parts], [p[1] for p in parts])
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
+    # A part whose rows saw no key weighs nothing; rows with no key anywhere stay 0 and -inf.
+    empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    torch.testing.assert_close(attngen.merge([out, empty_out], [lse, empty_lse])[0], out)
+    none_out, none_lse = attngen.merge([empty_out, empty_out], [empty_lse, empty_lse])
+    assert torch.all(none_out == 0) and torch.all(none_lse == float("-inf"))
+    with pytest.raises(ValueError, match="as many outputs as LSEs"):
+        attngen.merge([out], [])
+    with pytest.raises(ValueError, match=r"LSE 1 must be a float \(B, H, Q_LEN\)"):
+        attngen.merge([out, out], [lse, lse[:, :1]])
+
+
+def _paged(k, v, page_size, generator):
+    """The contiguous cache k, v (B, HKV, MAX_KV, D) as shuffled pages (NUM_PAGES, PAGE_SIZE, HKV, D)
+    and its page table (B, MAX_PAGES), with two spare pages that no row uses."""
+    B, HKV, MAX_KV, D = k.shape
+    n_pages = -(-MAX_KV // page_size)
+    pad = n_pages * page_size - MAX_KV
+
+    def pages(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.view(B, HKV, n_pages, page_size, x.shape[-1]).permute(0, 2, 3, 1, 4).reshape(
+            B * n_pages, page_size, HKV, x.shape[-1])
+
+    order = torch.randperm(B * n_pages + 2, generator=generator)
+    k_pages = torch.randn(B * n_pages + 2, page_size, HKV, D, dtype=k.dtype).to(k.device)
+    v_pages = torch.randn(B * n_pages + 2, page_size, HKV, v.shape[-1], dtype=v.dtype).to(v.device)
+    slots = order[:B * n_pages].to(k.device)
+    k_pages[slots] = pages(k)
+    v_pages[slots] = pages(v)
+    return k_pages, v_pages, slots.view(B, n_pages).to(torch.int32)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "sliding_window", "learned_rel_bias"])
+def test_paged_cache_calls_match_the_reference(name, shape, page_size):
+    attn = _build(name)
+    q, k, v, inputs, kv_len = _case(attn, shape)
+    k_pages, v_pages, table = _paged(k, v, page_size, torch.Generator().manual_seed(1))
+    # Entries past a row's used pages are never read: they may hold anything.
+    used = torch.arange(table.shape[1], device=DEVICE) * page_size < kv_len[:, None].to(DEVICE)
+    table = torch.where(used, table, -7)
+    assert attn.forward_family(q, k_pages, v_pages, kv_len=kv_len, page_table=table, **inputs) == "decode"
+    for cache in ({"kv_len": kv_len}, {"kv_len": kv_len, "q_offset": torch.full_like(kv_len, 2)}):
+        with torch.no_grad():
+            out, lse = attn(q, k_pages, v_pages, page_table=table, return_lse=True, **inputs, **cache)
+        want, want_lse = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, **cache)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_cache_errors():
+    attn = _build("causal")
+    q, k, v, _, kv_len = _case(attn, SHAPES[1])
+    k_pages, v_pages, table = _paged(k, v, 16, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="needs kv_len"):
+        attn(q, k_pages, v_pages, page_table=table)
+    with pytest.raises(ValueError, match="page size .* must be a multiple of 16, got 8"):
+        attn(q, k_pages[:, :8], v_pages[:, :8], page_table=table, kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"page_table must be an int32 tensor of shape \(2, MAX_PAGES\)"):
+        attn(q, k_pages, v_pages, page_table=table.long(), kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 14\)"):
+        attn(q, k_pages, v_pages, page_table=table + 100, kv_len=kv_len)
+    with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\] \(the cache's length, MAX_PAGES \* PAGE_SIZE\)"):
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len + 100)
+    tables = attngen.build(SPECS / "document_causal.attn")
+    with pytest.raises(ValueError, match="read only by the decode kernels"):
+        tables(q, k_pages, v_pages, page_table=table, kv_len=kv_len, doc=torch.zeros(96, dtype=torch.int32, device=DEVICE))
+
+
+def test_paged_cache_calls_under_torch_compile():
+    attn = _build("alibi_causal")
+    q, k, v, inputs, kv_len = _case(attn, SHAPES[0])
+    k_pages, v_pages, table = _paged(k, v, 16, torch.Generator().manual_seed(2))
+    compiled = torch.compile(lambda q, k, v, n, t, s: attn(q, k, v, kv_len=n, page_table=t, slopes=s),
+                             backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k_pages, v_pages, kv_len, table, inputs["slopes"]),
+                                   attn(q, k_pages, v_pages, kv_len=kv_len, page_table=table, **inputs))
