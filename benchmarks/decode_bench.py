@@ -34,7 +34,15 @@ SPECS = {
                        "score: softcap(score, cap)\n"),
     "alibi_decode": ("attention alibi_decode\ninput slopes: f32[H]\nmask: k <= q + KV_LEN - Q_LEN\n"
                      "score: score - slopes[h] * (q + KV_LEN - Q_LEN - k)\n"),
+    "causal": "attention causal\nmask: causal\n",  # with kv_len: positions are the cache's
 }
+# Cache calls: (spec, B, Q_LEN, KV_LEN, layout): kv_len given (the queries are the newest tokens), the
+# cache contiguous or in shuffled pages of 16 or 64 keys.
+CACHE_CASES = [
+    ("full", 8, 1, 32768, "contiguous"), ("full", 8, 1, 32768, "paged16"), ("full", 8, 1, 32768, "paged64"),
+    ("causal", 8, 16, 32768, "contiguous"), ("causal", 8, 16, 32768, "paged16"),
+    ("causal", 4, 512, 16384, "contiguous"), ("causal", 4, 512, 16384, "paged64"),
+]
 # (spec, B, Q_LEN, KV_LEN)
 CASES = [
     ("full", 8, 1, 32768), ("full", 64, 1, 4096), ("full", 1, 1, 131072), ("full", 8, 16, 32768),
@@ -89,6 +97,63 @@ def sweep() -> None:
                             print(f"sweep {block_n} {warps} {stages}: {type(e).__name__}", flush=True)
     module.FAMILY_TILES[key] = {"decode": planned}
     module.DECODE_PROGRAMS_PER_SM = 2
+
+
+def _pages(x, page_size, order):
+    B, HKV, N, Dx = x.shape
+    n = N // page_size
+    pages = x.view(B, HKV, n, page_size, Dx).permute(0, 2, 3, 1, 4).reshape(B * n, page_size, HKV, Dx)
+    out = torch.empty_like(pages)
+    out[order] = pages
+    return out
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (warmed up outside the capture): its replay."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
+
+
+def cache_case(attn, flex, name, B, q_len, kv_len, layout) -> dict:
+    """One cache call (kv_len = the cache's length, default offsets) beside FlexAttention on the same
+    positions (a causal mask shifted by KV_LEN - Q_LEN)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    torch.manual_seed(0)
+    q = torch.randn(B, H, q_len, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
+    call = {"kv_len": lengths}
+    kc, vc = k, v
+    if layout.startswith("paged"):
+        page = int(layout[5:])
+        order = torch.randperm(B * kv_len // page, device="cuda")
+        kc, vc = _pages(k, page, order), _pages(v, page, order)
+        call["page_table"] = order.view(B, kv_len // page).to(torch.int32)
+    row = {"spec": name, "B": B, "Q_LEN": q_len, "KV_LEN": kv_len, "layout": layout,
+           "family": attn.forward_family(q, kc, vc, **call)}
+    with torch.no_grad():
+        out = attn(q, kc, vc, **call)
+        ref, _ = attngen.reference.evaluate(attn.spec, q[:1].double(), k[:1].double(), v[:1].double(),
+                                            kv_len=lengths[:1])
+        row["max_err"] = (out[:1].double() - ref).abs().max().item()
+        row["nan"] = bool(torch.isnan(out).any())
+        row["attngen_ms"] = bench(lambda: attn(q, kc, vc, **call))
+        row["attngen_graph_ms"] = bench(graphed(lambda: attn(q, kc, vc, **call)))
+        shift = kv_len - q_len
+        mask = None if name == "full" else create_block_mask(lambda b, h, i, j: j <= i + shift, None, None,
+                                                             q_len, kv_len)
+        torch._dynamo.reset()  # a fresh compile per shape: Flex's recompile limit would fall back to eager
+        row["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
+    row["attngen_TBps"] = 2 * k.numel() * k.element_size() / row["attngen_graph_ms"] / 1e9
+    return row
 
 
 def main() -> None:
@@ -154,6 +219,9 @@ def main() -> None:
         row["attngen_TBps"] = cache_bytes / row["attngen_ms"] / 1e9
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for name, B, q_len, kv_len, layout in CACHE_CASES:
+        rows.append(cache_case(built[name], flex, name, B, q_len, kv_len, layout))
+        print(json.dumps(rows[-1]), flush=True)
     meta = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(), "H": H, "HKV": HKV, "D": D}
     if args.out:
