@@ -895,13 +895,16 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    if PAGED:
+        pages = PageTable + off_b.to(tl.int64) * stride_pt
+        next_page = _page_numbers(pages, j_lo * BLOCK_N + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
     for j in range(j_lo, j_hi):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAGED:
-            # Page numbers are clamped to the pool, so no table entry can reach past its memory.
-            page = tl.load(PageTable + off_b.to(tl.int64) * stride_pt + offs_n // PAGE_SIZE,
-                           mask=offs_n < KV_LEN, other=0)
-            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+            # The next tile's page numbers are read now, so their load overlaps this tile's (the
+            # K and V loads depend on them).
+            page = tl.minimum(tl.maximum(next_page, 0), NUM_PAGES - 1).to(tl.int64)
+            next_page = _page_numbers(pages, offs_n + BLOCK_N, KV_LEN, PAGE_SIZE)
             key_rows = page * stride_kz + (offs_n % PAGE_SIZE) * stride_kn
             value_rows = page * stride_vz + (offs_n % PAGE_SIZE) * stride_vn
         else:
@@ -941,6 +944,13 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     tl.store(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], acc,
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(LsePart + part_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
+    # The physical page of each key of a paged cache's row (0 past the row's keys); clamped by the
+    # caller to the pool, so no table entry can reach past its memory.
+    return tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < KV_LEN, other=0)
 
 
 @triton.jit
@@ -1368,7 +1378,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "3a84157592392609"
+MODULE_DIGEST = "471b184b6777662c"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
