@@ -217,8 +217,9 @@ def check_command(
     seed: Annotated[Optional[int], typer.Option(help="Draw at random from this seed (default: the same fixed cases every run).")] = None,
     case: Annotated[Optional[str], typer.Option(help="Run just this case, as a failure prints it: B=..,H=..,...,seed=..")] = None,
 ) -> None:
-    """Fuzz a spec's kernels against the float64 reference over random shapes and inputs; on failure,
-    print the smallest failing case and a command that reruns it, and exit 1."""
+    """Fuzz a spec's kernels against the float64 reference over random shapes and inputs, in plain calls
+    and KV-cache calls (contiguous and paged, where the spec takes them); on failure, print the
+    smallest failing case and a command that reruns it, and exit 1."""
     import torch
 
     import attngen
@@ -250,7 +251,11 @@ def check_command(
         attn = attngen.build(spec, params=_defines(define))
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
+    caches = strategies.supported_caches(attn)
     defines = "".join(f" -D {d}" for d in define or [])
+    if single is not None and single.cache not in caches:
+        _usage_error(f"--case: cache must be one of {', '.join(caches)} for this spec (cache calls need a "
+                     f"mask without tile tables, paged ones the decode kernels), got {single.cache!r}")
     if single is not None:
         try:
             strategies.check_case(attn.spec, attn, single, device)
@@ -273,7 +278,7 @@ def check_command(
             progress.update(task, advance=1 if done < examples else 0, case=str(c))
         try:
             report = fuzz.fuzz_spec(attn.spec, attn, examples=examples, device=device, dtypes=dtypes,
-                                    seed=seed, on_example=seen)
+                                    seed=seed, on_example=seen, caches=caches)
         except Unsatisfiable:
             report = None
     if report is None:
@@ -283,8 +288,10 @@ def check_command(
     skipped = (f"; {report.skipped} case(s) skipped, where the spec indexes an input out of range "
                f"({report.skip_reason})") if report.skipped else ""
     if report.failure is None:
+        cached = [c for c in caches if c != "none"]
+        calls = f"; KV-cache calls too ({', '.join(cached)}: out and lse)" if cached else ""
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
-                   f"float64 reference: out, lse and every gradient{skipped}")
+                   f"float64 reference: out, lse and every gradient{calls}{skipped}")
         return
     failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"

@@ -105,10 +105,10 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
 
-def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor,
-                  inputs: Mapping[str, Tensor] | None = None) -> Tensor:
+def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
+                  kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> Tensor:
     """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
-    return _softmax(modified_scores(spec, q, k, v, inputs))[0]
+    return _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))[0]
 
 
 def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,

@@ -26,7 +26,7 @@ from attngen import ir
 from attngen.analysis import spans
 from attngen.testing import fuzz, strategies
 from attngen.api import compile_source, parse_spec
-from attngen.errors import SpecError
+from attngen.errors import IndexOutOfRange, SpecError
 from attngen.analysis.derivatives import derivative
 from attngen.analysis.intervals import TileBox, TileClass, classify
 from attngen.frontend.printer import to_source
@@ -177,6 +177,31 @@ def test_a_case_prints_as_the_command_line_reads_it():
         strategies.Case.parse("B=1,H=2")
     with pytest.raises(ValueError, match="dtype must be one of"):
         strategies.Case.parse(str(case).replace("f16", "f64"))
+    paged = strategies.Case(B=1, H=4, HKV=2, Q_LEN=17, KV_LEN=5, D=24, DV=8, dtype="f16", seed=3, cache="paged16")
+    assert strategies.Case.parse(str(paged)) == paged and str(paged).endswith(",cache=paged16")
+    with pytest.raises(ValueError, match="cache must be one of none, contiguous, paged16, paged32"):
+        strategies.Case.parse(str(case) + ",cache=ring")
+
+
+def test_cache_layouts_follow_what_the_spec_takes():
+    specs = Path(__file__).parent.parent / "specs"
+    assert strategies.supported_caches(attngen.build(specs / "causal.attn")) == strategies.CACHES
+    assert strategies.supported_caches(attngen.build(specs / "document_causal.attn")) == ("none",)
+    per_head = attngen.build("attention w\nmask: k <= q and q - k <= 4 + h\n")  # no decode kernels
+    assert strategies.supported_caches(per_head) == ("none", "contiguous")
+
+
+def test_fuzz_finds_a_kernel_that_ignores_the_cache_lengths():
+    """A call that drops kv_len attends keys past each row's length: the cache cases catch it."""
+    spec = parse_spec("attention full\n")
+    attn = attngen.build(spec)
+
+    def ignores_lengths(q, k, v, kv_len=None, **kwargs):
+        return attn(q, k, v, q_offset=torch.zeros(q.shape[0], dtype=torch.int32, device=q.device), **kwargs)
+    report = fuzz.fuzz_spec(spec, ignores_lengths, examples=10, device=DEVICE, dtypes=["f32"], caches=["contiguous"])
+    assert report.failure is not None and report.failure.case.cache == "contiguous"
+    assert fuzz.fuzz_spec(spec, attn, examples=6, device=DEVICE, dtypes=["f32"],
+                          caches=["contiguous", "paged16"]).failure is None
 
 
 def test_fuzz_spec_reports_the_smallest_failing_case():
@@ -226,3 +251,15 @@ def test_kernels_match_the_reference(text, case):
     note(f"spec:\n{text}\ncase: {case}")
     spec = parse_spec(text)
     strategies.check_case(spec, attngen.build(spec), case, device=DEVICE)
+
+
+@settings(max_examples=max(6, BASE // 16))
+@given(text=strategies.spec_texts(), case=strategies.cases(dtypes=DTYPES, caches=("contiguous", "paged16", "paged32")))
+def test_cache_calls_match_the_reference(text, case):
+    note(f"spec:\n{text}\ncase: {case}")
+    attn = attngen.build(parse_spec(text))
+    assume(case.cache in strategies.supported_caches(attn))
+    try:
+        strategies.check_case(attn.spec, attn, case, device=DEVICE)
+    except IndexOutOfRange:
+        assume(False)  # positions past an input's extent: outside what the spec defines

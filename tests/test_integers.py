@@ -262,16 +262,18 @@ _COMPILE = textwrap.dedent('''
     spec.loader.exec_module(module)
     constants = dict(HEAD_DIM=16, HEAD_DIM_V=16, HEAD_DIM_PAD=16, HEAD_DIM_V_PAD=16, BLOCK_M=64, BLOCK_N=64,
                      BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, PARTS=3, COUNT_VISITS=False,
-                     DOT_PRECISION="tf32", KV_LEN=1)  # an int argument equal to 1 is a constexpr
-    ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32"}
-    for kernel in (module._fwd_kernel, module._bwd_kernel):
+                     DOT_PRECISION="tf32", KV_LEN=1,  # an int argument equal to 1 is a constexpr
+                     HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16)  # cache calls, paged
+    ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
+            "OutPart": "*fp32", "LsePart": "*fp32"}
+    for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel):
         signature = {}
         for name in kernel.arg_names:
             if name in constants:
                 signature[name] = "constexpr"
             elif name in ints:
                 signature[name] = ints[name]
-            elif name.startswith(("stride_", "size_")) or name in ("B", "H", "HKV", "Q_LEN"):
+            elif name.startswith(("stride_", "size_")) or name in ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES"):
                 signature[name] = "i32"
             elif name in ("sm_scale", "qk_scale"):
                 signature[name] = "fp32"

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
             "DV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DLse": "*fp32", "Visits": "*i32", "VisitsKV": "*i32",
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
-            "LsePart": "*fp32"}
+            "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32"}
 FLOATS = {"sm_scale", "qk_scale"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -55,14 +55,15 @@ def compile_module(path: str, ptx_dir: str | None) -> dict:
     target = GPUTarget("cuda", 90, 32)
     plan = module.PLAN[(128, 128, "bf16")]
     head = dict(HEAD_DIM=128, HEAD_DIM_V=128, HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128, COUNT_VISITS=False,
-                DOT_PRECISION="tf32")
+                DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False)
     launches = [("_fwd_kernel", dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1]), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1])
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     for family, tiles in module.FAMILY_TILES.get((128, 128, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
-            launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]), tiles))
+            launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1], PAGED=False, PAGE_SIZE=1),
+                             tiles))
             launches.append(("_decode_combine", dict(HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, BLOCK_R=16), (0, 0, 4, 1)))
     if module.TILE_TABLE:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):

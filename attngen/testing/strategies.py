@@ -20,8 +20,9 @@ failure found anywhere is one command away from being rerun.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
+import torch
 from hypothesis import strategies as st
 
 from attngen import ir
@@ -126,9 +127,15 @@ def specs(max_depth: int = 3, with_mask: bool | None = None) -> st.SearchStrateg
 
 # --- shapes and data -----------------------------------------------------------------------------
 
+# How a case calls the kernels: a plain call, or a cache call (kv_len per row, q_offset) over a
+# contiguous cache or a paged one (pages of 16 or 32 keys, shuffled).
+CACHES = ("none", "contiguous", "paged16", "paged32")
+
+
 @dataclass(frozen=True)
 class Case:
-    """One problem: sizes, dtype and the seed of q, k, v, dO and the inputs."""
+    """One problem: sizes, dtype, the seed of q, k, v, dO, the inputs and a cache call's lengths and
+    offsets, and how the kernels are called (`cache`, one of CACHES; cache calls are forward only)."""
     B: int
     H: int
     HKV: int
@@ -138,9 +145,11 @@ class Case:
     DV: int
     dtype: str
     seed: int
+    cache: str = "none"
 
     def __str__(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
+        # A plain call's case reads as before cache calls existed.
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if (k, v) != ("cache", "none"))
 
     @classmethod
     def parse(cls, text: str) -> "Case":
@@ -155,14 +164,20 @@ class Case:
                 raise wrong(f"each item of a case must be NAME=VALUE, got {item!r}")
         values = dict(item.split("=", 1) for item in items)
         names = [f.name for f in fields(cls)]
-        if len(items) != len(names) or sorted(values) != sorted(names):
-            given = ", ".join(item.split("=", 1)[0] for item in items) or "nothing"
-            raise wrong(f"a case needs exactly {', '.join(names)}, once each; got {given}")
+        keys = [item.split("=", 1)[0] for item in items]
+        if len(keys) != len(set(keys)) or not set(names[:-1]) <= set(keys) <= set(names):
+            raise wrong(f"a case needs exactly {', '.join(names[:-1])}, once each, and optionally cache; "
+                        f"got {', '.join(keys) or 'nothing'}")
+        values.setdefault("cache", "none")  # a plain call
         for name in names:
             value, least = values[name], 0 if name == "seed" else 1
+            if name == "cache":
+                if value not in CACHES:
+                    raise wrong(f"cache must be one of {', '.join(CACHES)}, got {value!r}")
+                continue
             if name != "dtype" and not (value.isascii() and value.isdigit() and int(value) >= least):
                 raise wrong(f"{name} must be an integer >= {least}, got {value!r}")
-        case = cls(**{k: (v if k == "dtype" else int(v)) for k, v in values.items()})
+        case = cls(**{k: (v if k in ("dtype", "cache") else int(v)) for k, v in values.items()})
         if case.H % case.HKV:
             raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
         if case.dtype not in DTYPES:
@@ -171,13 +186,16 @@ class Case:
 
 
 @st.composite
-def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40) -> Case:
-    """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype and seed."""
+def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",)) -> Case:
+    """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, and a
+    call from `caches` (plain calls twice as often as each cache layout, when both are allowed)."""
     hkv = draw(st.integers(1, 2))
+    weighted = [c for c in caches for _ in range(2 if c == "none" else 1)]
     return Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
                 Q_LEN=draw(_length(max_len)), KV_LEN=draw(_length(max_len)),
                 D=draw(st.integers(1, max_head_dim)), DV=draw(st.integers(1, max_head_dim)),
-                dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)))
+                dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
+                cache=draw(st.sampled_from(weighted)))
 
 
 def _length(max_len: int) -> st.SearchStrategy[int]:
@@ -194,8 +212,61 @@ def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
     return q, k, v, inputs
 
 
+def supported_caches(attn) -> tuple[str, ...]:
+    """The calls (CACHES) a built attention takes: cache calls unless its mask follows tile tables,
+    paged ones where its module has the decode kernels."""
+    if attn.module.TILE_TABLE:
+        return ("none",)
+    paged = ("paged16", "paged32") if "decode" in attn.plan.families else ()
+    return ("none", "contiguous", *paged)
+
+
+def cache_data(case: Case, device: str = "cpu") -> dict:
+    """A cache case's kv_len (each row's, 0 .. KV_LEN) and q_offset (drawn, or left to its default
+    kv_len - Q_LEN when every row has at least Q_LEN keys and the seed is even), from its seed."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    kv_len = torch.randint(0, case.KV_LEN + 1, (case.B,), generator=g, dtype=torch.int32)
+    cache = {"kv_len": kv_len.to(device)}
+    if case.seed % 2 or bool((kv_len < case.Q_LEN).any()):
+        cache["q_offset"] = torch.randint(0, 2 * case.KV_LEN + 1, (case.B,), generator=g, dtype=torch.int32).to(device)
+    return cache
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int):
+    """The contiguous cache k, v (B, HKV, KV_LEN, D) as shuffled pages (NUM_PAGES, PAGE_SIZE, HKV, D)
+    with one spare page no row uses, and the page table (B, MAX_PAGES)."""
+    B, HKV, n, _ = k.shape
+    n_pages = -(-n // page_size)
+    order = torch.randperm(B * n_pages + 1, generator=torch.Generator().manual_seed(seed))[:B * n_pages].to(k.device)
+
+    def pages(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, n_pages * page_size - n))
+        x = x.view(B, HKV, n_pages, page_size, x.shape[-1]).permute(0, 2, 3, 1, 4)
+        out = torch.zeros(B * n_pages + 1, page_size, HKV, x.shape[-1], dtype=x.dtype, device=x.device)
+        out[order] = x.reshape(B * n_pages, page_size, HKV, x.shape[-1])
+        return out
+    return pages(k), pages(v), order.view(B, n_pages).to(torch.int32)
+
+
 def check_case(spec: ir.Spec, fn, case: Case, device: str = "cpu") -> None:
-    """Forward, LSE and every gradient of `fn` on one case, against the float64 reference."""
+    """Forward, LSE and every gradient of `fn` on one case, against the float64 reference (forward
+    and LSE only for a cache call)."""
     __tracebackhide__ = True
-    q, k, v, inputs = case_data(spec, case, device)
-    tolerances.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)
+    if case.cache.startswith("paged"):
+        # A paged cache holds whole pages: its length, the one inputs sized KV_LEN follow, is
+        # MAX_PAGES * PAGE_SIZE; the rows' lengths stay within the case's KV_LEN.
+        page_size = int(case.cache[5:])
+        q, k, v, inputs = case_data(spec, replace(case, KV_LEN=-(-case.KV_LEN // page_size) * page_size), device)
+    else:
+        q, k, v, inputs = case_data(spec, case, device)
+    if case.cache == "none":
+        tolerances.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)
+        return
+    cache = cache_data(case, device)
+    call = fn
+    if case.cache.startswith("paged"):
+        k_pages, v_pages, table = paged(k, v, page_size, case.seed)
+
+        def call(q, k, v, **kwargs):
+            return fn(q, k_pages, v_pages, page_table=table, **kwargs)
+    tolerances.check_against_reference(spec, call, q, k, v, inputs, grads=False, seed=case.seed, cache=cache)

@@ -113,14 +113,16 @@ class ReferenceRun:
 
 def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
                     dtype: torch.dtype | None = None, *, dout: Tensor | None = None,
-                    dlse: Tensor | None = None) -> ReferenceRun:
+                    dlse: Tensor | None = None, cache: Mapping[str, Tensor] | None = None) -> ReferenceRun:
     """Run the reference in float64 (the truth) and in `dtype` (default q's dtype), forward, and
     backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf).
 
     q, k and v are cast to each precision. Tensor inputs enter the low-precision run as given, since the
     kernel reads them so, and the truth with float inputs in float64; learnable ones get gradients.
+    `cache`: a cache call's kv_len and q_offset (reference.evaluate's), if any.
     """
     dtype = dtype or q.dtype
+    cache = dict(cache or {})
     inputs = dict(inputs or {})
     learnable = [i.name for i in spec.learnable_inputs]
     runs = []
@@ -133,7 +135,7 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
             if x.is_floating_point() and run_dtype == torch.float64:
                 x = x.double()
             run_inputs[name] = x.clone().requires_grad_(grad and name in learnable)
-        out, lse = evaluate(spec, *qkv, run_inputs)
+        out, lse = evaluate(spec, *qkv, run_inputs, **cache)
         result = {"out": out.detach(), "lse": lse.detach()}
         if grad:
             outputs, grads_out = [out], [dout.to(out.dtype)]
@@ -203,7 +205,8 @@ FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
-                     *, dout: Tensor | None = None, dlse: Tensor | None = None) -> dict[str, float]:
+                     *, dout: Tensor | None = None, dlse: Tensor | None = None,
+                     cache: Mapping[str, Tensor] | None = None) -> dict[str, float]:
     """For out, dq, dk and dv: the largest sum of absolute terms the kernel adds up in fp32 for one entry.
 
     Rounding in a sum is proportional to the sum of the absolute values of its terms, not to the
@@ -217,7 +220,8 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
         ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu())
                for n, x in (inputs or {}).items()}
         group = q.shape[1] // k.shape[1]
-        p = probabilities(spec, qd, kd, vd, ins)
+        cached = {name: t.detach().cpu() for name, t in (cache or {}).items()}
+        p = probabilities(spec, qd, kd, vd, ins, **cached)
         k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
         out_terms = p @ v_abs
         scales = {"out": out_terms}
@@ -280,7 +284,8 @@ def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tenso
 
 def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
                             v: Tensor, inputs: Mapping[str, Tensor] | None = None, *, grads: bool = True,
-                            factor: float = DEFAULT_FACTOR, seed: int = 0) -> None:
+                            factor: float = DEFAULT_FACTOR, seed: int = 0,
+                            cache: Mapping[str, Tensor] | None = None) -> None:
     """Assert that kernel `fn` computes `spec`: out and lse, and with `grads` dq, dk, dv and the gradient
     of every learnable input, each within the data-derived tolerance of the float64 reference.
 
@@ -293,7 +298,9 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
     qkv = [x.detach().clone().requires_grad_(grads) for x in (q, k, v)]
     kernel_inputs = {name: x.detach().clone().requires_grad_(grads and name in learnable)
                      for name, x in inputs.items()}
-    out, lse = fn(*qkv, return_lse=True, **kernel_inputs)
+    cache = dict(cache or {})
+    assert not (cache and grads), "cache calls have no backward pass"
+    out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache)
 
     expected_lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     for name, x, want in (("out", out, q.dtype), ("lse", lse, expected_lse_dtype)):
@@ -306,8 +313,8 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         dout = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
         dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
         dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
-    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse)
-    scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse)
+    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache)
+    scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse, cache=cache)
 
     actual = {"out": out, "lse": lse}
     if grads:
