@@ -970,7 +970,7 @@ def _decode_combine(OutPart, LsePart, Out, Lse, n_rows, SPLITS, HEAD_DIM_V: tl.c
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
     for s in range(SPLITS):
-        part_row = s * n_rows.to(tl.int64) + rows
+        part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr
         lse_s = tl.load(LsePart + part_row, mask=row_ok, other=float("-inf"))
         o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
         m_new = tl.maximum(m, lse_s)
@@ -1383,7 +1383,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "f21388d8fff48729"
+MODULE_DIGEST = "8e3df69d67fbca3d"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
