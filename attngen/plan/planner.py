@@ -209,31 +209,29 @@ def _smem_text(kernel: str, t: Tiles, d: int, dv: int, dtype: str) -> str:
             f"{_kib(t.num_stages * streamed)} = {_kib(resident + t.num_stages * streamed)}")
 
 
-def _fp32_live(kernel: str, t: Tiles, d: int, dv: int, score_cost: int) -> tuple[int, str]:
-    """fp32 values one program keeps live in registers, and what they are."""
+def _fp32_live(kernel: str, t: Tiles, d: int, dv: int) -> tuple[int, str]:
+    """fp32 values one program keeps live in registers, and what they are. A score expression's
+    temporaries are not counted: the starting tiles were measured on the catalog's scores."""
     score = t.block_m * t.block_n
-    extra = f" (+{score_cost} per element for the score expression)" if score_cost else ""
     if kernel == "fwd":
-        return (score * (1 + score_cost) + t.block_m * dv,
-                f"a {t.block_m}x{t.block_n} score tile{extra} and a {t.block_m}x{dv} accumulator")
+        return (score + t.block_m * dv, f"a {t.block_m}x{t.block_n} score tile and a {t.block_m}x{dv} accumulator")
     if kernel == "bwd_dkdv":
-        return (score * (2 + score_cost) + t.block_n * (d + dv),
-                f"two {t.block_n}x{t.block_m} tiles (P^T, dP^T){extra} and "
+        return (2 * score + t.block_n * (d + dv),
+                f"two {t.block_n}x{t.block_m} tiles (P^T, dP^T) and "
                 f"{t.block_n}x{d} + {t.block_n}x{dv} dK/dV accumulators")
-    return (score * (2 + score_cost) + t.block_m * d,
-            f"two {t.block_m}x{t.block_n} tiles (P, dP){extra} and a {t.block_m}x{d} dQ accumulator")
+    return (2 * score + t.block_m * d,
+            f"two {t.block_m}x{t.block_n} tiles (P, dP) and a {t.block_m}x{d} dQ accumulator")
 
 
-def registers_per_thread(kernel: str, tiles: Tiles, head_dim: int, head_dim_v: int,
-                         score_cost: int = 0) -> int:
+def registers_per_thread(kernel: str, tiles: Tiles, head_dim: int, head_dim_v: int) -> int:
     """A rough estimate: the live fp32 tiles spread over the program's threads, plus fixed overhead."""
-    live, _ = _fp32_live(kernel, tiles, head_dim, head_dim_v, score_cost)
+    live, _ = _fp32_live(kernel, tiles, head_dim, head_dim_v)
     threads = tiles.num_warps * 32
     return -(-live // threads) + REGISTER_OVERHEAD
 
 
-def _registers_fit(target: Target, kernel: str, t: Tiles, d: int, dv: int, score_cost: int) -> bool:
-    regs = registers_per_thread(kernel, t, d, dv, score_cost)
+def _registers_fit(target: Target, kernel: str, t: Tiles, d: int, dv: int) -> bool:
+    regs = registers_per_thread(kernel, t, d, dv)
     return regs <= MAX_REGISTERS_PER_THREAD and regs * t.num_warps * 32 <= target.registers_per_sm
 
 
@@ -286,7 +284,7 @@ def _scatter_bytes(kernel: str, t: Tiles, gather_bytes: int) -> int:
 
 
 def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: str,
-         score_cost: int, gather_bytes: int = 0, narrow: bool = False,
+         gather_bytes: int = 0, narrow: bool = False,
          mask_blocks: dict[str, int | None] | None = None) -> tuple[Tiles, list[str]]:
     """The first candidate from the generation's starting point that fits shared memory and registers."""
     start = _start(generation, kernel, d, dv, dtype, narrow)
@@ -296,7 +294,7 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
     full_budget = target.smem_per_block - HEADROOM_BYTES
     chosen = next((t for t in _candidates(kernel, start, keep_streamed)
                    if smem_bytes(kernel, t, d, dv, dtype) + _scatter_bytes(kernel, t, gather_bytes) <= full_budget
-                   and _registers_fit(target, kernel, t, d, dv, score_cost)), None)
+                   and _registers_fit(target, kernel, t, d, dv)), None)
     if chosen is None:
         raise ValueError(
             f"target {target.name!r} must offer more than {target.smem_per_block} bytes of shared "
@@ -305,8 +303,8 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
 
     t = chosen
     budget = full_budget - _scatter_bytes(kernel, t, gather_bytes)
-    regs = registers_per_thread(kernel, t, d, dv, score_cost)
-    _, live_text = _fp32_live(kernel, t, d, dv, score_cost)
+    regs = registers_per_thread(kernel, t, d, dv)
+    _, live_text = _fp32_live(kernel, t, d, dv)
     reasons = [
         f"{kernel}: BLOCK_M={t.block_m} BLOCK_N={t.block_n}, {t.num_warps} warps, "
         f"{t.num_stages} stages: {_smem_text(kernel, t, d, dv, dtype)} <= {_kib(budget)} "
@@ -322,7 +320,7 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
         if start_smem > budget:
             why = f"needs {_kib(start_smem)} of shared memory > {_kib(budget)}"
         else:
-            why = (f"needs ~{registers_per_thread(kernel, start, d, dv, score_cost)} registers "
+            why = (f"needs ~{registers_per_thread(kernel, start, d, dv)} registers "
                    f"per thread > {MAX_REGISTERS_PER_THREAD}")
         streamed_name = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         resident_name = "BLOCK_N" if kernel == "bwd_dkdv" else "BLOCK_M"
@@ -336,12 +334,10 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
     return t, reasons
 
 
-def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: bool = False,
+def plan(target: Target, *, gather_bytes: int = 0, narrow: bool = False,
          mask_blocks: dict[str, int | None] | None = None, families: tuple[Family, ...] = ()) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
-    `score_cost` is a rough count of extra fp32 values live per score element that the user's
-    score expression needs; a larger cost raises the register estimate and may shrink tiles.
     `gather_bytes` is what the spec's loads indexed by both q and k read per score element.
     `narrow`: most of the mask's tiles are partial (analysis.is_narrow); smaller tiles, and the
     backward pass as two launches so dK/dV can use fewer warps than dQ.
@@ -349,8 +345,6 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
     (analysis.block_steps of a tile-table mask); streamed tiles are kept that long if they can be.
     `families`: the kernel families beside the portable one whose tiles the entries also carry.
     """
-    if score_cost < 0:
-        raise ValueError(f"score_cost must be >= 0, got {score_cost}")
     entries = []
     generation = _generation(target)
     for d in HEAD_DIMS:
@@ -367,7 +361,7 @@ def plan(target: Target, *, score_cost: int = 0, gather_bytes: int = 0, narrow: 
                                               reasons=(INTERPRETER_TILES_REASON, *family_reasons),
                                               family_tiles=family_tiles))
                     continue
-                fitted = {k: _fit(target, k, generation, d, dv, dtype, score_cost, gather_bytes, narrow,
+                fitted = {k: _fit(target, k, generation, d, dv, dtype, gather_bytes, narrow,
                                   mask_blocks) for k in KERNELS}
                 entries.append(KernelPlan(
                     head_dim_pad=d, head_dim_v_pad=dv, dtype=dtype,
