@@ -256,7 +256,7 @@ def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
     ends = [f"{other}_first = {tile} * {other_block}{shift}",
             f"{other}_last = tl.minimum({tile} * {other_block} + {other_block}, {length}) - 1{shift}"]
     code = [
-        *(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])),
+        *_read_ends(ends, bounds.code),
         bounds.code,
         f"t0, t1, t2, t3 = _tile_ranges({lo}, {hi}, {full_lo}, {full_hi}, {block})",
         "# One masked loop over the partial tiles before and after the fully allowed stretch (one loop",
@@ -296,7 +296,7 @@ def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
     assert not _reads(bounds.code, "off_h"), "the decode family serves no mask whose bounds read h"
     ends = ["q_first = (block_row * BLOCK_M) // G + q_off",
             "q_last = tl.minimum((block_row * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1) + q_off"]
-    code = [*(line for line in ends if _reads(bounds.code, line.split(" = ", 1)[0])), bounds.code]
+    code = [*_read_ends(ends, bounds.code), bounds.code]
     key_range = Hook("key_range", ("off_b", "off_hkv", "q_off", "block_row", "G"), bounds.outputs, "\n".join(code))
     return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
             "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
@@ -318,6 +318,11 @@ def _positions_hook(code: str) -> Hook:
                 or "# the mask reads neither the batch nor the head")
 
 
+def _read_ends(ends: list[str], code: str) -> list[str]:
+    """Of the assignments `ends` (a tile's first and last position), those whose name `code` reads."""
+    return [line for line in ends if _reads(code, line.split(" = ", 1)[0])]
+
+
 def _reads(code: str, name: str) -> bool:
     return name in _names(ast.parse(code))
 
@@ -325,11 +330,12 @@ def _reads(code: str, name: str) -> bool:
 def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -> dict:
     """What the kernel templates of `families` fill in for this spec: every kernel's signature and
     each kernel's hooks."""
+    decode = _decode_hooks(facts) if "decode" in families else None
     return dict(
-        decode=_decode_hooks(facts) if "decode" in families else None,
+        decode=decode,
         # Whether the decode kernel reads query positions (else it never loads q_offset).
-        decode_positions="decode" in families and any(
-            _reads(h.code, name) for h in _decode_hooks(facts).values() for name in ("pos_m", "q_off")),
+        decode_positions=decode is not None and any(
+            _reads(h.code, name) for h in decode.values() for name in ("pos_m", "q_off")),
         sig=kernel_signatures(facts.spec, facts.tile_table),
         fwd=_kernel_hooks(facts, FORWARD_ROWS, "k", ""),
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),

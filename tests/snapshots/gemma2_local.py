@@ -1388,7 +1388,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "073870a018698bc2"
+MODULE_DIGEST = "73f02171f03e0569"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1708,15 +1708,14 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     if page_table is None:
-        HKV, KV_LEN = k.shape[1], k.shape[2]
+        HKV, KV_LEN, page_size = k.shape[1], k.shape[2], 1
         # (batch, head, key, dim) strides; a paged cache's are (page, head, slot, dim).
         k_strides, v_strides = k.stride(), v.stride()
-        pages = (None, 0, 1)  # no page table: the kernel never reads one
     else:
-        HKV, KV_LEN = k.shape[2], page_table.shape[1] * k.shape[1]
+        HKV, page_size = k.shape[2], k.shape[1]
+        KV_LEN = page_table.shape[1] * page_size
         k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
         v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
-        pages = (page_table, page_table.stride(0), k.shape[0])
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
     _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
@@ -1727,13 +1726,14 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
-    page_args = (pages[0] if pages[0] is not None else part_lse, *pages[1:])
+    # PageTable, its row stride and NUM_PAGES; without a page table, a placeholder never read.
+    page_args = (part_lse, 0, 1) if page_table is None else (page_table, page_table.stride(0), k.shape[0])
     _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
         q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
         *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None,
-        PAGE_SIZE=k.shape[1] if page_table is not None else 1, num_warps=warps, num_stages=stages, **cache_flags)
+        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None, PAGE_SIZE=page_size,
+        num_warps=warps, num_stages=stages, **cache_flags)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
