@@ -5,10 +5,13 @@ time limit; `pytest --hypothesis-profile=long` draws many more examples at rando
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
+
+import attngen
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=200,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -32,3 +35,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+# Small params for the catalog, so the interpreter's 16 x 16 tiles see windows, chunks and blocks
+# cross tiles.
+SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
+
+
+@pytest.fixture
+def build_small():
+    """build(spec, **params): a catalog spec (a name in specs/ or a path) built with SMALL_PARAMS,
+    overridden by `params`, for the params it declares."""
+    def build(spec, **params):
+        path = spec if isinstance(spec, Path) else SPECS / f"{spec}.attn"
+        declared = {p.name for p in attngen.load_spec(path)[0].params}
+        return attngen.build(path, params={k: v for k, v in {**SMALL_PARAMS, **params}.items() if k in declared})
+    return build

@@ -11,20 +11,14 @@ import torch
 
 import attngen
 from attngen import reference, testing
+from attngen.testing import strategies
 
 SPECS = Path(__file__).parent.parent / "specs"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
 # (B, H, HKV, Q_LEN, MAX_KV, D): decode (GQA, one and several queries) and chunked prefill.
 SHAPES = [(3, 8, 2, 1, 150, 16), (2, 4, 2, 6, 90, 32), (2, 2, 1, 40, 100, 16)]
 SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
           "chunked_causal", "learned_rel_bias"]
-
-
-def _build(name):
-    path = SPECS / f"{name}.attn"
-    declared = {p.name for p in attngen.load_spec(path)[0].params}
-    return attngen.build(path, params={k: v for k, v in SMALL_PARAMS.items() if k in declared})
 
 
 def _case(attn, shape, dtype=torch.float32, seed=0):
@@ -48,8 +42,8 @@ def _assert_matches(attn, q, k, v, inputs, **cache):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", SERVED)
-def test_cache_calls_match_the_reference(name, shape):
-    attn = _build(name)
+def test_cache_calls_match_the_reference(name, shape, build_small):
+    attn = build_small(name)
     q, k, v, inputs, kv_len = _case(attn, shape)
     family = attn.forward_family(q, k, v, **inputs)
     assert family == ("portable" if shape[3] * shape[1] // shape[2] > 64 else "decode")
@@ -59,8 +53,8 @@ def test_cache_calls_match_the_reference(name, shape):
     _assert_matches(attn, q, k, v, inputs, q_offset=q_offset)  # offsets alone: every key valid
 
 
-def test_cache_calls_in_half_precision():
-    attn = _build("alibi_causal")
+def test_cache_calls_in_half_precision(build_small):
+    attn = build_small("alibi_causal")
     q, k, v, inputs, kv_len = _case(attn, SHAPES[0], torch.float16)
     _assert_matches(attn, q, k, v, inputs, kv_len=kv_len)
 
@@ -80,8 +74,8 @@ def test_the_reference_cache_semantics():
     torch.testing.assert_close(reference.evaluate(spec, q, k, v, q_offset=torch.zeros(2, dtype=torch.int32))[0], plain)
 
 
-def test_rows_with_no_key_give_zero_and_minus_infinity():
-    attn = _build("causal")
+def test_rows_with_no_key_give_zero_and_minus_infinity(build_small):
+    attn = build_small("causal")
     q, k, v = testing.random_qkv(2, 4, 2, 1, 40, 16, 16, torch.float32, device=DEVICE)
     kv_len = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
     q_offset = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
@@ -90,8 +84,8 @@ def test_rows_with_no_key_give_zero_and_minus_infinity():
     _assert_matches(attn, q, k, v, {}, kv_len=kv_len, q_offset=q_offset)
 
 
-def test_cache_call_errors():
-    attn = _build("causal")
+def test_cache_call_errors(build_small):
+    attn = build_small("causal")
     q, k, v = testing.random_qkv(2, 4, 2, 3, 40, 16, 16, torch.float32, device=DEVICE)
     lengths = torch.tensor([40, 10], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"kv_len must be an int32 tensor of shape \(2,\)"):
@@ -108,16 +102,16 @@ def test_cache_call_errors():
         tables(q.detach(), k, v, kv_len=lengths, doc=doc)
 
 
-def test_cache_calls_under_torch_compile():
-    attn = _build("sliding_window")
+def test_cache_calls_under_torch_compile(build_small):
+    attn = build_small("sliding_window")
     q, k, v, inputs, kv_len = _case(attn, SHAPES[0])
     compiled = torch.compile(lambda q, k, v, n: attn(q, k, v, kv_len=n), backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(q, k, v, kv_len), attn(q, k, v, kv_len=kv_len))
 
 
-def test_merge_of_two_halves_is_the_whole():
-    attn = _build("full")
+def test_merge_of_two_halves_is_the_whole(build_small):
+    attn = build_small("full")
     q, k, v = testing.random_qkv(2, 4, 2, 3, 50, 16, 16, torch.float32, device=DEVICE)
     whole, whole_lse = attn(q, k, v, return_lse=True)
     parts = [attn(q, k[:, :, s], v[:, :, s], return_lse=True) for s in (slice(0, 21), slice(21, 50))]
@@ -135,34 +129,13 @@ def test_merge_of_two_halves_is_the_whole():
         attngen.merge([out, out], [lse, lse[:, :1]])
 
 
-def _paged(k, v, page_size, generator):
-    """The contiguous cache k, v (B, HKV, MAX_KV, D) as shuffled pages (NUM_PAGES, PAGE_SIZE, HKV, D)
-    and its page table (B, MAX_PAGES), with two spare pages that no row uses."""
-    B, HKV, MAX_KV, D = k.shape
-    n_pages = -(-MAX_KV // page_size)
-    pad = n_pages * page_size - MAX_KV
-
-    def pages(x):
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.view(B, HKV, n_pages, page_size, x.shape[-1]).permute(0, 2, 3, 1, 4).reshape(
-            B * n_pages, page_size, HKV, x.shape[-1])
-
-    order = torch.randperm(B * n_pages + 2, generator=generator)
-    k_pages = torch.randn(B * n_pages + 2, page_size, HKV, D, dtype=k.dtype).to(k.device)
-    v_pages = torch.randn(B * n_pages + 2, page_size, HKV, v.shape[-1], dtype=v.dtype).to(v.device)
-    slots = order[:B * n_pages].to(k.device)
-    k_pages[slots] = pages(k)
-    v_pages[slots] = pages(v)
-    return k_pages, v_pages, slots.view(B, n_pages).to(torch.int32)
-
-
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", ["causal", "alibi_causal", "sliding_window", "learned_rel_bias"])
-def test_paged_cache_calls_match_the_reference(name, shape, page_size):
-    attn = _build(name)
+def test_paged_cache_calls_match_the_reference(name, shape, page_size, build_small):
+    attn = build_small(name)
     q, k, v, inputs, kv_len = _case(attn, shape)
-    k_pages, v_pages, table = _paged(k, v, page_size, torch.Generator().manual_seed(1))
+    k_pages, v_pages, table = strategies.paged(k, v, page_size, seed=1)
     # Entries past a row's used pages are never read: they may hold anything.
     used = torch.arange(table.shape[1], device=DEVICE) * page_size < kv_len[:, None].to(DEVICE)
     table = torch.where(used, table, -7)
@@ -175,17 +148,17 @@ def test_paged_cache_calls_match_the_reference(name, shape, page_size):
         torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_paged_cache_errors():
-    attn = _build("causal")
+def test_paged_cache_errors(build_small):
+    attn = build_small("causal")
     q, k, v, _, kv_len = _case(attn, SHAPES[1])
-    k_pages, v_pages, table = _paged(k, v, 16, torch.Generator().manual_seed(1))
+    k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
     with pytest.raises(ValueError, match="needs kv_len"):
         attn(q, k_pages, v_pages, page_table=table)
     with pytest.raises(ValueError, match="page size .* must be a multiple of 16, got 8"):
         attn(q, k_pages[:, :8], v_pages[:, :8], page_table=table, kv_len=kv_len)
     with pytest.raises(ValueError, match=r"page_table must be an int32 tensor of shape \(2, MAX_PAGES\)"):
         attn(q, k_pages, v_pages, page_table=table.long(), kv_len=kv_len)
-    with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 14\)"):
+    with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 13\)"):
         attn(q, k_pages, v_pages, page_table=table + 100, kv_len=kv_len)
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\] \(the cache's length, MAX_PAGES \* PAGE_SIZE\)"):
         attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len + 100)
@@ -194,10 +167,10 @@ def test_paged_cache_errors():
         tables(q, k_pages, v_pages, page_table=table, kv_len=kv_len, doc=torch.zeros(96, dtype=torch.int32, device=DEVICE))
 
 
-def test_paged_cache_calls_under_torch_compile():
-    attn = _build("alibi_causal")
+def test_paged_cache_calls_under_torch_compile(build_small):
+    attn = build_small("alibi_causal")
     q, k, v, inputs, kv_len = _case(attn, SHAPES[0])
-    k_pages, v_pages, table = _paged(k, v, 16, torch.Generator().manual_seed(2))
+    k_pages, v_pages, table = strategies.paged(k, v, 16, seed=2)
     compiled = torch.compile(lambda q, k, v, n, t, s: attn(q, k, v, kv_len=n, page_table=t, slopes=s),
                              backend="aot_eager", fullgraph=True)
     with torch.no_grad():

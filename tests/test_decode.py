@@ -17,7 +17,6 @@ from attngen.plan import families
 SPECS = Path(__file__).parent.parent / "specs"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
 # (B, H, HKV, Q_LEN, KV_LEN, D, DV): one query over a long cache with GQA 4:1, speculative decoding's
 # few queries, a full 64-row tile, odd head dims, one key/value head per query head.
 SHAPES = [
@@ -26,12 +25,6 @@ SHAPES = [
     (1, 4, 1, 16, 130, 16, 16),
     (3, 2, 2, 5, 61, 64, 16),
 ]
-
-
-def _build(name, **extra):
-    path = SPECS / f"{name}.attn"
-    declared = {p.name for p in attngen.load_spec(path)[0].params}
-    return attngen.build(path, params={k: v for k, v in {**SMALL_PARAMS, **extra}.items() if k in declared})
 
 
 def _decoded(attn, shape, dtype):
@@ -52,16 +45,16 @@ CASES = [(shape, dtype) for n, shape in enumerate(SHAPES) for dtype in DTYPES if
 
 @pytest.mark.parametrize("shape, dtype", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
 @pytest.mark.parametrize("name", SERVED)
-def test_decode_matches_reference(name, shape, dtype):
-    attn = _build(name)
+def test_decode_matches_reference(name, shape, dtype, build_small):
+    attn = build_small(name)
     assert attn.plan.families == ("decode", "portable")
     q, k, v, inputs = _decoded(attn, shape, dtype)
     # The gradients come from the portable backward kernels, fed the decode forward's out and LSE.
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
-def test_decode_splits_keys_and_merges_empty_shares():
-    attn = _build("sliding_window", window=3)
+def test_decode_splits_keys_and_merges_empty_shares(build_small):
+    attn = build_small("sliding_window", window=3)
     q, k, v, inputs = _decoded(attn, (1, 4, 1, 2, 400, 16, 16), torch.float32)
     # 25 key tiles of 16: 7 shares of 4 tiles in the interpreter's count of SMs, but the window
     # reaches 1 tile, so all shares but one are empty and weigh nothing in the merge.
@@ -79,8 +72,8 @@ def test_decode_rows_with_no_key_give_zero_and_minus_infinity():
     testing.check_against_reference(attn.spec, attn, q, k, v, {"lengths": lengths})
 
 
-def test_the_host_picks_the_family_per_call():
-    attn = _build("causal")
+def test_the_host_picks_the_family_per_call(build_small):
+    attn = build_small("causal")
     small = testing.random_qkv(1, 8, 2, 16, 40, 16, 16, torch.float32, device=DEVICE)  # 4 * 16 = 64 rows
     large = testing.random_qkv(1, 8, 2, 17, 40, 16, 16, torch.float32, device=DEVICE)  # 68 rows
     assert attn.module.forward_family(*small) == "decode"

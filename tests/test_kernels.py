@@ -14,8 +14,6 @@ import attngen
 from attngen import testing
 
 SPECS = sorted(Path(__file__).parent.parent.joinpath("specs").glob("*.attn"))
-# Small params, so the interpreter's 16 x 16 tiles see windows, chunks and blocks cross tiles.
-SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
 # (B, H, HKV, Q_LEN, KV_LEN, D, DV): lengths that are not tile multiples, odd head dims,
 # GQA, Q_LEN != KV_LEN both ways, D != DV.
 SHAPES = [
@@ -27,17 +25,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def _build(path):
-    declared = {p.name for p in attngen.load_spec(path)[0].params}
-    return attngen.build(path, params={k: v for k, v in SMALL_PARAMS.items() if k in declared})
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
-def test_catalog_matches_reference(path, shape, dtype):
+def test_catalog_matches_reference(path, shape, dtype, build_small):
     B, H, HKV, N, M, D, DV = shape
-    attn = _build(path)
+    attn = build_small(path)
     if attn.spec.name == "document_causal":
         M = N  # document ids are indexed by q and k: the spec needs Q_LEN == KV_LEN
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, DV, dtype, device=DEVICE)
