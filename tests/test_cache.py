@@ -17,15 +17,14 @@ SPECS = Path(__file__).parent.parent / "specs"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (B, H, HKV, Q_LEN, MAX_KV, D): decode (GQA, one and several queries) and chunked prefill.
 SHAPES = [(3, 8, 2, 1, 150, 16), (2, 4, 2, 6, 90, 32), (2, 2, 1, 40, 100, 16)]
-SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
-          "chunked_causal", "learned_rel_bias"]
+CATALOG = sorted(p.stem for p in SPECS.glob("*.attn"))
 
 
 def _case(attn, shape, dtype=torch.float32, seed=0):
     B, H, HKV, N, M, D = shape
     torch.manual_seed(seed)
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype, device=DEVICE)
-    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE, query_positions=M + 17 + N)
     kv_len = torch.randint(N, M + 1, (B,), dtype=torch.int32, device=DEVICE)
     kv_len[0] = M  # one row uses the whole cache
     return q, k, v, inputs, kv_len
@@ -41,12 +40,15 @@ def _assert_matches(attn, q, k, v, inputs, **cache):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", CATALOG)
 def test_cache_calls_match_the_reference(name, shape, build_small):
     attn = build_small(name)
     q, k, v, inputs, kv_len = _case(attn, shape)
     family = attn.forward_family(q, k, v, **inputs)
-    assert family == ("portable" if shape[3] * shape[1] // shape[2] > 64 else "decode")
+    # block_sparse's layout is per query head, which a decode tile mixes: the portable forward serves it.
+    decodes = "decode" in attn.plan.families and shape[3] * shape[1] // shape[2] <= 64
+    assert family == ("decode" if decodes else "portable")
+    assert ("decode" in attn.plan.families) == (name != "block_sparse")
     _assert_matches(attn, q, k, v, inputs, kv_len=kv_len)  # the queries are the newest tokens
     q_offset = torch.tensor([0, 17, 3][:shape[0]], dtype=torch.int32, device=DEVICE)
     _assert_matches(attn, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset)
@@ -96,10 +98,10 @@ def test_cache_call_errors(build_small):
         attn(q, k, v, kv_len=torch.tensor([40, 2], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="has no backward pass"):
         attn(q.requires_grad_(), k, v, kv_len=lengths)
-    tables = attngen.build(SPECS / "document_causal.attn")
+    documents = attngen.build(SPECS / "document_causal.attn")
     doc = torch.zeros(40, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="do not work yet with a mask that reads inputs at q or k"):
-        tables(q.detach(), k, v, kv_len=lengths, doc=doc)
+    with pytest.raises(ValueError, match="tile_tables must be None in a call with kv_len"):
+        documents(q.detach(), k, v, kv_len=lengths, doc=doc, tile_tables=documents.tile_tables(q.detach(), k, v, doc=doc))
 
 
 def test_cache_calls_under_torch_compile(build_small):
@@ -131,15 +133,20 @@ def test_merge_of_two_halves_is_the_whole(build_small):
 
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["causal", "alibi_causal", "sliding_window", "learned_rel_bias"])
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "sliding_window", "learned_rel_bias", "document_causal",
+                                  "block_sparse"])
 def test_paged_cache_calls_match_the_reference(name, shape, page_size, build_small):
     attn = build_small(name)
-    q, k, v, inputs, kv_len = _case(attn, shape)
+    # A paged cache holds whole pages, and inputs sized KV_LEN (document ids) follow its length.
+    *sizes, M, D = shape
+    q, k, v, inputs, kv_len = _case(attn, (*sizes, -(-M // page_size) * page_size, D))
     k_pages, v_pages, table = strategies.paged(k, v, page_size, seed=1)
     # Entries past a row's used pages are never read: they may hold anything.
     used = torch.arange(table.shape[1], device=DEVICE) * page_size < kv_len[:, None].to(DEVICE)
     table = torch.where(used, table, -7)
-    assert attn.forward_family(q, k_pages, v_pages, kv_len=kv_len, page_table=table, **inputs) == "decode"
+    # Both families read pages: the same rule as for a contiguous cache picks one.
+    assert (attn.forward_family(q, k_pages, v_pages, kv_len=kv_len, page_table=table, **inputs)
+            == attn.forward_family(q, k, v, kv_len=kv_len, **inputs))
     for cache in ({"kv_len": kv_len}, {"kv_len": kv_len, "q_offset": torch.full_like(kv_len, 2)}):
         with torch.no_grad():
             out, lse = attn(q, k_pages, v_pages, page_table=table, return_lse=True, **inputs, **cache)
@@ -162,9 +169,6 @@ def test_paged_cache_errors(build_small):
         attn(q, k_pages, v_pages, page_table=table + 100, kv_len=kv_len)
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\] \(the cache's length, MAX_PAGES \* PAGE_SIZE\)"):
         attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len + 100)
-    tables = attngen.build(SPECS / "document_causal.attn")
-    with pytest.raises(ValueError, match="read only by the decode kernels"):
-        tables(q, k_pages, v_pages, page_table=table, kv_len=kv_len, doc=torch.zeros(96, dtype=torch.int32, device=DEVICE))
 
 
 def test_paged_cache_calls_under_torch_compile(build_small):
@@ -176,3 +180,37 @@ def test_paged_cache_calls_under_torch_compile(build_small):
     with torch.no_grad():
         torch.testing.assert_close(compiled(q, k_pages, v_pages, kv_len, table, inputs["slopes"]),
                                    attn(q, k_pages, v_pages, kv_len=kv_len, page_table=table, **inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_cache_calls_replay_in_a_cuda_graph(layout, build_small):
+    # A serving loop captures one decoding step and replays it: shapes are static, the lengths (and
+    # so the positions) are tensors updated in place, and the call makes no host sync (which would
+    # fail the capture). Every replay must match an eager call and the float64 reference.
+    attn = build_small("alibi_causal")
+    B, H, HKV, N, M, D = 4, 8, 2, 1, 512, 64
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device="cuda")
+    kv_len = torch.tensor([M, 1, 100, 300], dtype=torch.int32, device="cuda")
+    kc, vc, call = k, v, {}
+    if layout == "paged16":
+        kc, vc, table = strategies.paged(k, v, 16, seed=3)
+        call["page_table"] = table
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        attn(q, kc, vc, kv_len=kv_len, **call, **inputs)  # compiles the kernels outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = attn(q, kc, vc, kv_len=kv_len, **call, **inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step, lengths in enumerate(([M, 1, 100, 300], [7, M - 3, 64, 1], [200, 16, 17, M])):
+        kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            eager = attn(q, kc, vc, kv_len=kv_len, **call, **inputs)
+        assert torch.equal(out, eager), f"replay {step} differs from the eager call"
+        want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)

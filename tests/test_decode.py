@@ -36,7 +36,7 @@ def _decoded(attn, shape, dtype):
 
 
 SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
-          "chunked_causal", "learned_rel_bias"]
+          "chunked_causal", "learned_rel_bias", "document_causal"]
 
 
 # fp32 on every shape; the 16-bit dtypes on the first two (their path differs only in the loads).
@@ -81,9 +81,41 @@ def test_the_host_picks_the_family_per_call(build_small):
     assert attn.module.DECODE_MAX_ROWS == families.DECODE_MAX_ROWS == 64
 
 
+def test_tile_table_masks_are_decided_in_the_decode_kernel(build_small):
+    # Documents: the decode kernel reads no tile table, so a decoding call builds none; it decides the
+    # mask key by key over the mask's closed-form hull (here, causal: every key up to the query).
+    attn = build_small("document_causal")
+    assert attn.plan.families == ("decode", "portable")
+    q, k, v, inputs = _decoded(attn, SHAPES[0], torch.float32)
+    built = attn.module.TABLE_STATS["built"]
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
+    assert attn.module.TABLE_STATS["built"] == built
+
+
+# (B, Q_LEN, KV_LEN, the faster kernel on the H200) from `decode_bench.py --prefill` (bf16, D=128, GQA
+# 32/8, causal): the split kernel wins where the portable forward's grid leaves SMs idle.
+PREFILL = [(1, 256, 65536, "decode"), (1, 128, 16384, "decode"), (16, 64, 65536, "decode"),
+           (1, 512, 16384, "portable"), (16, 128, 4096, "portable"), (4, 1024, 65536, "portable")]
+
+
+@pytest.mark.parametrize("B, Q_LEN, KV_LEN, faster", PREFILL)
+def test_chunked_prefill_goes_to_the_kernel_predicted_faster(B, Q_LEN, KV_LEN, faster, monkeypatch):
+    # The H200's plan and SM count; the shapes alone decide (tensors on the meta device hold no data, so
+    # the rule is asked directly, past the argument checks that want the call's device).
+    attn = attngen.build(SPECS / "causal.attn", target="h200")
+    monkeypatch.setattr(attn.module, "_sm_count", lambda device: 132)
+    q = torch.empty(B, 32, Q_LEN, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(B, 8, KV_LEN, 128, dtype=torch.bfloat16, device="meta")
+    assert attn.module._forward_family(q, k, 8, KV_LEN)[0] == faster
+    # A mask that follows tile tables keeps long calls on the portable forward, whose table the model does not see.
+    documents = attngen.build(SPECS / "document_causal.attn", target="h200")
+    monkeypatch.setattr(documents.module, "_sm_count", lambda device: 132)
+    assert documents.module._forward_family(q, k, 8, KV_LEN)[0] == "portable"
+
+
 @pytest.mark.parametrize("spec, why", [
-    ("attention docs\ninput doc: i32[B, KV_LEN]\nmask: doc[b, q] == doc[b, k]\n", "tile tables"),
     ("attention per_head_window\nmask: k <= q and q - k <= 4 + h\n", "query head h"),
+    ("attention per_head_layout\ninput layout: bool[H, *, *]\nmask: layout[h, q // 16, k // 16]\n", "query head h"),
 ])
 def test_specs_the_decode_family_cannot_serve_stay_portable(spec, why):
     attn = attngen.build(spec)

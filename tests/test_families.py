@@ -32,13 +32,13 @@ MIRROR_LAUNCH = """\"\"\"A test family: the portable forward, counted.\"\"\"
 MIRROR_CALLS = []
 
 
-def _mirror_serves(q, k, v):
+def _mirror_serves(q, v, HKV, KV_LEN):
     return q.shape[2] == 1
 
 
-def _mirror_forward(q, k, v, tensors, table, cache=None):
+def _mirror_forward(q, k, v, tensors, table, cache=None, page_table=None):
     MIRROR_CALLS.append(tuple(q.shape))
-    return _portable_forward(q, k, v, tensors, table, cache=cache)
+    return _portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table)
 """
 
 

@@ -105,6 +105,32 @@ def test_greedy_generation_matches_eager(models, name):
     _assert_close_logits(f"{name} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
 
 
+def test_decoding_steps_run_the_decode_kernels(models, monkeypatch):
+    """Greedy generation of left-padded prompts: the prompt runs the portable forward (with its tile
+    tables), each new token the split-KV decode kernels, which decide the padding mask key by key."""
+    ids, mask = _inputs(40, "left", seed=2)  # 2 query heads per key/value head x 40 > 64 rows: the prompt is no decode tile
+    model = models["llama"]
+    model.set_attn_implementation("attngen")
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(max_new_tokens=1, **kwargs)  # builds the spec
+    ran = []
+
+    def recording(name, launch):
+        def run(*args, **kw):
+            ran.append(name)
+            return launch(*args, **kw)
+        return run
+
+    for name in vars(hf._BUILT):
+        module = getattr(hf._BUILT, name).module
+        monkeypatch.setattr(module, "_portable_forward", recording("portable", module._portable_forward))
+        monkeypatch.setattr(module, "FORWARD_FAMILIES", tuple(
+            (family, serves, recording(family, launch)) for family, serves, launch in module.FORWARD_FAMILIES))
+    model.generate(max_new_tokens=4, **kwargs)
+    layers = SIZES["num_hidden_layers"]
+    assert ran == ["portable"] * layers + ["decode"] * layers * 3
+
+
 # (q_length, kv_length, q_offset, kv_offset, window, padding): one call, as the cache layers make them.
 CALLS = {
     "prefill": (7, 7, 0, 0, None, "left"),

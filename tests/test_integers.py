@@ -262,7 +262,7 @@ _COMPILE = textwrap.dedent('''
     spec.loader.exec_module(module)
     constants = dict(HEAD_DIM=16, HEAD_DIM_V=16, HEAD_DIM_PAD=16, HEAD_DIM_V_PAD=16, BLOCK_M=64, BLOCK_N=64,
                      BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, PARTS=3, COUNT_VISITS=False,
-                     DOT_PRECISION="tf32", KV_LEN=1,  # an int argument equal to 1 is a constexpr
+                     DOT_PRECISION="tf32", FOLLOW_TABLE=False, KV_LEN=1,  # an int argument equal to 1 is a constexpr
                      HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16,  # cache calls, paged
                      n_rows=1, BLOCK_R=16)  # one row to merge (found by attngen check on an H200)
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",

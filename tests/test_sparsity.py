@@ -130,8 +130,9 @@ def test_poisoned_keys_in_skipped_tiles_cannot_reach_the_output():
 def test_tile_table_is_built_on_every_call_and_reused_only_when_passed():
     attn = attngen.build(Path(__file__).parent.parent / "specs" / "document_causal.attn")
     stats = attn.module.TABLE_STATS
-    q, k, v = testing.random_qkv(1, 2, 2, 48, 48, 16, 16, torch.float32, device=DEVICE)
-    doc = torch.tensor([0] * 20 + [1] * 28, dtype=torch.int32, device=DEVICE)
+    # 80 query rows: more than a decode tile holds, so the portable forward (which follows tables) runs.
+    q, k, v = testing.random_qkv(1, 2, 2, 80, 80, 16, 16, torch.float32, device=DEVICE)
+    doc = torch.tensor([0] * 20 + [1] * 60, dtype=torch.int32, device=DEVICE)
     built = stats["built"]
     first = attn(q, k, v, doc=doc)
     assert stats["built"] == built + 1

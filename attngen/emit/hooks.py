@@ -72,12 +72,24 @@ class Hook:
 def undeclared_reads(hook: Hook, known: set[str]) -> set[str]:
     """The names `hook` reads before defining them that it did not declare and `known` (the module's
     and the kernel's names) does not hold: empty for a hook that keeps its contract."""
-    defined = set(hook.inputs) | known
+    return _flow(ast.parse(hook.code).body, set(hook.inputs) | known)[0]
+
+
+def _flow(statements: list[ast.stmt], defined: set[str]) -> tuple[set[str], set[str]]:
+    """(names read before any definition, names defined after) of `statements`; an `if` defines
+    what both its branches do (a constexpr `if` keeps one of them)."""
     missing = set()
-    for statement in ast.parse(hook.code).body:
-        missing |= _names(statement, ast.Load) - defined
-        defined |= _names(statement, ast.Store)
-    return missing
+    for statement in statements:
+        if isinstance(statement, ast.If):
+            missing |= _names(statement.test, ast.Load) - defined
+            body_missing, body_defined = _flow(statement.body, set(defined))
+            else_missing, else_defined = _flow(statement.orelse, set(defined))
+            missing |= body_missing | else_missing
+            defined = body_defined & else_defined
+        else:
+            missing |= _names(statement, ast.Load) - defined
+            defined = defined | _names(statement, ast.Store)
+    return missing, defined
 
 
 def defined_names(hook: Hook) -> set[str]:
@@ -235,18 +247,32 @@ def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
 def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
     """Which tiles of `loop` one program visits with mask code and which without (TILE_RANGE_NAMES):
     the rows of its tile table, or its closed-form bounds cut into tiles."""
+    tile = "start_m" if loop == "k" else "start_n"
+    table = [
+        "# This tile's partial tiles (listed from the left of its row) and full ones (from the right).",
+        f"trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + {tile}",
+        "masked_tiles = TblIdx + trow * tbl_cols",
+        "masked_lo, masked_hi, gap_at, gap = 0, tl.load(TblNum + 2 * trow), 0, 0",
+        "n_full = tl.load(TblNum + 2 * trow + 1)",
+        "full_tiles, full_lo, full_hi = masked_tiles + tbl_cols - n_full, 0, n_full",
+    ]
+    if facts.tile_table and not offset:
+        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(table))
+    closed = _closed_tile_range(facts, loop, offset)
+    if not facts.tile_table:
+        return closed
+    # The forward kernel also runs cache calls, whose query positions a table built for rows 0 ..
+    # Q_LEN - 1 does not describe: those (FOLLOW_TABLE off) visit the closed-form hull of the mask,
+    # every tile with mask code, which is exact, only without skipping the tiles inside the hull.
+    code = ["if FOLLOW_TABLE:", *("    " + line for line in table),
+            "else:", *("    " + line for line in closed.code.splitlines())]
+    return Hook("tile_range", closed.inputs, TILE_RANGE_NAMES, "\n".join(code))
+
+
+def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
+    """_tile_range_hook from the closed-form bounds: the hull of the allowed tiles, cut into tiles."""
     tile, block, other_block, length = (("start_m", "BLOCK_N", "BLOCK_M", "Q_LEN") if loop == "k"
                                         else ("start_n", "BLOCK_M", "BLOCK_N", "KV_LEN"))
-    if facts.tile_table:
-        code = [
-            "# This tile's partial tiles (listed from the left of its row) and full ones (from the right).",
-            f"trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + {tile}",
-            "masked_tiles = TblIdx + trow * tbl_cols",
-            "masked_lo, masked_hi, gap_at, gap = 0, tl.load(TblNum + 2 * trow), 0, 0",
-            "n_full = tl.load(TblNum + 2 * trow + 1)",
-            "full_tiles, full_lo, full_hi = masked_tiles + tbl_cols - n_full, 0, n_full",
-        ]
-        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(code))
     other = "q" if loop == "k" else "k"
     bounds = _bounds_hook(facts, loop)
     lo, hi, full_lo, full_hi = bounds.outputs

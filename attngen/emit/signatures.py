@@ -66,7 +66,13 @@ TABLE = ("TblNum", "TblIdx", "tbl_sb", "tbl_sh", "tbl_cols")
 # A cache call's per-row lengths and query offsets ((B,) int32), read when their flag is set.
 CACHE = ("KvLen", "QOffset")
 CACHE_FLAGS = ("HAS_KV_LEN", "HAS_Q_OFFSET")
+# A paged cache's page table ((B, MAX_PAGES) int32), its row stride and the pool's page count; PAGED and
+# the page size are constexprs (K and V then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)).
+PAGE_TABLE = ("PageTable", "stride_pt", "NUM_PAGES")
+PAGING = ("PAGED", "PAGE_SIZE")
 _INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
+# FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a table does
+# not describe) and in every call of a spec without tables.
 _PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
 
 
@@ -97,13 +103,14 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
 
     return {
         "fwd_inner": sig("_fwd_inner", (
-            "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn", "stride_vk",
-            *TILE_LOOP, "offs_m", "pos_m", "offs_d", "offs_dv", "sm_scale", "qk_scale", *POSITIONS, *SIZES,
-            *inputs), _INNER_CONSTANTS),
+            "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
+            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "offs_d", "offs_dv", "sm_scale", "qk_scale",
+            *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"), (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
             "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
-            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", *CACHE_FLAGS)),
+            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
+             *PAGING)),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "offs_d", "offs_dv", "sm_scale", "qk_scale",
@@ -128,8 +135,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION")),
         "decode_fwd": sig("_decode_fwd_kernel", (
             "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
-            *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, "PageTable", "stride_pt", "NUM_PAGES"),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, "PAGED", "PAGE_SIZE")),
+            *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", "Lse", "n_rows", "SPLITS"),
                               ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),

@@ -43,8 +43,6 @@ DECODE_MAX_ROWS = 64
 
 
 def _decode_problem(facts: Analysis, target: Target) -> str | None:
-    if facts.tile_table:
-        return "its mask follows tile tables (it reads inputs at q or k), which the split kernel does not read"
     if facts.mask_reads_head:
         return ("its mask reads the query head h, and a decode tile packs the query heads of one key/value "
                 "head together, whose tile bounds could then differ")
@@ -69,7 +67,9 @@ DECODE = Family(
     problem=_decode_problem,
     kernels=("fwd",),
     per_call=(f"forward calls whose (H / HKV) * Q_LEN <= {DECODE_MAX_ROWS} (decoding, speculative "
-              "decoding): one tile holds every query of a key/value head"),
+              "decoding): one tile holds every query of a key/value head; and longer calls (chunked prefill) "
+              "where the host's model of both kernels, from the call's shapes and the SM count, predicts "
+              "the split kernel faster (masks without tile tables)"),
     tiles=_decode_tiles,
 )
 

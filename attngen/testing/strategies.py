@@ -204,21 +204,18 @@ def _length(max_len: int) -> st.SearchStrategy[int]:
 
 
 def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
-    """q, k, v and the spec's inputs for a case, from its seed."""
+    """q, k, v and the spec's inputs for a case, from its seed (inputs of any size, `*`, cover the
+    query positions a cache case may draw: cache_data's offsets)."""
     q, k, v = tolerances.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
                                  DTYPES[case.dtype], device=device, seed=case.seed)
+    positions = MAX_OFFSET_PER_KEY * case.KV_LEN + case.Q_LEN if case.cache != "none" else None
     inputs = tolerances.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
-                                   device=device, seed=case.seed)
+                                   device=device, seed=case.seed, query_positions=positions)
     return q, k, v, inputs
 
 
-def supported_caches(attn) -> tuple[str, ...]:
-    """The calls (CACHES) a built attention takes: cache calls unless its mask follows tile tables,
-    paged ones where its module has the decode kernels."""
-    if attn.module.TILE_TABLE:
-        return ("none",)
-    paged = ("paged16", "paged32") if "decode" in attn.plan.families else ()
-    return ("none", "contiguous", *paged)
+# Drawn query offsets reach this many times the cache's length (queries past every key included).
+MAX_OFFSET_PER_KEY = 2
 
 
 def cache_data(case: Case, device: str = "cpu") -> dict:
@@ -228,7 +225,8 @@ def cache_data(case: Case, device: str = "cpu") -> dict:
     kv_len = torch.randint(0, case.KV_LEN + 1, (case.B,), generator=g, dtype=torch.int32)
     cache = {"kv_len": kv_len.to(device)}
     if case.seed % 2 or bool((kv_len < case.Q_LEN).any()):
-        cache["q_offset"] = torch.randint(0, 2 * case.KV_LEN + 1, (case.B,), generator=g, dtype=torch.int32).to(device)
+        cache["q_offset"] = torch.randint(0, MAX_OFFSET_PER_KEY * case.KV_LEN + 1, (case.B,), generator=g,
+                                          dtype=torch.int32).to(device)
     return cache
 
 

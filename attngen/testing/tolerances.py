@@ -161,18 +161,21 @@ def random_qkv(B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int, DV: in
 
 
 def random_inputs(spec: Spec, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, *,
-                  device: torch.device | str = "cpu", seed: int = 0) -> dict[str, Tensor]:
+                  device: torch.device | str = "cpu", seed: int = 0,
+                  query_positions: int | None = None) -> dict[str, Tensor]:
     """Plausible values for every declared tensor input, as a user would pass them.
 
     Position-indexed ints (dims with Q_LEN or KV_LEN) are non-decreasing document ids; other
     ints lie in [0, KV_LEN] (lengths, prefixes); floats are N(0, 0.5); bools are fair coins.
-    A `*` dim is sized to the largest index the spec uses there on this grid.
+    A `*` dim is sized to the largest index the spec uses there on this grid, whose queries sit at
+    positions 0 .. query_positions - 1 (a cache call's q_offset + Q_LEN at most; default Q_LEN).
     """
     g = torch.Generator().manual_seed(seed)
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    grid = {**sizes, "Q_LEN": max(Q_LEN, query_positions or 0)}
     result: dict[str, Tensor] = {}
     for decl in spec.inputs:
-        shape = [sizes.get(d, d) if d != "*" else _extent(spec, decl.name, i, sizes) for i, d in enumerate(decl.dims)]
+        shape = [sizes.get(d, d) if d != "*" else _extent(spec, decl.name, i, grid) for i, d in enumerate(decl.dims)]
         if decl.dtype in ("i32", "i64"):
             if any(d in ("Q_LEN", "KV_LEN") for d in decl.dims):
                 x = torch.randint(0, 4, shape, generator=g).sort(dim=-1).values

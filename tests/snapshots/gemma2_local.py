@@ -349,6 +349,13 @@ def _load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.
 
 
 @triton.jit
+def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
+    # The physical page of each key of a paged cache's row (0 past the row's keys); clamped by the
+    # caller to the pool, so no table entry can reach past its memory.
+    return tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < KV_LEN, other=0)
+
+
+@triton.jit
 def _index_bound(x, n):
     # A loop bound clamped to [0, n], as int32: bounds are computed in int64 (exactly: see
     # attngen.integers), and the loops' tile counters must keep one type (a clamp first keeps the
@@ -399,21 +406,34 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # the unnormalised output acc. HEAD_DIM / HEAD_DIM_V are the true head dims, *_PAD the
 # power-of-two tile widths. MASKED tiles run the spec's mask and the bounds checks; the
 # others are proven fully allowed and in bounds. The key tiles come either from closed-form
-# ranges (masks the analysis bounds) or from a tile table's lists (TILE_TABLE).
+# ranges (masks the analysis bounds) or from a tile table's lists (FOLLOW_TABLE).
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles, j_lo, j_hi,
-               gap_at, gap, visits, offs_m, pos_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv,
-               B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
+def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
+               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, offs_d, offs_dv, sm_scale,
+               qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, pages, NUM_PAGES,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+    if PAGED:
+        next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
-        k = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
+        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+        if PAGED:
+            # Key n is slot n % PAGE_SIZE of page pages[n // PAGE_SIZE]; the next tile's page numbers
+            # are read now, so their load overlaps this tile's (the K and V loads depend on them).
+            page = tl.minimum(tl.maximum(next_page, 0), NUM_PAGES - 1).to(tl.int64)
+            next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
+            key_rows = page * stride_kz + (offs_n % PAGE_SIZE) * stride_kn
+            value_rows = page * stride_vz + (offs_n % PAGE_SIZE) * stride_vn
+        else:
+            key_rows = offs_n * stride_kn
+            value_rows = offs_n * stride_vn
+        k = _load_tile(K_head + key_rows[None, :] + offs_d[:, None] * stride_kk,
                        offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM,
                        MASKED, HEAD_DIM != HEAD_DIM_PAD)
         qk = _dot(q, k, DOT_PRECISION)
@@ -435,7 +455,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn
         p = tl.exp2(s2 - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V_head + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vk,
+        v = _load_tile(V_head + value_rows[:, None] + offs_dv[None, :] * stride_vk,
                        offs_n[:, None] < KV_LEN, offs_dv[None, :] < HEAD_DIM_V,
                        MASKED, HEAD_DIM_V != HEAD_DIM_V_PAD)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
@@ -446,11 +466,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn
 @triton.jit
 def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
                 stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
-                stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                HAS_Q_OFFSET: tl.constexpr):
+                stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable,
+                stride_pt, NUM_PAGES, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -460,8 +481,14 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     Q_head = Q + off_b.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
-    K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
-    V_head = V + off_b.to(tl.int64) * stride_vz + off_hkv.to(tl.int64) * stride_vh
+    # A paged cache (PAGED): K and V hold pages (NUM_PAGES, PAGE_SIZE, HKV, D), their strides arrive as
+    # (page, head, slot, d), and the row's keys are found through its page table.
+    K_head = K + off_hkv.to(tl.int64) * stride_kh
+    V_head = V + off_hkv.to(tl.int64) * stride_vh
+    pages = PageTable + off_b.to(tl.int64) * stride_pt
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
     q = _load_tile(Q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
                    offs_m[:, None] < Q_LEN, offs_d[None, :] < HEAD_DIM, True, HEAD_DIM != HEAD_DIM_PAD)
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
@@ -493,16 +520,18 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, pos_m, offs_d,
-                               offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
-                               COUNT_VISITS, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                               full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m, offs_d, offs_dv,
-                               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
-                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
-                               DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
+                               stride_vn, stride_vk, masked_tiles, masked_lo, masked_hi, gap_at, gap, visits,
+                               offs_m, pos_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
+                               HKV, Q_LEN, KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION,
+                               FOLLOW_TABLE, PAGED, PAGE_SIZE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
+                               stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
+                               offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                               KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                               BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED,
+                               PAGE_SIZE)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
     has_keys = l_i > 0.0
@@ -957,13 +986,6 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
 
 
 @triton.jit
-def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
-    # The physical page of each key of a paged cache's row (0 past the row's keys); clamped by the
-    # caller to the pool, so no table entry can reach past its memory.
-    return tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < KV_LEN, other=0)
-
-
-@triton.jit
 def _decode_combine(OutPart, LsePart, Out, Lse, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr,
                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
@@ -1233,16 +1255,41 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, table, visits=None, cache=None):
+def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
-    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None.
-    Counting visits (visit_counts) follows the portable tiles."""
-    if visits is None:
-        for _, serves, launch in FORWARD_FAMILIES:
-            if serves(q, k, v):
-                return launch(q, k, v, tensors, table, cache)
-    return _portable_forward(q, k, v, tensors, table, visits, cache)
+    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
+    `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
+    launch = _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[1] if visits is None else None
+    if launch is not None:
+        return launch(q, k, v, tensors, table, cache, page_table)
+    return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
+
+
+def _forward_family(q, v, HKV, KV_LEN):
+    """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
+    these queries and values over HKV heads of KV_LEN keys; ("portable", None) when none does."""
+    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, v, HKV, KV_LEN)),
+                ("portable", None))
+
+
+def _forward_tables(q, k, v):
+    """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
+    and the mask follows tables (the other families decide such masks in the kernel)."""
+    return [0] if TILE_TABLE and _forward_family(q, v, k.shape[1], k.shape[2])[1] is None else []
+
+
+def _kv_layout(k, v, page_table, placeholder=None):
+    """How a forward kernel reads the keys and values: (HKV, KV_LEN, k's and v's strides, the
+    PageTable, stride_pt and NUM_PAGES arguments, the PAGED and PAGE_SIZE constexprs). A contiguous
+    cache's strides are (batch, head, key, dim); a paged one's (page, head, slot, dim), and its
+    KV_LEN is MAX_PAGES * PAGE_SIZE. `placeholder` stands in for an absent page table (never read)."""
+    if page_table is None:
+        return (k.shape[1], k.shape[2], k.stride(), v.stride(), (placeholder, 0, 1),
+                dict(PAGED=False, PAGE_SIZE=1))
+    paged_strides = lambda t: (t.stride(0), t.stride(2), t.stride(1), t.stride(3))  # noqa: E731
+    return (k.shape[2], page_table.shape[1] * k.shape[1], paged_strides(k), paged_strides(v),
+            (page_table, page_table.stride(0), k.shape[0]), dict(PAGED=True, PAGE_SIZE=k.shape[1]))
 
 
 def _cache_launch(cache, placeholder):
@@ -1253,29 +1300,30 @@ def _cache_launch(cache, placeholder):
     return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
-def _forward_family_name(q, k, v):
-    return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
-
-
-def _portable_forward(q, k, v, tensors, table, visits=None, cache=None):
-    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
+def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
+    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
+    `cache`, `page_table` as for _forward."""
     B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    DV = v.shape[3]
     sm_scale = softmax_scale(D)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
     block_m, block_n, warps, stages = _tiles(q, v, 0)
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
+    # A cache call of a tile-table spec comes without a table (FOLLOW_TABLE off): placeholders, never read.
+    table_args = (_table_args(_table_key(q, v, 0), table, _sizes(q, k)) if table
+                  else [lse, lse, 0, 0, 0] if TILE_TABLE else [])
     _fwd_kernel[grid](
         q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_input_args(tensors), *_table_args(_table_key(q, v, 0), table, _sizes(q, k)),
-        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args,
+        *q.stride(), *k_strides, *v_strides, *out.stride(),
+        *_input_args(tensors), *table_args,
+        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags)
+        BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     return out, lse
 
 
@@ -1363,8 +1411,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        (table,) = _resolve([0], q, v, known, ctx.build)
-        out, lse = _forward(q, k, v, tensors, table)
+        tables = _resolve(_forward_tables(q, k, v), q, v, known, ctx.build)
+        out, lse = _forward(q, k, v, tensors, tables[0] if tables else ())
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -1388,7 +1436,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "73f02171f03e0569"
+MODULE_DIGEST = "cd3e02d11680ee02"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1472,7 +1520,9 @@ def _operator_builder(q, k, tensors):
 
 
 def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else the forward's own.
+    # The user's tables travel whole (the backward follows them too); else the forward's own, built
+    # whichever family runs: asking which would guard on the shapes (a recompile where dynamic lengths
+    # cross a family's rule), and the forward operator picks the family at run time.
     tables = _resolve([0, 1, 2] if known else [0], q, v, known, _operator_builder(q, k, tensors))
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
@@ -1516,10 +1566,6 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     return (out, lse) if return_lse else out
 
 
-# The family whose forward kernels read paged caches (any query length): the split-KV kernels.
-PAGED_FAMILY = "decode"
-
-
 def _check_paged(q, k, v, page_table, kv_len, inputs):
     """A paged call's tensors and sizes; returns MAX_KV, the longest row its page table can hold."""
     _check_tensors(q, k, v)
@@ -1539,9 +1585,6 @@ def _check_paged(q, k, v, page_table, kv_len, inputs):
         _fail("a paged cache needs kv_len, each row's number of valid keys")
     MAX_KV = page_table.shape[1] * PAGE_SIZE
     _check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
-    if not any(name == PAGED_FAMILY for name, _, _ in FORWARD_FAMILIES):
-        _fail(f"a paged cache is read only by the {PAGED_FAMILY} kernels, which cannot serve this spec (attngen "
-              f"explain says why)")
     return MAX_KV
 
 
@@ -1557,9 +1600,9 @@ def _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=
                                   and t.device == q.device):
             _fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
                   + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
-    if TILE_TABLE or tile_tables is not None:
-        _fail("kv_len and q_offset do not work yet with a mask that reads inputs at q or k (its tile tables "
-              "are built for positions 0 .. Q_LEN-1); call without them")
+    if tile_tables is not None:
+        _fail("tile_tables must be None in a call with kv_len, q_offset or page_table: tables are built for "
+              "query positions 0 .. Q_LEN-1, and cache calls run without them")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
         _fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
               "tensors that do not require grad")
@@ -1608,12 +1651,9 @@ def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_
 
 
 def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
-    """A checked cache call's forward: a paged one ([page_table] in `pages`) by the decode kernels,
-    a contiguous one by the family FORWARD_FAMILIES picks."""
-    if pages:
-        launch = next(launch for name, _, launch in FORWARD_FAMILIES if name == PAGED_FAMILY)
-        return launch(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0])
-    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset))
+    """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
+    FORWARD_FAMILIES picks, with no tile table."""
+    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
 
 
 def tile_tables(q, k, v, **inputs):
@@ -1634,12 +1674,12 @@ def tile_tables(q, k, v, **inputs):
 def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs):
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
-    A cache call's kv_len and q_offset do not change the choice; a paged cache is the decode family's."""
+    The rules read the call's shapes: kv_len's and q_offset's values do not change the choice."""
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
-        return PAGED_FAMILY
-    _check(q, k, v, inputs)
-    return _forward_family_name(q, k, v)
+    else:
+        _check(q, k, v, inputs)
+    return _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[0]
 
 
 def visit_counts(q, k, v, **inputs):
@@ -1678,10 +1718,58 @@ DECODE_PROGRAMS_PER_SM = 2
 _SM_COUNTS = {}
 
 
-def _decode_serves(q, k, v):
-    """Whether this forward call goes to the decode family (plan.families.DECODE.per_call): all
-    queries of the query heads of one key/value head fit one tile."""
-    return (q.shape[1] // k.shape[1]) * q.shape[2] <= DECODE_MAX_ROWS
+# Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
+# from the call's shapes alone (no sync, the same answer in a CUDA graph). The model: the portable forward
+# runs one program per SM (its 128 KiB of shared memory), so ceil(programs / SMs) waves of its loop over
+# the key tiles; the split kernel runs DECODE_PROGRAMS_PER_SM per SM, its tile math at the rate below,
+# or its K/V reads at HBM speed if slower. The rates are fitted on an H200 (bf16, D=128, GQA 32/8,
+# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`, in
+# BENCHMARKS.md), where the model picked the faster kernel on 62 of 63 shapes and the miss cost 1%.
+PORTABLE_FLOPS_PER_SM = 3.7e12
+SPLIT_FLOPS_PER_SM = 1.9e12
+HBM_BYTES_PER_SECOND = 4.0e12
+
+
+def _decode_serves(q, v, HKV, KV_LEN):
+    """Whether a forward call of these queries and values over HKV heads of KV_LEN keys goes to the
+    decode family (plan.families.DECODE.per_call): all queries of the query heads of one key/value
+    head fit one tile, or, for a mask without tile tables, the split kernel is predicted faster than
+    the portable forward."""
+    if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
+        return True
+    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
+    if TILE_TABLE:
+        return False
+    portable, split = _predicted_seconds(q, v, HKV, KV_LEN)
+    return split < portable
+
+
+def _predicted_seconds(q, v, HKV, KV_LEN):
+    """(portable, split): the two forward kernels' predicted times for this call (the model above)."""
+    B, H, Q_LEN, D = q.shape
+    DV = v.shape[3]
+    sms = _sm_count(q.device)
+    block_m, block_n = _tiles(q, v, 0)[:2]
+    waves = _cdiv(_cdiv(Q_LEN, block_m) * B * H, sms)
+    portable = waves * _cdiv(KV_LEN, block_n) * 2 * block_m * block_n * (D + DV) / PORTABLE_FLOPS_PER_SM
+    rows = (H // HKV) * Q_LEN
+    split_m, split_n = _decode_block_m(rows), _decode_block_n(q, v)
+    row_blocks = _cdiv(rows, split_m)
+    n_tiles = _cdiv(KV_LEN, split_n)
+    splits = _decode_splits(n_tiles, B * HKV * row_blocks, q.device)
+    split_waves = max(1.0, splits * B * HKV * row_blocks / (DECODE_PROGRAMS_PER_SM * sms))
+    tile_seconds = DECODE_PROGRAMS_PER_SM * 2 * split_m * split_n * (D + DV) / SPLIT_FLOPS_PER_SM
+    reads = row_blocks * B * HKV * KV_LEN * (D + DV) * q.element_size() / HBM_BYTES_PER_SECOND
+    return portable, max(split_waves * _cdiv(n_tiles, splits) * tile_seconds, reads)
+
+
+def _decode_block_m(rows):
+    """The rows of one decode tile: the call's rows, at least 16 (tl.dot), at most DECODE_MAX_ROWS."""
+    return min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+
+
+def _decode_block_n(q, v):
+    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])]["decode"][1]
 
 
 def _sm_count(device):
@@ -1701,39 +1789,28 @@ def _decode_splits(n_tiles, programs, device):
 
 
 def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
-    """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
-    no tile-table mask), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
+    """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
+    tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
     (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
     as the portable forward does."""
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
-    if page_table is None:
-        HKV, KV_LEN, page_size = k.shape[1], k.shape[2], 1
-        # (batch, head, key, dim) strides; a paged cache's are (page, head, slot, dim).
-        k_strides, v_strides = k.stride(), v.stride()
-    else:
-        HKV, page_size = k.shape[2], k.shape[1]
-        KV_LEN = page_table.shape[1] * page_size
-        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
-        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
     _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
     rows = (H // HKV) * Q_LEN
-    block_m = min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+    block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)
     splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
-    # PageTable, its row stride and NUM_PAGES; without a page table, a placeholder never read.
-    page_args = (part_lse, 0, 1) if page_table is None else (page_table, page_table.stride(0), k.shape[0])
     _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
         q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
         *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None, PAGE_SIZE=page_size,
-        num_warps=warps, num_stages=stages, **cache_flags)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN

@@ -96,6 +96,13 @@ def _load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.
 
 
 @triton.jit
+def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
+    # The physical page of each key of a paged cache's row (0 past the row's keys); clamped by the
+    # caller to the pool, so no table entry can reach past its memory.
+    return tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < KV_LEN, other=0)
+
+
+@triton.jit
 def _index_bound(x, n):
     # A loop bound clamped to [0, n], as int32: bounds are computed in int64 (exactly: see
     # attngen.integers), and the loops' tile counters must keep one type (a clamp first keeps the

@@ -251,16 +251,41 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, table, visits=None, cache=None):
+def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
-    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None.
-    Counting visits (visit_counts) follows the portable tiles."""
-    if visits is None:
-        for _, serves, launch in FORWARD_FAMILIES:
-            if serves(q, k, v):
-                return launch(q, k, v, tensors, table, cache)
-    return _portable_forward(q, k, v, tensors, table, visits, cache)
+    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
+    `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
+    launch = _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[1] if visits is None else None
+    if launch is not None:
+        return launch(q, k, v, tensors, table, cache, page_table)
+    return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
+
+
+def _forward_family(q, v, HKV, KV_LEN):
+    """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
+    these queries and values over HKV heads of KV_LEN keys; ("portable", None) when none does."""
+    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, v, HKV, KV_LEN)),
+                ("portable", None))
+
+
+def _forward_tables(q, k, v):
+    """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
+    and the mask follows tables (the other families decide such masks in the kernel)."""
+    return [0] if TILE_TABLE and _forward_family(q, v, k.shape[1], k.shape[2])[1] is None else []
+
+
+def _kv_layout(k, v, page_table, placeholder=None):
+    """How a forward kernel reads the keys and values: (HKV, KV_LEN, k's and v's strides, the
+    PageTable, stride_pt and NUM_PAGES arguments, the PAGED and PAGE_SIZE constexprs). A contiguous
+    cache's strides are (batch, head, key, dim); a paged one's (page, head, slot, dim), and its
+    KV_LEN is MAX_PAGES * PAGE_SIZE. `placeholder` stands in for an absent page table (never read)."""
+    if page_table is None:
+        return (k.shape[1], k.shape[2], k.stride(), v.stride(), (placeholder, 0, 1),
+                dict(PAGED=False, PAGE_SIZE=1))
+    paged_strides = lambda t: (t.stride(0), t.stride(2), t.stride(1), t.stride(3))  # noqa: E731
+    return (k.shape[2], page_table.shape[1] * k.shape[1], paged_strides(k), paged_strides(v),
+            (page_table, page_table.stride(0), k.shape[0]), dict(PAGED=True, PAGE_SIZE=k.shape[1]))
 
 
 def _cache_launch(cache, placeholder):
@@ -271,29 +296,30 @@ def _cache_launch(cache, placeholder):
     return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
-def _forward_family_name(q, k, v):
-    return next((name for name, serves, _ in FORWARD_FAMILIES if serves(q, k, v)), "portable")
-
-
-def _portable_forward(q, k, v, tensors, table, visits=None, cache=None):
-    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one."""
+def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
+    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
+    `cache`, `page_table` as for _forward."""
     B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    DV = v.shape[3]
     sm_scale = softmax_scale(D)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
     block_m, block_n, warps, stages = _tiles(q, v, 0)
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
+    # A cache call of a tile-table spec comes without a table (FOLLOW_TABLE off): placeholders, never read.
+    table_args = (_table_args(_table_key(q, v, 0), table, _sizes(q, k)) if table
+                  else [lse, lse, 0, 0, 0] if TILE_TABLE else [])
     _fwd_kernel[grid](
         q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_input_args(tensors), *_table_args(_table_key(q, v, 0), table, _sizes(q, k)),
-        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args,
+        *q.stride(), *k_strides, *v_strides, *out.stride(),
+        *_input_args(tensors), *table_args,
+        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags)
+        BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     return out, lse
 
 
@@ -381,8 +407,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        (table,) = _resolve([0], q, v, known, ctx.build)
-        out, lse = _forward(q, k, v, tensors, table)
+        tables = _resolve(_forward_tables(q, k, v), q, v, known, ctx.build)
+        out, lse = _forward(q, k, v, tensors, tables[0] if tables else ())
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -490,7 +516,9 @@ def _operator_builder(q, k, tensors):
 
 
 def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else the forward's own.
+    # The user's tables travel whole (the backward follows them too); else the forward's own, built
+    # whichever family runs: asking which would guard on the shapes (a recompile where dynamic lengths
+    # cross a family's rule), and the forward operator picks the family at run time.
     tables = _resolve([0, 1, 2] if known else [0], q, v, known, _operator_builder(q, k, tensors))
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
@@ -534,10 +562,6 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     return (out, lse) if return_lse else out
 
 
-# The family whose forward kernels read paged caches (any query length): the split-KV kernels.
-PAGED_FAMILY = "decode"
-
-
 def _check_paged(q, k, v, page_table, kv_len, inputs):
     """A paged call's tensors and sizes; returns MAX_KV, the longest row its page table can hold."""
     _check_tensors(q, k, v)
@@ -557,9 +581,6 @@ def _check_paged(q, k, v, page_table, kv_len, inputs):
         _fail("a paged cache needs kv_len, each row's number of valid keys")
     MAX_KV = page_table.shape[1] * PAGE_SIZE
     _check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
-    if not any(name == PAGED_FAMILY for name, _, _ in FORWARD_FAMILIES):
-        _fail(f"a paged cache is read only by the {PAGED_FAMILY} kernels, which cannot serve this spec (attngen "
-              f"explain says why)")
     return MAX_KV
 
 
@@ -575,9 +596,9 @@ def _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=
                                   and t.device == q.device):
             _fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
                   + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
-    if TILE_TABLE or tile_tables is not None:
-        _fail("kv_len and q_offset do not work yet with a mask that reads inputs at q or k (its tile tables "
-              "are built for positions 0 .. Q_LEN-1); call without them")
+    if tile_tables is not None:
+        _fail("tile_tables must be None in a call with kv_len, q_offset or page_table: tables are built for "
+              "query positions 0 .. Q_LEN-1, and cache calls run without them")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
         _fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
               "tensors that do not require grad")
@@ -626,12 +647,9 @@ def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_
 
 
 def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
-    """A checked cache call's forward: a paged one ([page_table] in `pages`) by the decode kernels,
-    a contiguous one by the family FORWARD_FAMILIES picks."""
-    if pages:
-        launch = next(launch for name, _, launch in FORWARD_FAMILIES if name == PAGED_FAMILY)
-        return launch(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0])
-    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset))
+    """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
+    FORWARD_FAMILIES picks, with no tile table."""
+    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
 
 
 def tile_tables(q, k, v, **inputs):
@@ -652,12 +670,12 @@ def tile_tables(q, k, v, **inputs):
 def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs):
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
-    A cache call's kv_len and q_offset do not change the choice; a paged cache is the decode family's."""
+    The rules read the call's shapes: kv_len's and q_offset's values do not change the choice."""
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
-        return PAGED_FAMILY
-    _check(q, k, v, inputs)
-    return _forward_family_name(q, k, v)
+    else:
+        _check(q, k, v, inputs)
+    return _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[0]
 
 
 def visit_counts(q, k, v, **inputs):

@@ -18,10 +18,58 @@ DECODE_PROGRAMS_PER_SM = 2
 _SM_COUNTS = {}
 
 
-def _decode_serves(q, k, v):
-    """Whether this forward call goes to the decode family (plan.families.DECODE.per_call): all
-    queries of the query heads of one key/value head fit one tile."""
-    return (q.shape[1] // k.shape[1]) * q.shape[2] <= DECODE_MAX_ROWS
+# Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
+# from the call's shapes alone (no sync, the same answer in a CUDA graph). The model: the portable forward
+# runs one program per SM (its 128 KiB of shared memory), so ceil(programs / SMs) waves of its loop over
+# the key tiles; the split kernel runs DECODE_PROGRAMS_PER_SM per SM, its tile math at the rate below,
+# or its K/V reads at HBM speed if slower. The rates are fitted on an H200 (bf16, D=128, GQA 32/8,
+# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`, in
+# BENCHMARKS.md), where the model picked the faster kernel on 62 of 63 shapes and the miss cost 1%.
+PORTABLE_FLOPS_PER_SM = 3.7e12
+SPLIT_FLOPS_PER_SM = 1.9e12
+HBM_BYTES_PER_SECOND = 4.0e12
+
+
+def _decode_serves(q, v, HKV, KV_LEN):
+    """Whether a forward call of these queries and values over HKV heads of KV_LEN keys goes to the
+    decode family (plan.families.DECODE.per_call): all queries of the query heads of one key/value
+    head fit one tile, or, for a mask without tile tables, the split kernel is predicted faster than
+    the portable forward."""
+    if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
+        return True
+    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
+    if TILE_TABLE:
+        return False
+    portable, split = _predicted_seconds(q, v, HKV, KV_LEN)
+    return split < portable
+
+
+def _predicted_seconds(q, v, HKV, KV_LEN):
+    """(portable, split): the two forward kernels' predicted times for this call (the model above)."""
+    B, H, Q_LEN, D = q.shape
+    DV = v.shape[3]
+    sms = _sm_count(q.device)
+    block_m, block_n = _tiles(q, v, 0)[:2]
+    waves = _cdiv(_cdiv(Q_LEN, block_m) * B * H, sms)
+    portable = waves * _cdiv(KV_LEN, block_n) * 2 * block_m * block_n * (D + DV) / PORTABLE_FLOPS_PER_SM
+    rows = (H // HKV) * Q_LEN
+    split_m, split_n = _decode_block_m(rows), _decode_block_n(q, v)
+    row_blocks = _cdiv(rows, split_m)
+    n_tiles = _cdiv(KV_LEN, split_n)
+    splits = _decode_splits(n_tiles, B * HKV * row_blocks, q.device)
+    split_waves = max(1.0, splits * B * HKV * row_blocks / (DECODE_PROGRAMS_PER_SM * sms))
+    tile_seconds = DECODE_PROGRAMS_PER_SM * 2 * split_m * split_n * (D + DV) / SPLIT_FLOPS_PER_SM
+    reads = row_blocks * B * HKV * KV_LEN * (D + DV) * q.element_size() / HBM_BYTES_PER_SECOND
+    return portable, max(split_waves * _cdiv(n_tiles, splits) * tile_seconds, reads)
+
+
+def _decode_block_m(rows):
+    """The rows of one decode tile: the call's rows, at least 16 (tl.dot), at most DECODE_MAX_ROWS."""
+    return min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+
+
+def _decode_block_n(q, v):
+    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])]["decode"][1]
 
 
 def _sm_count(device):
@@ -41,39 +89,28 @@ def _decode_splits(n_tiles, programs, device):
 
 
 def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
-    """Runs the split-KV forward and the merge of its splits; `table` is unused (the family serves
-    no tile-table mask), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
+    """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
+    tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
     (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
     as the portable forward does."""
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
-    if page_table is None:
-        HKV, KV_LEN, page_size = k.shape[1], k.shape[2], 1
-        # (batch, head, key, dim) strides; a paged cache's are (page, head, slot, dim).
-        k_strides, v_strides = k.stride(), v.stride()
-    else:
-        HKV, page_size = k.shape[2], k.shape[1]
-        KV_LEN = page_table.shape[1] * page_size
-        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
-        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
     _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
     rows = (H // HKV) * Q_LEN
-    block_m = min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
+    block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)
     splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
-    # PageTable, its row stride and NUM_PAGES; without a page table, a placeholder never read.
-    page_args = (part_lse, 0, 1) if page_table is None else (page_table, page_table.stride(0), k.shape[0])
     _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
         q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
         *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), PAGED=page_table is not None, PAGE_SIZE=page_size,
-        num_warps=warps, num_stages=stages, **cache_flags)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
