@@ -4,10 +4,13 @@ and SDPA (flash, cuDNN), in one process; prints a table and writes JSON.
 The shapes are issue 14's: bf16, D=128, 32 query heads over 8 key/value heads, one (or 16) new queries
 attending the whole cache. Effective bandwidth counts the K and V bytes read once.
 
-    python benchmarks/decode_bench.py [--out results.json]
+    python benchmarks/decode_bench.py [--out results.json]            # the targets table
+    python benchmarks/decode_bench.py --prefill [--out results.json]  # chunked prefill, both families
+    python benchmarks/decode_bench.py --sweep                         # decode tiles
 
-Until query positions can be offset (q_offset), decode specs spell the cache's alignment themselves:
-the new queries are the last Q_LEN positions, so query q sits at q + KV_LEN - Q_LEN.
+CASES are training calls whose specs spell the cache's alignment themselves (the new queries are the
+last Q_LEN positions: query q sits at q + KV_LEN - Q_LEN); CACHE_CASES and TABLE_SPECS are cache calls
+(kv_len given), contiguous or paged.
 """
 
 from __future__ import annotations
@@ -99,6 +102,82 @@ def sweep() -> None:
     module.DECODE_PROGRAMS_PER_SM = 2
 
 
+def prefill_sweep() -> list[dict]:
+    """Chunked prefill, a cache call of Q_LEN in the tens to thousands over a long cache, run by the
+    portable forward and by the split kernel on the same calls (CUDA-graph replays: no host time),
+    causal, the queries the newest tokens: the data the per-call choice between them is fitted to."""
+    attn = attngen.build(SPECS["causal"])
+    module = attn.module
+    rows = []
+    for kv_len in (4096, 16384, 65536):
+        for B in (1, 4, 16):
+            for q_len in (16, 32, 64, 128, 256, 512, 1024):
+                torch.manual_seed(0)
+                q = torch.randn(B, H, q_len, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+                lengths = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
+                cache = (lengths, lengths - q_len)
+                with torch.no_grad():
+                    portable = module._portable_forward(q, k, v, [], (), None, cache)[0]
+                    split = module._decode_forward(q, k, v, [], (), cache)[0]
+                    row = {"B": B, "Q_LEN": q_len, "KV_LEN": kv_len,
+                           "max_diff": (portable.float() - split.float()).abs().max().item(),
+                           "portable_ms": bench(graphed(lambda: module._portable_forward(q, k, v, [], (), None, cache))),
+                           "split_ms": bench(graphed(lambda: module._decode_forward(q, k, v, [], (), cache))),
+                           "chosen": attn.forward_family(q, k, v, kv_len=lengths)}
+                rows.append(row)
+                print("prefill", json.dumps(row), flush=True)
+    return rows
+
+
+# Masks that read inputs at q or k (tile-table masks), decoded: the kernel decides them key by key and
+# loads only allowed keys. (name, spec text): documents of 4096 keys, the query in the last one; and
+# transformers' padded causal mask (attngen.hf's spec) with 100 left-padding keys per row.
+TABLE_SPECS = {
+    "document_decode": "attention document_decode\ninput doc: i32[KV_LEN]\nmask: doc[q] == doc[k] and causal\n",
+    "padded_decode": ("attention padded_decode\ninput keep: bool[B, KV_LEN]\ninput offset: i32[]\n"
+                      "mask: keep[b, k] and k <= q + offset\n"),
+}
+
+
+def table_case(name: str, flex, B: int = 8, kv_len: int = 32768) -> dict:
+    """One decoding step of a tile-table mask (a cache call: kv_len given), beside the same step of
+    plain causal decoding and FlexAttention with the same mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    attn = attngen.build(TABLE_SPECS[name])
+    torch.manual_seed(0)
+    q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
+    if name == "document_decode":
+        inputs = {"doc": torch.arange(kv_len, device="cuda", dtype=torch.int32) // 4096}
+        doc = inputs["doc"]
+        mask = create_block_mask(lambda b, h, i, j: (doc[i + kv_len - 1] == doc[j]) & (j <= i + kv_len - 1),
+                                 None, None, 1, kv_len)
+    else:
+        keep = torch.ones(B, kv_len, dtype=torch.bool, device="cuda")
+        keep[:, :100] = False
+        inputs = {"keep": keep, "offset": torch.zeros((), dtype=torch.int32, device="cuda")}
+        mask = create_block_mask(lambda b, h, i, j: keep[b, j] & (j <= i + kv_len - 1), B, None, 1, kv_len)
+    row = {"spec": name, "B": B, "Q_LEN": 1, "KV_LEN": kv_len,
+           "family": attn.forward_family(q, k, v, kv_len=lengths, **inputs)}
+    with torch.no_grad():
+        out = attn(q, k, v, kv_len=lengths, **inputs)
+        ref, _ = attngen.reference.evaluate(attn.spec, q[:2].double(), k[:2].double(), v[:2].double(),
+                                            {n: (t[:2] if n == "keep" else t) for n, t in inputs.items()},
+                                            kv_len=lengths[:2])
+        row["max_err"] = (out[:2].double() - ref).abs().max().item()
+        row["nan"] = bool(torch.isnan(out).any())
+        row["attngen_graph_ms"] = bench(graphed(lambda: attn(q, k, v, kv_len=lengths, **inputs)))
+        causal = attngen.build(SPECS["causal"])
+        row["causal_graph_ms"] = bench(graphed(lambda: causal(q, k, v, kv_len=lengths)))
+        torch._dynamo.reset()
+        row["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
+    return row
+
+
 def _pages(x, page_size, order):
     B, HKV, N, Dx = x.shape
     n = N // page_size
@@ -160,9 +239,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true", help="time other decode tiles on the full spec instead")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time chunked prefill on both forward families instead (prefill_sweep)")
     args = parser.parse_args()
+    meta = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "H": H, "HKV": HKV, "D": D}
     if args.sweep:
         sweep()
+        return
+    if args.prefill:
+        rows = prefill_sweep()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
         return
     from torch.nn.attention.flex_attention import flex_attention
     flex = torch.compile(flex_attention)
@@ -222,8 +311,9 @@ def main() -> None:
     for name, B, q_len, kv_len, layout in CACHE_CASES:
         rows.append(cache_case(built[name], flex, name, B, q_len, kv_len, layout))
         print(json.dumps(rows[-1]), flush=True)
-    meta = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(), "H": H, "HKV": HKV, "D": D}
+    for name in TABLE_SPECS:
+        rows.append(table_case(name, flex))
+        print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

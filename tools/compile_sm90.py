@@ -43,6 +43,11 @@ def _type(name: str, inputs: dict) -> str:
     return "fp32" if name in FLOATS else "i32"
 
 
+def _label(constants: dict) -> str:
+    """What tells apart launches of one kernel: the backward's PARTS, or a LABEL of our own."""
+    return str(constants.get("PARTS", constants.get("LABEL", "")))
+
+
 def compile_module(path: str, ptx_dir: str | None) -> dict:
     """In a process without TRITON_INTERPRET: compile the module's kernels at D=128 bf16 on its h200 plan."""
     import triton
@@ -55,14 +60,18 @@ def compile_module(path: str, ptx_dir: str | None) -> dict:
     target = GPUTarget("cuda", 90, 32)
     plan = module.PLAN[(128, 128, "bf16")]
     head = dict(HEAD_DIM=128, HEAD_DIM_V=128, HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128, COUNT_VISITS=False,
-                DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False)
-    launches = [("_fwd_kernel", dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1]), plan[0])]
+                DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False, PAGE_SIZE=1)
+    forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.TILE_TABLE))
+    # Also a cache call over pages of 16 keys: no tile table, per-row lengths and offsets.
+    launches = [("_fwd_kernel", forward, plan[0]),
+                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
+                                     PAGE_SIZE=16, LABEL="_paged"), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1])
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     for family, tiles in module.FAMILY_TILES.get((128, 128, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
-            launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1], PAGED=False, PAGE_SIZE=1),
+            launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
             launches.append(("_decode_combine", dict(HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, BLOCK_R=16), (0, 0, 4, 1)))
     if module.TILE_TABLE:
@@ -80,8 +89,8 @@ def compile_module(path: str, ptx_dir: str | None) -> dict:
         if ptx_dir:
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
-            Path(ptx_dir, f"{Path(path).stem}{name}{constants.get('PARTS', '')}.ptx").write_text("\n".join(lines))
-        sizes[f"{name}{constants.get('PARTS', '')}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
+            Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
+        sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx}
     return sizes
 
