@@ -106,11 +106,11 @@ def test_chunked_prefill_goes_to_the_kernel_predicted_faster(B, Q_LEN, KV_LEN, f
     monkeypatch.setattr(attn.module, "_sm_count", lambda device: 132)
     q = torch.empty(B, 32, Q_LEN, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(B, 8, KV_LEN, 128, dtype=torch.bfloat16, device="meta")
-    assert attn.module._forward_family(q, k, 8, KV_LEN)[0] == faster
+    assert attn.module._forward_family(q, k, k, 8, KV_LEN, False)[0] == faster
     # A mask that follows tile tables keeps long calls on the portable forward, whose table the model does not see.
     documents = attngen.build(SPECS / "document_causal.attn", target="h200")
     monkeypatch.setattr(documents.module, "_sm_count", lambda device: 132)
-    assert documents.module._forward_family(q, k, 8, KV_LEN)[0] == "portable"
+    assert documents.module._forward_family(q, k, k, 8, KV_LEN, False)[0] == "portable"
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -132,6 +132,6 @@ def test_specs_the_decode_family_cannot_serve_stay_portable(spec, why):
 def test_explain_states_the_families_and_their_rules():
     text = api.explain(SPECS / "causal.attn", q_len=1, kv_len=4096, head_dim=128, head_dim_v=128, dtype="bf16",
                        target="h200").text
-    assert "kernel families: decode, portable" in text
+    assert "kernel families: decode, hopper, portable" in text
     assert families.DECODE.per_call in text
     assert "decode: BLOCK_N=64, 4 warps, 3 stages" in text

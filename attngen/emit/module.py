@@ -15,7 +15,7 @@ from attngen.analysis import Analysis, integers
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
-from attngen.plan.families import DECODE_MAX_ROWS, PORTABLE
+from attngen.plan.families import DECODE_MAX_ROWS, PORTABLE, plain_causal
 from attngen.version import __version__
 
 # What the preamble in module.py.jinja defines (the spec's facts) and what the kernel templates define
@@ -54,7 +54,7 @@ def static_code(name: str) -> str:
 @lru_cache(maxsize=None)
 def family_launch_code(family: str) -> str:
     """The host code of a kernel family beside the portable one (emit/families/`family`/launch.py,
-    after its INLINE_MARKER line): its per-call rule `_<family>_serves(q, v, HKV, KV_LEN)` and its
+    after its INLINE_MARKER line): its per-call rule `_<family>_serves(q, k, v, HKV, KV_LEN, cached)` and its
     launch `_<family>_forward(q, k, v, tensors, table, cache=None, page_table=None)` -> (out, lse)."""
     return _inlined(resources.files("attngen.emit").joinpath(f"families/{family}/launch.py").read_text(), family)
 
@@ -140,6 +140,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
         forward_families=forward_families, decode_max_rows=DECODE_MAX_ROWS,
+        hopper_causal=plain_causal(facts.spec.mask),
         **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import triton
+
+from attngen import ir
 from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
@@ -73,8 +76,49 @@ DECODE = Family(
     tiles=_decode_tiles,
 )
 
+def plain_causal(mask: ir.Expr | None) -> bool:
+    """Whether `mask` is exactly `causal` (q >= k, or k <= q)."""
+    q, k = ir.Var(type="int", name="q"), ir.Var(type="int", name="k")
+    return mask in (ir.Binary(type="bool", op="ge", left=q, right=k), ir.Binary(type="bool", op="le", left=k, right=q))
+
+
+# The Gluon API the Hopper family's kernels are written against: it changes between releases.
+HOPPER_TRITON = "3.6."
+
+
+def _hopper_problem(facts: Analysis, target: Target) -> str | None:
+    if target.capability is None or target.capability[0] != 9:
+        return f"its kernels need a Hopper GPU (sm_90: TMA, wgmma, setmaxnreg); the target is {target.name}"
+    if not triton.__version__.startswith(HOPPER_TRITON):
+        return f"its Gluon kernels are written against triton {HOPPER_TRITON}x's API, found {triton.__version__}"
+    spec = facts.spec
+    if spec.score is not None or spec.inputs or not (spec.mask is None or plain_causal(spec.mask)):
+        return ("its kernels take no score expression, inputs or mask other than causal yet (the spec's code "
+                "in Gluon is issue 13's next step)")
+    return None
+
+
+def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
+    stages = 3 if max(d, dv) <= 64 else 2
+    return ((128, 128, 4, stages),
+            f"hopper: 128x128 tiles, two 4-warp consumer warpgroups taking turns at the tensor cores and a "
+            f"TMA producer warp, {stages} K/V stages (D=128 at 3 stages leaves no shared memory to spare); "
+            f"measured at 0.99-1.06x cuDNN (BENCHMARKS.md)")
+
+
+HOPPER = Family(
+    name="hopper",
+    strength=("FlashAttention-3-style Gluon forward: TMA loads by a producer warp, asynchronous wgmma with P in "
+              "registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in pingpong"),
+    problem=_hopper_problem,
+    kernels=("fwd",),
+    per_call=("forward calls that are not cache calls, bf16 or fp16 on the GPU, D = DV in {64, 128}, "
+              "Q_LEN = KV_LEN, contiguous q, k, v"),
+    tiles=_hopper_tiles,
+)
+
 # In order of preference; the portable family comes last and serves what the others do not.
-FAMILIES: tuple[Family, ...] = (DECODE, PORTABLE)
+FAMILIES: tuple[Family, ...] = (DECODE, HOPPER, PORTABLE)
 
 
 def choose_families(facts: Analysis, target: Target) -> tuple[tuple[Family, ...], str]:

@@ -129,81 +129,81 @@ MASKED_WIDTH_FLOOR = 64
 # The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
 # HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages).
 FAMILY_TILES = {
-    (16, 16, 'f16'): {'decode': (64, 64, 4, 3)},
-    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (16, 16, 'f32'): {'decode': (64, 32, 4, 3)},
-    (16, 32, 'f16'): {'decode': (64, 64, 4, 3)},
-    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (16, 32, 'f32'): {'decode': (64, 32, 4, 3)},
-    (16, 64, 'f16'): {'decode': (64, 64, 4, 3)},
-    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (16, 64, 'f32'): {'decode': (64, 32, 4, 3)},
-    (16, 128, 'f16'): {'decode': (64, 64, 4, 3)},
-    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (16, 128, 'f32'): {'decode': (64, 32, 4, 3)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3)},
-    (32, 16, 'f16'): {'decode': (64, 64, 4, 3)},
-    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (32, 16, 'f32'): {'decode': (64, 32, 4, 3)},
-    (32, 32, 'f16'): {'decode': (64, 64, 4, 3)},
-    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (32, 32, 'f32'): {'decode': (64, 32, 4, 3)},
-    (32, 64, 'f16'): {'decode': (64, 64, 4, 3)},
-    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (32, 64, 'f32'): {'decode': (64, 32, 4, 3)},
-    (32, 128, 'f16'): {'decode': (64, 64, 4, 3)},
-    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (32, 128, 'f32'): {'decode': (64, 32, 4, 3)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3)},
-    (64, 16, 'f16'): {'decode': (64, 64, 4, 3)},
-    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (64, 16, 'f32'): {'decode': (64, 32, 4, 3)},
-    (64, 32, 'f16'): {'decode': (64, 64, 4, 3)},
-    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (64, 32, 'f32'): {'decode': (64, 32, 4, 3)},
-    (64, 64, 'f16'): {'decode': (64, 64, 4, 3)},
-    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (64, 64, 'f32'): {'decode': (64, 32, 4, 3)},
-    (64, 128, 'f16'): {'decode': (64, 64, 4, 3)},
-    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (64, 128, 'f32'): {'decode': (64, 32, 4, 3)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3)},
-    (128, 16, 'f16'): {'decode': (64, 64, 4, 3)},
-    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (128, 16, 'f32'): {'decode': (64, 32, 4, 3)},
-    (128, 32, 'f16'): {'decode': (64, 64, 4, 3)},
-    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (128, 32, 'f32'): {'decode': (64, 32, 4, 3)},
-    (128, 64, 'f16'): {'decode': (64, 64, 4, 3)},
-    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (128, 64, 'f32'): {'decode': (64, 32, 4, 3)},
-    (128, 128, 'f16'): {'decode': (64, 64, 4, 3)},
-    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3)},
-    (128, 128, 'f32'): {'decode': (64, 32, 4, 3)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3)},
+    (16, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
+    (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
 }
 
 
@@ -828,6 +828,284 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
 _table_by_query_classify = _table_by_key_classify = _table_compact = None
 
 
+# --- hopper forward (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization) --------------
+# A producer warp streams K/V tiles by TMA into a ring of shared-memory stages guarded by mbarriers;
+# two consumer warpgroups of 64 query rows take turns at the tensor cores (FA3's pingpong), each
+# overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
+# Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
+from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+# Whether the spec's mask is `causal` (q >= k); the family's kernels take no other mask yet.
+HOPPER_CAUSAL = True
+
+HOPPER_LOG2E = gl.constexpr(1.4426950408889634)
+HOPPER_LN2 = gl.constexpr(0.6931471805599453)
+
+HOPPER_PRODUCER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+              q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers.
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, 0], q_bar, q_bufs.index(c))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
+        phase = ((j // STAGES) & 1) ^ 1
+        row = kv_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(stage), k_bufs.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_bufs.index(stage))
+
+
+@gluon.jit
+def _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
+                  CAUSAL: gl.constexpr, col_layout: gl.constexpr):
+    if MASKED:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        allowed = gl.expand_dims(offs_n < N, 0)
+        if CAUSAL:
+            allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1))
+        s = gl.where(allowed, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASKED:
+        # A row whose every key so far is masked keeps m = -inf; subtracting 0 instead keeps exp2
+        # at exp2(-inf) = 0 rather than exp2(NaN).
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _hopper_take_turn(sched, t, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    # FA3 pingpong: the two consumer warpgroups take turns issuing their MMAs, so one warpgroup's
+    # softmax runs while the other's GEMMs own the tensor cores. t counts this warpgroup's issue points;
+    # warpgroup 0 goes first (a fresh mbarrier passes a wait on parity 1).
+    if NUM_CONSUMERS == 2:
+        mbarrier.wait(sched.index(WG), (t & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    if NUM_CONSUMERS == 2:
+        mbarrier.arrive(sched.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                   sched, offs_m, N, qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr,
+                   o_layout: gl.constexpr, p_layout: gl.constexpr, col_layout: gl.constexpr,
+                   WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    # Invariant on entry to step j: p holds tile j-1's probabilities, o all PV products before j-1,
+    # already rescaled to m_i.
+    for j in range(j_lo, j_hi):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        prev = (j - 1) % STAGES
+        prev_phase = ((j - 1) // STAGES) & 1
+        k_smem = k_bufs.index(stage)
+        v_prev = v_bufs.index(prev)
+
+        mbarrier.wait(k_ready.index(stage), phase)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        _hopper_take_turn(sched, j, WG, NUM_CONSUMERS)
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p, v_prev, o, is_async=True)
+        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+        # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
+        s, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
+        mbarrier.arrive(k_empty.index(stage), count=1)
+
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N, MASKED, CAUSAL,
+                                               col_layout)
+        p_next = gl.convert_layout(p_f32.to(dtype), p_layout)
+
+        o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        o = o * gl.expand_dims(alpha_o, 1)
+        p = p_next
+    return o, p, m_i, l_i
+
+
+@gluon.jit
+def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr, lse_ptr,
+              qk_scale, N, tile_m, tile_row, bh, n_full, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
+    # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
+    q_smem = q_bufs.index(WG)
+    off_m = tile_m + WG * BLOCK_M
+    q_row = tile_row + WG * BLOCK_M
+    dtype: gl.constexpr = q_smem.dtype
+    NUM_WARPS: gl.constexpr = BLOCK_M // 16
+    # One 16-row slab per warp, so rows never span warps: row max/sum are intra-warp shuffles and the
+    # accumulator-to-A-operand conversion of P stays in registers.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    # Peeled step 0: there is no PV to overlap yet. Always masked (cheap, once per tile) so the
+    # loops below need not special-case a first tile that is also the diagonal or the ragged one.
+    mbarrier.wait(k_ready.index(0), 0)
+    _hopper_take_turn(sched, 0, WG, NUM_CONSUMERS)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+    s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, 0, offs_m, N, qk_scale, BLOCK_N, True, CAUSAL,
+                                           col_layout)
+    p = gl.convert_layout(p_f32.to(dtype), p_layout)
+
+    o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_full, q_smem, k_bufs, v_bufs, k_ready, k_empty,
+                                    v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero, BLOCK_N, STAGES, False,
+                                    CAUSAL, dtype, o_layout, p_layout, col_layout, WG, NUM_CONSUMERS)
+    o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_full, 1), n_tiles, q_smem, k_bufs, v_bufs,
+                                    k_ready, k_empty, v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero,
+                                    BLOCK_N, STAGES, True, CAUSAL, dtype, o_layout, p_layout, col_layout, WG,
+                                    NUM_CONSUMERS)
+
+    # Drain: the last tile's PV.
+    last = n_tiles - 1
+    v_last = v_bufs.index(last % STAGES)
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    _hopper_take_turn(sched, n_tiles, WG, NUM_CONSUMERS)
+    o_tok = warpgroup_mma(p, v_last, o, is_async=True)
+    _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+    o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
+    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+    # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf there.
+    empty_row = l_i == 0.0
+    inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * HOPPER_LN2)
+    o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+
+    if off_m + BLOCK_M <= N:
+        # Full tile: reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O.
+        q_smem.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+        tma.store_wait(pendings=0)
+    else:
+        # Ragged last tile: a 2-D TMA store would spill into the next head's rows; store straight from
+        # the wgmma accumulator layout instead (no layout-conversion scratch in shared memory).
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = o_ptr + (q_row - off_m).to(gl.int64) * HEAD_DIM + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) \
+            + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o.to(dtype), mask=gl.expand_dims(rows < N, 1))
+    gl.store(lse_ptr + bh.to(gl.int64) * N + offs_m, lse, mask=offs_m < N)
+
+
+@gluon.jit
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, N, H, GROUP,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
+    # PINGPONG=True: two 4-warp consumer partitions (default + a worker), 64 query rows each, taking
+    # turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then 64 rows.
+    NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    num_m = gl.num_programs(0)
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        # Heaviest query tiles first so the long diagonal tiles do not trail at the end of the grid.
+        pid_m = num_m - 1 - pid_m
+    bh = gl.program_id(1)
+    off_m = pid_m * BLOCK_M
+    kv_bh = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    q_row = bh * N + off_m
+    kv_row = kv_bh * N
+
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(off_m + BLOCK_M, N), BLOCK_N)
+        # Tiles entirely at or below the first query row of this tile need no mask.
+        n_full = gl.minimum((off_m + 1) // BLOCK_N, N // BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        n_full = N // BLOCK_N
+    qk_scale = sm_scale * HOPPER_LOG2E
+
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(q_desc.block_type.shape[0] == ROWS)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
+    for i in gl.static_range(2):
+        mbarrier.init(sched.index(i), count=HOPPER_PARTITION_ARRIVALS)
+    # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
+    fence_async_shared()
+
+    if PINGPONG:
+        gl.warp_specialize([
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
+                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
+                         CAUSAL, 0, NUM_CONSUMERS)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
+                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
+                         CAUSAL, 1, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         q_row, kv_row, n_tiles, BLOCK_N, STAGES, NUM_CONSUMERS)),
+        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
+                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
+                         CAUSAL, 0, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         q_row, kv_row, n_tiles, BLOCK_N, STAGES, NUM_CONSUMERS)),
+        ], [1], [HOPPER_PRODUCER_REGS])
+
+
+# Triton 3.6 lowers mbarrier.arrive in a multi-warp partition to `bar.sync` over the partition's threads
+# followed by one arrival from the partition's first thread (PTX: `@(tid & (threads-1)) == 0
+# mbarrier.arrive`), so a partition counts once however many warpgroups it has. Newer Triton arrives
+# once per warpgroup (tid & 127): re-check this when upgrading.
+HOPPER_PARTITION_ARRIVALS = gl.constexpr(1)
+# Consumer worker budget in the pingpong variant (FA3 gives its two consumer warpgroups 240 each).
+HOPPER_CONSUMER_REGS = gl.constexpr(240)
+
+
 # --- decode (split-KV) forward ----------------------------------------------------------------
 # The most rows one decode tile holds: a contiguous cache's calls with (H / HKV) * Q_LEN up to this go
 # to the decode kernels (a paged cache's go whatever their length, in blocks of this many rows).
@@ -1215,23 +1493,25 @@ def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
     (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
     `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
-    launch = _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[1] if visits is None else None
+    cached = cache is not None or page_table is not None
+    launch = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[1] if visits is None else None
     if launch is not None:
         return launch(q, k, v, tensors, table, cache, page_table)
     return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
 
 
-def _forward_family(q, v, HKV, KV_LEN):
+def _forward_family(q, k, v, HKV, KV_LEN, cached):
     """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
-    these queries and values over HKV heads of KV_LEN keys; ("portable", None) when none does."""
-    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, v, HKV, KV_LEN)),
+    these tensors over HKV heads of KV_LEN keys (`cached`: a cache call; k holds pages if paged);
+    ("portable", None) when none does."""
+    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
 def _forward_tables(q, k, v):
     """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
     and the mask follows tables (the other families decide such masks in the kernel)."""
-    return [0] if TILE_TABLE and _forward_family(q, v, k.shape[1], k.shape[2])[1] is None else []
+    return [0] if TILE_TABLE and _forward_family(q, k, v, k.shape[1], k.shape[2], False)[1] is None else []
 
 
 def _kv_layout(k, v, page_table, placeholder=None):
@@ -1391,7 +1671,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "333a031f98413abc"
+MODULE_DIGEST = "0aa6ea3e16b61f4a"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1634,7 +1914,8 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
         _check(q, k, v, inputs)
-    return _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[0]
+    cached = kv_len is not None or q_offset is not None or page_table is not None
+    return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
 
 
 def visit_counts(q, k, v, **inputs):
@@ -1685,11 +1966,11 @@ SPLIT_FLOPS_PER_SM = 1.9e12
 HBM_BYTES_PER_SECOND = 4.0e12
 
 
-def _decode_serves(q, v, HKV, KV_LEN):
-    """Whether a forward call of these queries and values over HKV heads of KV_LEN keys goes to the
-    decode family (plan.families.DECODE.per_call): all queries of the query heads of one key/value
-    head fit one tile, or, for a mask without tile tables, the split kernel is predicted faster than
-    the portable forward."""
+def _decode_serves(q, k, v, HKV, KV_LEN, cached):
+    """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
+    contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+    the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
+    split kernel is predicted faster than the portable forward."""
     if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
         return True
     # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
@@ -1775,6 +2056,73 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     return out, lse
 
 
+# --- hopper family: the Gluon forward -----------------------------------------------------------
+# The head dims its tiles are written for, and the dtypes its wgmma reads from shared memory.
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
+    """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
+    cache call, bf16 or fp16 on the GPU, D = DV of a written tile, as many queries as keys, and q, k,
+    v contiguous (the TMA descriptors view them as (rows, D) matrices)."""
+    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and q.shape[-1] in HOPPER_HEAD_DIMS
+            and v.shape[-1] == q.shape[-1] and q.shape[2] == KV_LEN
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+
+
+def _hopper_launch_config(block_m, pingpong):
+    """(num_warps, maxnreg) of a launch: pingpong runs two 4-warp consumer warpgroups (the default
+    partition and a worker) and a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
+    num_warps, worker_warps = (4, 4 + 1) if pingpong else (block_m // 16, 1)
+    # Registers are granted per warpgroup: the 1-warp producer still takes a whole warpgroup's slots.
+    # Cap the kernel so all warps (rounded up to warpgroups) fit the 64K-register file; setmaxnreg then
+    # moves the producer down to HOPPER_PRODUCER_REGS and the consumers up to what is left.
+    total_threads = (num_warps + _cdiv(worker_warps, 4) * 4) * 32
+    return num_warps, min(256, (65536 // total_threads) // 8 * 8)
+
+
+def _hopper_shared_layout(block_shape, torch_dtype):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16)
+
+
+def _hopper_prepare(q, k, v, causal, sm_scale, block_m, block_n, stages, pingpong=True):
+    """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
+    lse), which only launches (the tools time it apart from the descriptors' host cost)."""
+    B, H, N, D = q.shape
+    HKV = k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
+    rows = block_m // 2 if pingpong else block_m
+    # 2-D views (B * heads * N, D): a tile that runs past a head's last row reads the next head's
+    # first rows (masked) or TMA's zero fill at the tensor's end.
+    q_desc = TensorDescriptor.from_tensor(q.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k.view(B * HKV * N, D), [block_n, D],
+                                          _hopper_shared_layout([block_n, D], q.dtype))
+    v_desc = TensorDescriptor.from_tensor(v.view(B * HKV * N, D), [block_n, D],
+                                          _hopper_shared_layout([block_n, D], q.dtype))
+    o_desc = TensorDescriptor.from_tensor(out.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
+    grid = (_cdiv(N, block_m), B * H)
+
+    def run():
+        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, float(sm_scale), N, H, H // HKV,
+                                 HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                                 PINGPONG=pingpong, num_warps=num_warps, maxnreg=maxnreg)
+        return out, lse
+
+    return run
+
+
+def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
+    """Runs the Gluon forward on a call _hopper_serves admitted (no cache, no table: the family serves
+    no spec with inputs or a mask beyond causal). Returns out and the natural-log LSE, as the
+    portable forward does; the backward kernels are the portable family's."""
+    D = q.shape[-1]
+    block_m, block_n, _, stages = FAMILY_TILES[(*_widths(D, D), _DTYPES[q.dtype])]["hopper"]
+    return _hopper_prepare(q, k, v, HOPPER_CAUSAL, softmax_scale(D), block_m, block_n, stages)()
+
+
 # The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
 # launch); a call none of them admits runs the portable forward.
-FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward),)
+FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward), ('hopper', _hopper_serves, _hopper_forward),)

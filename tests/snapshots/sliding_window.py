@@ -1236,23 +1236,25 @@ def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
     (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
     `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
-    launch = _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[1] if visits is None else None
+    cached = cache is not None or page_table is not None
+    launch = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[1] if visits is None else None
     if launch is not None:
         return launch(q, k, v, tensors, table, cache, page_table)
     return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
 
 
-def _forward_family(q, v, HKV, KV_LEN):
+def _forward_family(q, k, v, HKV, KV_LEN, cached):
     """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
-    these queries and values over HKV heads of KV_LEN keys; ("portable", None) when none does."""
-    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, v, HKV, KV_LEN)),
+    these tensors over HKV heads of KV_LEN keys (`cached`: a cache call; k holds pages if paged);
+    ("portable", None) when none does."""
+    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
 def _forward_tables(q, k, v):
     """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
     and the mask follows tables (the other families decide such masks in the kernel)."""
-    return [0] if TILE_TABLE and _forward_family(q, v, k.shape[1], k.shape[2])[1] is None else []
+    return [0] if TILE_TABLE and _forward_family(q, k, v, k.shape[1], k.shape[2], False)[1] is None else []
 
 
 def _kv_layout(k, v, page_table, placeholder=None):
@@ -1412,7 +1414,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "0d1f822471f7e061"
+MODULE_DIGEST = "19c23fec292985c2"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1655,7 +1657,8 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
         _check(q, k, v, inputs)
-    return _forward_family(q, v, *_kv_layout(k, v, page_table)[:2])[0]
+    cached = kv_len is not None or q_offset is not None or page_table is not None
+    return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
 
 
 def visit_counts(q, k, v, **inputs):
@@ -1706,11 +1709,11 @@ SPLIT_FLOPS_PER_SM = 1.9e12
 HBM_BYTES_PER_SECOND = 4.0e12
 
 
-def _decode_serves(q, v, HKV, KV_LEN):
-    """Whether a forward call of these queries and values over HKV heads of KV_LEN keys goes to the
-    decode family (plan.families.DECODE.per_call): all queries of the query heads of one key/value
-    head fit one tile, or, for a mask without tile tables, the split kernel is predicted faster than
-    the portable forward."""
+def _decode_serves(q, k, v, HKV, KV_LEN, cached):
+    """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
+    contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+    the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
+    split kernel is predicted faster than the portable forward."""
     if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
         return True
     # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.

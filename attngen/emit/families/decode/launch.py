@@ -30,11 +30,11 @@ SPLIT_FLOPS_PER_SM = 1.9e12
 HBM_BYTES_PER_SECOND = 4.0e12
 
 
-def _decode_serves(q, v, HKV, KV_LEN):
-    """Whether a forward call of these queries and values over HKV heads of KV_LEN keys goes to the
-    decode family (plan.families.DECODE.per_call): all queries of the query heads of one key/value
-    head fit one tile, or, for a mask without tile tables, the split kernel is predicted faster than
-    the portable forward."""
+def _decode_serves(q, k, v, HKV, KV_LEN, cached):
+    """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
+    contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+    the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
+    split kernel is predicted faster than the portable forward."""
     if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
         return True
     # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
