@@ -55,6 +55,33 @@ def test_explain_names_the_family_and_its_tiles():
     assert "hopper: 128x128 tiles, two 4-warp consumer warpgroups" in text
 
 
+class _Tensor:
+    """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test)."""
+
+    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True):
+        self.shape, self.dtype, self.is_cuda, self._contiguous = shape, dtype, True, contiguous
+
+    def is_contiguous(self):
+        return self._contiguous
+
+
+def test_the_per_call_rule():
+    serves = attngen.build(SPECS / "causal.attn", target="h200").module._hopper_serves
+    q, k = _Tensor(2, 8, 1000, 128), _Tensor(2, 2, 1000, 128)
+    assert serves(q, k, k, 2, 1000, False)
+    assert not serves(q, k, k, 2, 1000, True)  # a cache call
+    assert not serves(q, k, _Tensor(2, 2, 1000, 64), 2, 1000, False)  # DV != D
+    assert not serves(_Tensor(2, 8, 1000, 96), _Tensor(2, 2, 1000, 96), _Tensor(2, 2, 1000, 96), 2, 1000, False)
+    assert not serves(_Tensor(2, 8, 1000, 128, dtype=torch.float32), k, k, 2, 1000, False)
+    assert not serves(q, k, k, 2, 999, False)  # Q_LEN != KV_LEN
+    assert not serves(q, _Tensor(2, 2, 1000, 128, contiguous=False), k, 2, 1000, False)
+    # Rows past int32 would wrap the kernels' TMA coordinates: those calls go elsewhere.
+    assert serves(_Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128),
+                  16, 2**27 - 16, False)
+    big = _Tensor(1, 16, 2**27, 128)
+    assert not serves(big, big, big, 16, 2**27, False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", ["full", "causal"])

@@ -113,7 +113,7 @@ HOPPER = Family(
     problem=_hopper_problem,
     kernels=("fwd",),
     per_call=("forward calls that are not cache calls, bf16 or fp16 on the GPU, D = DV in {64, 128}, "
-              "Q_LEN = KV_LEN, contiguous q, k, v"),
+              "Q_LEN = KV_LEN, contiguous q, k, v, B * H * Q_LEN below 2**31 (TMA's int32 coordinates)"),
     tiles=_hopper_tiles,
 )
 

@@ -1671,7 +1671,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "0aa6ea3e16b61f4a"
+MODULE_DIGEST = "937d1d99776d619e"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2060,14 +2060,18 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
 # The head dims its tiles are written for, and the dtypes its wgmma reads from shared memory.
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
+# The kernels address q, k, v and out as (B * heads * N, D) matrices by TMA, whose coordinates are
+# int32: every row, and a tile's overhang past the last one, must stay below 2**31.
+HOPPER_MAX_ROWS = 2**31 - 256
 
 
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on the GPU, D = DV of a written tile, as many queries as keys, and q, k,
-    v contiguous (the TMA descriptors view them as (rows, D) matrices)."""
-    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and q.shape[-1] in HOPPER_HEAD_DIMS
-            and v.shape[-1] == q.shape[-1] and q.shape[2] == KV_LEN
+    cache call, bf16 or fp16 on the GPU, D = DV of a written tile, as many queries as keys, q, k, v
+    contiguous (the TMA descriptors view them as (rows, D) matrices) and their rows int32-addressable."""
+    B, H, Q_LEN, D = q.shape
+    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and D in HOPPER_HEAD_DIMS
+            and v.shape[-1] == D and Q_LEN == KV_LEN and B * H * Q_LEN <= HOPPER_MAX_ROWS
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
 
 
