@@ -71,8 +71,6 @@ CACHE_FLAGS = ("HAS_KV_LEN", "HAS_Q_OFFSET")
 PAGE_TABLE = ("PageTable", "stride_pt", "NUM_PAGES")
 PAGING = ("PAGED", "PAGE_SIZE")
 _INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
-# FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a table does
-# not describe) and in every call of a spec without tables.
 _PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
 
 
@@ -102,6 +100,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         return Signature(name, params + constants, frozenset(constants))
 
     return {
+        # FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a
+        # table does not describe) and in every call of a spec without tables.
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
             "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "offs_d", "offs_dv", "sm_scale", "qk_scale",

@@ -849,8 +849,8 @@ HOPPER_PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-              q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
+                     kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers.
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
@@ -871,7 +871,7 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_re
 
 @gluon.jit
 def _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-                  CAUSAL: gl.constexpr, col_layout: gl.constexpr):
+                         CAUSAL: gl.constexpr, col_layout: gl.constexpr):
     if MASKED:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         allowed = gl.expand_dims(offs_n < N, 0)
@@ -908,10 +908,10 @@ def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 @gluon.jit
 def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                   sched, offs_m, N, qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr,
-                   o_layout: gl.constexpr, p_layout: gl.constexpr, col_layout: gl.constexpr,
-                   WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+                          sched, offs_m, N, qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          MASKED: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr, o_layout: gl.constexpr,
+                          p_layout: gl.constexpr, col_layout: gl.constexpr, WG: gl.constexpr,
+                          NUM_CONSUMERS: gl.constexpr):
     # Invariant on entry to step j: p holds tile j-1's probabilities, o all PV products before j-1,
     # already rescaled to m_i.
     for j in range(j_lo, j_hi):
@@ -933,7 +933,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_
         mbarrier.arrive(k_empty.index(stage), count=1)
 
         p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N, MASKED, CAUSAL,
-                                               col_layout)
+                                                      col_layout)
         p_next = gl.convert_layout(p_f32.to(dtype), p_layout)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
@@ -946,9 +946,9 @@ def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr, lse_ptr,
-              qk_scale, N, tile_m, tile_row, bh, n_full, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
+                     qk_scale, N, tile_m, tile_row, bh, n_full, n_tiles, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     q_smem = q_bufs.index(WG)
     off_m = tile_m + WG * BLOCK_M
@@ -981,16 +981,16 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
     s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
     mbarrier.arrive(k_empty.index(0), count=1)
     p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, 0, offs_m, N, qk_scale, BLOCK_N, True, CAUSAL,
-                                           col_layout)
+                                                  col_layout)
     p = gl.convert_layout(p_f32.to(dtype), p_layout)
 
     o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_full, q_smem, k_bufs, v_bufs, k_ready, k_empty,
-                                    v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero, BLOCK_N, STAGES, False,
-                                    CAUSAL, dtype, o_layout, p_layout, col_layout, WG, NUM_CONSUMERS)
+                                           v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero, BLOCK_N, STAGES,
+                                           False, CAUSAL, dtype, o_layout, p_layout, col_layout, WG, NUM_CONSUMERS)
     o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_full, 1), n_tiles, q_smem, k_bufs, v_bufs,
-                                    k_ready, k_empty, v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero,
-                                    BLOCK_N, STAGES, True, CAUSAL, dtype, o_layout, p_layout, col_layout, WG,
-                                    NUM_CONSUMERS)
+                                           k_ready, k_empty, v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero,
+                                           BLOCK_N, STAGES, True, CAUSAL, dtype, o_layout, p_layout, col_layout, WG,
+                                           NUM_CONSUMERS)
 
     # Drain: the last tile's PV.
     last = n_tiles - 1
@@ -1026,9 +1026,9 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, N, H, GROUP,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, N, H, GROUP, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       PINGPONG: gl.constexpr):
     # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
     # PINGPONG=True: two 4-warp consumer partitions (default + a worker), 64 query rows each, taking
     # turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then 64 rows.
@@ -1671,7 +1671,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "937d1d99776d619e"
+MODULE_DIGEST = "6a8dfa7f899727d9"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
