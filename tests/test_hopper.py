@@ -2,8 +2,12 @@
 on a Hopper GPU, its forward against the float64 reference with the portable backward behind it.
 
 Its kernels are Gluon (TMA, mbarriers, asynchronous wgmma, warp specialization): they compile for
-sm_90 on a CPU (tests/test_hopper_prototype.py) but run only on the GPU."""
+sm_90 on a CPU (test_every_catalog_spec_compiles_for_sm90_with_wgmma) but run only on the GPU."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,16 +23,15 @@ SPECS = Path(__file__).parent.parent / "specs"
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+CATALOG = sorted(path.stem for path in SPECS.glob("*.attn"))
+
+
 @pytest.mark.parametrize("target", ["h100", "h200"])
-def test_hopper_targets_get_the_family_for_plain_and_causal_specs(target):
-    for spec in ("full", "causal"):
+def test_hopper_targets_get_the_family_for_every_catalog_spec(target):
+    for spec in CATALOG:
         chosen, why = families.choose_families(analyze(attngen.load_spec(SPECS / f"{spec}.attn")[0]), get_target(target))
-        assert chosen == (families.DECODE, families.HOPPER, families.PORTABLE), why
+        assert chosen[-2:] == (families.HOPPER, families.PORTABLE), (spec, why)
         assert f"hopper (fwd for {families.HOPPER.per_call})" in why
-    for spec in ("alibi_causal", "document_causal", "sliding_window"):
-        chosen, why = families.choose_families(analyze(attngen.load_spec(SPECS / f"{spec}.attn")[0]), get_target(target))
-        assert families.HOPPER not in chosen
-        assert "not hopper: its kernels take no score expression, inputs or mask other than causal yet" in why
 
 
 def test_other_targets_do_not_get_the_family():
@@ -41,11 +44,41 @@ def test_other_targets_do_not_get_the_family():
 def test_the_module_for_hopper_holds_the_gluon_kernels():
     hopper = attngen.compile_source(SPECS / "causal.attn", target="h200")
     assert "from triton.experimental import gluon" in hopper and "def _hopper_fwd_kernel(" in hopper
-    assert "HOPPER_CAUSAL = True" in hopper
     assert "('hopper', _hopper_serves, _hopper_forward)" in hopper
-    assert "HOPPER_CAUSAL = False" in attngen.compile_source(SPECS / "full.attn", target="h100")
     ampere = attngen.compile_source(SPECS / "causal.attn", target="a100")
     assert "gluon" not in ampere and "_hopper_" not in ampere
+
+
+def _hopper_step(source: str) -> str:
+    """The Gluon softmax step of a module's source, where the spec's score and mask run."""
+    start = source.index("def _hopper_softmax_step(")
+    return source[start:source.index("\n\n\n", start)]
+
+
+def test_the_spec_runs_in_the_gluon_step():
+    step = _hopper_step(attngen.compile_source(SPECS / "gemma2_local.attn", target="h200"))
+    # The score's tanh is the one-instruction approximation; the mask's comparisons are the forward's.
+    assert "# score: softcap(score, cap)" in step and "_tanh_approx(" in step and "_tanh(" not in step
+    assert "# mask: (q >= k) and (q - k < window)" in step or "# mask: " in step
+    assert "allowed = " in step
+    # A tanh in a mask stays exact: a mask's decisions must not move.
+    masked = _hopper_step(attngen.compile_source("attention tanh_mask\nmask: tanh(q - k) > 0.5\n"
+                                                 "score: tanh(score)\n", target="h200"))
+    mask_code = masked[masked.index("# mask:"):]
+    assert "_tanh(" in mask_code and "_tanh_approx(" not in mask_code
+    assert "_tanh_approx(" in masked[:masked.index("# mask:")]
+    # Inputs are read in the step as in the portable forward, by pointer, strides and sizes.
+    alibi = _hopper_step(attngen.compile_source(SPECS / "alibi_causal.attn", target="h200"))
+    assert "tl.load(slopes_ptr + " in alibi
+
+
+def test_tile_table_specs_follow_tables_of_the_family_s_tiles():
+    module = attngen.build(SPECS / "document_causal.attn", target="h200").module
+    assert module.TABLE_FAMILIES == ("hopper",)
+    assert attngen.build(SPECS / "causal.attn", target="h200").module.TABLE_FAMILIES == ("hopper",)
+    assert attngen.build(SPECS / "causal.attn", target="a100").module.TABLE_FAMILIES == ()
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    assert module._table_key(q, q, "hopper") == (True, 128, 128)
 
 
 def test_explain_names_the_family_and_its_tiles():
@@ -55,14 +88,34 @@ def test_explain_names_the_family_and_its_tiles():
     assert "hopper: 128x128 tiles, two 4-warp consumer warpgroups" in text
 
 
+def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
+    # Triton compiles for sm_90 without a GPU; its interpreter must be off, so tools/compile_sm90.py runs
+    # each module in a child process. The PTX must hold what the family exists for.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(SPECS.parent / "tools" / "compile_sm90.py"), "--family", "hopper",
+                          "--json"], capture_output=True, text=True, env=env, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(results) == CATALOG
+    for spec, kernels in results.items():
+        facts = kernels["_hopper_fwd_kernel"]
+        for instruction in ("wgmma", "tma", "setmaxnreg"):
+            assert facts[instruction], f"{spec}: no {instruction} in the Hopper forward's PTX"
+        softcapped = "softcap(" in (SPECS / f"{spec}.attn").read_text()
+        assert facts["tanh_approx"] == softcapped, f"{spec}: tanh.approx {facts['tanh_approx']}"
+
+
 class _Tensor:
     """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test)."""
 
-    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True):
-        self.shape, self.dtype, self.is_cuda, self._contiguous = shape, dtype, True, contiguous
+    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True, address=1 << 20):
+        self.shape, self.dtype, self.is_cuda, self._contiguous, self._address = shape, dtype, True, contiguous, address
 
     def is_contiguous(self):
         return self._contiguous
+
+    def data_ptr(self):
+        return self._address
 
 
 def test_the_per_call_rule():
@@ -70,30 +123,81 @@ def test_the_per_call_rule():
     q, k = _Tensor(2, 8, 1000, 128), _Tensor(2, 2, 1000, 128)
     assert serves(q, k, k, 2, 1000, False)
     assert not serves(q, k, k, 2, 1000, True)  # a cache call
-    assert not serves(q, k, _Tensor(2, 2, 1000, 64), 2, 1000, False)  # DV != D
-    assert not serves(_Tensor(2, 8, 1000, 96), _Tensor(2, 2, 1000, 96), _Tensor(2, 2, 1000, 96), 2, 1000, False)
+    assert serves(q, k, _Tensor(2, 2, 1000, 64), 2, 1000, False)  # DV != D
+    assert serves(_Tensor(2, 8, 1000, 96), _Tensor(2, 2, 1000, 96), _Tensor(2, 2, 1000, 96), 2, 1000, False)
+    assert serves(_Tensor(2, 8, 1000, 256), _Tensor(2, 2, 1000, 256), _Tensor(2, 2, 1000, 256), 2, 1000, False)
+    narrow = _Tensor(2, 8, 1000, 48)
+    assert not serves(narrow, narrow, narrow, 2, 1000, False)  # below 64: half the tile would be padding
+    odd = _Tensor(2, 8, 1000, 100)
+    assert not serves(odd, odd, odd, 2, 1000, False)  # rows of 200 bytes: TMA needs 16-byte multiples
     assert not serves(_Tensor(2, 8, 1000, 128, dtype=torch.float32), k, k, 2, 1000, False)
-    assert not serves(q, k, k, 2, 999, False)  # Q_LEN != KV_LEN
+    assert serves(_Tensor(2, 8, 999, 128), k, k, 2, 1000, False)  # Q_LEN != KV_LEN
     assert not serves(q, _Tensor(2, 2, 1000, 128, contiguous=False), k, 2, 1000, False)
+    assert not serves(q, _Tensor(2, 2, 1000, 128, address=(1 << 20) + 8), k, 2, 1000, False)  # TMA: 16-byte bases
     # Rows past int32 would wrap the kernels' TMA coordinates: those calls go elsewhere.
     assert serves(_Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128),
                   16, 2**27 - 16, False)
     big = _Tensor(1, 16, 2**27, 128)
     assert not serves(big, big, big, 16, 2**27, False)
+    assert not serves(_Tensor(1, 1, 16, 128), big, big, 16, 2**27, False)  # the keys' rows count too
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("name", ["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1000), (1, 4, 4, 129), (1, 2, 1, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_hopper_forward_matches_the_reference_on_gpu(name, dtype, head_dim, shape):
-    B, H, HKV, N = shape
+@pytest.mark.parametrize("name", CATALOG)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 4, 129, 300), (1, 4, 2, 257, 700)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_hopper_forward_matches_the_reference_on_gpu(name, dtype, shape):
+    B, H, HKV, Q_LEN, KV_LEN = shape
     attn = attngen.build(SPECS / f"{name}.attn")
-    q, k, v = testing.random_qkv(B, H, HKV, N, N, head_dim, head_dim, dtype, device="cuda")
-    assert attn.forward_family(q, k, v) == ("decode" if (H // HKV) * N <= 64 else "hopper")
-    testing.check_against_reference(attn.spec, attn, q, k, v)  # out, LSE and gradients (portable backward)
+    q, k, v = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, 128, 128, dtype, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, Q_LEN, KV_LEN, device="cuda")
+    assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    out = attn(q, k, v, **inputs)
+    assert not out.isnan().any()
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)  # out, LSE, gradients (portable backward)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["causal", "gemma2_local", "document_causal"])
+@pytest.mark.parametrize("dims", [(64, 64), (96, 96), (80, 128), (128, 64), (256, 256), (192, 128)],
+                         ids=lambda d: f"D{d[0]}-DV{d[1]}")
+def test_hopper_head_dims_on_gpu(name, dims):
+    D, DV = dims
+    attn = attngen.build(SPECS / f"{name}.attn")
+    q, k, v = testing.random_qkv(2, 4, 2, 333, 333, D, DV, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, 2, 4, 2, 333, 333, device="cuda")
+    assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_hopper_rows_without_keys_and_user_tables_on_gpu():
+    # Rows no key is allowed to: O = 0, LSE = -inf, no NaN (a block layout with empty rows).
+    attn = attngen.build(SPECS / "block_sparse.attn")
+    q, k, v = testing.random_qkv(1, 2, 2, 512, 512, 128, 128, torch.bfloat16, device="cuda")
+    layout = torch.rand(2, 4, 4, device="cuda") < 0.5
+    layout[:, 1] = False
+    assert attn.forward_family(q, k, v, layout=layout) == "hopper"
+    out, lse = attn(q, k, v, layout=layout, return_lse=True)
+    assert (out[:, :, 128:256] == 0).all() and (lse[:, :, 128:256] == float("-inf")).all()
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"layout": layout})
+    # Tables built once by the user serve the family's forward too.
+    tables = attn.tile_tables(q, k, v, layout=layout)
+    assert torch.equal(attn(q, k, v, layout=layout, tile_tables=tables), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_hopper_under_torch_compile_on_gpu():
+    attn = attngen.build(SPECS / "document_causal.attn")
+    q, k, v = testing.random_qkv(1, 4, 4, 1000, 1000, 128, 128, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, 1, 4, 4, 1000, 1000, device="cuda")
+    compiled = torch.compile(lambda q, k, v, doc: attn(q, k, v, doc=doc), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, inputs["doc"]), attn(q, k, v, **inputs))
 
 
 @pytest.mark.gpu
@@ -105,8 +209,8 @@ def test_calls_outside_the_rule_go_to_the_portable_forward():
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory, as transformers passes it
     assert attn.forward_family(strided, k, v) == "portable"
     assert attn.forward_family(q.float(), k.float(), v.float()) == "portable"
-    q96, k96, v96 = testing.random_qkv(1, 4, 4, 300, 300, 96, 96, torch.bfloat16, device="cuda")
-    assert attn.forward_family(q96, k96, v96) == "portable"
+    q48, k48, v48 = testing.random_qkv(1, 4, 4, 300, 300, 48, 48, torch.bfloat16, device="cuda")
+    assert attn.forward_family(q48, k48, v48) != "hopper"
     lengths = torch.full((1,), 300, dtype=torch.int32, device="cuda")
     assert attn.forward_family(q, k, v, kv_len=lengths) != "hopper"
     testing.check_against_reference(attn.spec, attn, strided, k, v)

@@ -65,7 +65,7 @@ def test_host_launches_follow_the_declared_signatures(name, monkeypatch):
 
     fwd = Recorder()
     monkeypatch.setattr(module, "_fwd_kernel", fwd)
-    out, lse = module._forward(q, k, v, tensors, tables[0])
+    out, lse = module._forward(q, k, v, tensors, {0: tables[0]})
     bound = _bound(signatures["fwd_kernel"], *fwd.calls[0])
     _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v"), "Out": (out, "o")})
     assert bound["Lse"] is lse and {n: bound[n] for n in sizes} == sizes
@@ -114,7 +114,7 @@ def test_decode_launches_follow_the_declared_signatures(monkeypatch):
     split, combine = Recorder(), Recorder()
     monkeypatch.setattr(module, "_decode_fwd_kernel", split)
     monkeypatch.setattr(module, "_decode_combine", combine)
-    out, lse = module._forward(q, k, v, tensors, ())
+    out, lse = module._forward(q, k, v, tensors, {})
     bound = _bound(signatures["decode_fwd"], *split.calls[0])
     _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v")})
     assert {n: bound[n] for n in sizes} == sizes and bound["SPLITS"] > 1

@@ -14,8 +14,7 @@ from attngen.frontend.printer import literal
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
-             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs",
-             "tanh": "_tanh"}
+             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}
 
 
 def int64(code: str) -> str:
@@ -27,10 +26,12 @@ def int64(code: str) -> str:
 @dataclass
 class Spelling:
     """How one kernel names the things an expression may use; `dims` says which index varies
-    along which tile axis, so results can be broadcast to the full tile shape."""
+    along which tile axis, so results can be broadcast to the full tile (`zeros` is a zero fp32
+    tile of its shape); `tanh` names the tanh helper it calls."""
     names: dict[str, str]
     dims: dict[str, frozenset]
-    full_shape: str
+    zeros: str
+    tanh: str = "_tanh"
 
 
 @dataclass
@@ -81,7 +82,7 @@ class TritonEmitter:
         """A float expression as a full fp32 tile (broadcast when it does not vary along both axes)."""
         code = self.emit(e)
         if self.dims_of(code) != frozenset("mn"):
-            code = self._temp(f"tl.zeros({self.spelling.full_shape}, dtype=tl.float32) + {code}",
+            code = self._temp(f"{self.spelling.zeros} + {code}",
                               frozenset("mn"))
         return code
 
@@ -203,19 +204,20 @@ class TritonEmitter:
         args = [self._spell(a) for a in e.args]
         dims = frozenset().union(*(self.dims_of(a) for a in args))
         fn = e.fn
-        if fn in _UNARY_FN:
+        if fn in _UNARY_FN or fn == "tanh":
             x = args[0]
             if not self._is_float(e.args[0]) and fn != "abs":
                 x = self._temp(f"({x}) * 1.0", self.dims_of(x))
             (x,), wide = self._operands(e, [x], e.args)
-            return self._temp(f"{_UNARY_FN[fn]}({x})", dims, wide)
+            name = self.spelling.tanh if fn == "tanh" else _UNARY_FN[fn]
+            return self._temp(f"{name}({x})", dims, wide)
         if fn in ("floor", "ceil"):
             if self.ranges.is_int(e.args[0]):
                 return args[0]
             width = "tl.int64" if self.ranges.wide(e) else "tl.int32"
             return self._temp(f"tl.{fn}({args[0]}).to({width})", dims, self.ranges.wide(e))
         if fn == "softcap":
-            return self._temp(f"{args[1]} * _tanh({args[0]} / {args[1]})", dims)
+            return self._temp(f"{args[1]} * {self.spelling.tanh}({args[0]} / {args[1]})", dims)
         # min, max, clamp and where: the result is one of the operands, so it fits where they do.
         wide = self.ranges.is_int(e) and any(a in self.wide for a in args)
         if fn == "min":

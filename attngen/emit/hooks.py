@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from attngen import ir
 from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling, TritonEmitter
-from attngen.emit.signatures import POSITIONS, TABLE, kernel_signatures, table_params
+from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
@@ -17,24 +17,32 @@ _UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
 ROW_MAJOR = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[:, None]", "k": "offs_n[None, :]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    full_shape="[BLOCK_M, BLOCK_N]")
+    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
 TRANSPOSED = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    full_shape="[BLOCK_N, BLOCK_M]")
+    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
 # The forward kernels also serve cache calls, whose query i sits at position pos_m = q_off + i
 # (q_off = q_offset[b], 0 otherwise); the backward kernels never see an offset.
 FORWARD_ROWS = Spelling(
     names={**ROW_MAJOR.names, "q": "pos_m[:, None]"},
     dims=ROW_MAJOR.dims,
-    full_shape="[BLOCK_M, BLOCK_N]")
-BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, full_shape="[]")
+    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0")
 # The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
 # (at position pos_m[r]) of head row_h[r], so the head varies along the rows.
 DECODE_ROWS = Spelling(
     names={**FORWARD_ROWS.names, "h": "row_h[:, None]"},
     dims={**ROW_MAJOR.dims, "h": frozenset("m")},
-    full_shape="[BLOCK_M, BLOCK_N]")
+    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+# The Hopper family's forward (Gluon) runs the forward's hooks on a consumer warpgroup's S accumulator:
+# tl's elementwise code runs unchanged on Gluon tensors, only a new tile needs a layout (s_layout). Its
+# scores call tanh.approx.f32 (one MUFU op; the family takes 16-bit inputs only, where its 1e-5 relative
+# error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
+HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
+                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)")
+HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
+                        tanh="_tanh_approx")
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
@@ -42,10 +50,6 @@ DECODE_ROWS = Spelling(
 ELEMENT_NAMES = ("offs_m", "offs_n", *POSITIONS)
 FORWARD_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", *POSITIONS)
 DECODE_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", "off_b", "row_h", "off_hkv", "row_ok")
-# What the tile-range hook defines: the masked loop over [masked_lo, masked_hi) (skipping `gap` tiles
-# from number `gap_at` on) and the unmasked loop over [full_lo, full_hi); with a tile table, the
-# tiles are the entries of `masked_tiles` and `full_tiles` (pointers into the table's row).
-TILE_RANGE_NAMES = ("masked_tiles", "masked_lo", "masked_hi", "gap_at", "gap", "full_tiles", "full_lo", "full_hi")
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
     if spelling is DECODE_ROWS:
         return DECODE_ELEMENT_NAMES
-    return FORWARD_ELEMENT_NAMES if spelling is FORWARD_ROWS else ELEMENT_NAMES
+    return FORWARD_ELEMENT_NAMES if spelling in (FORWARD_ROWS, HOPPER_MASK, HOPPER_SCORE) else ELEMENT_NAMES
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
@@ -245,7 +249,7 @@ def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
 
 
 def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
-    """Which tiles of `loop` one program visits with mask code and which without (TILE_RANGE_NAMES):
+    """Which tiles of `loop` one program visits with mask code and which without (TILE_RANGE):
     the rows of its tile table, or its closed-form bounds cut into tiles."""
     tile = "start_m" if loop == "k" else "start_n"
     table = [
@@ -257,7 +261,7 @@ def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
         "full_tiles, full_lo, full_hi = masked_tiles + tbl_cols - n_full, 0, n_full",
     ]
     if facts.tile_table and not offset:
-        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE_NAMES, "\n".join(table))
+        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE, "\n".join(table))
     closed = _closed_tile_range(facts, loop, offset)
     if not facts.tile_table:
         return closed
@@ -266,7 +270,7 @@ def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
     # every tile with mask code, which is exact, only without skipping the tiles inside the hull.
     code = ["if FOLLOW_TABLE:", *("    " + line for line in table),
             "else:", *("    " + line for line in closed.code.splitlines())]
-    return Hook("tile_range", closed.inputs, TILE_RANGE_NAMES, "\n".join(code))
+    return Hook("tile_range", closed.inputs, TILE_RANGE, "\n".join(code))
 
 
 def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
@@ -290,12 +294,12 @@ def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
         "masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1",
         "full_tiles, full_lo, full_hi = 0, t1, t2",
     ]
-    return Hook("tile_range", (tile, *POSITIONS, *([offset] if offset else [])), TILE_RANGE_NAMES, "\n".join(code))
+    return Hook("tile_range", (tile, *POSITIONS, *([offset] if offset else [])), TILE_RANGE, "\n".join(code))
 
 
 def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
-    if spelling in (ROW_MAJOR, FORWARD_ROWS):
+    if spelling in (ROW_MAJOR, FORWARD_ROWS, HOPPER_MASK):
         return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
     if spelling is DECODE_ROWS:
         return "row_ok[:, None]", "offs_n[None, :] < KV_LEN"
@@ -328,6 +332,16 @@ def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
             "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
 
 
+def _hopper_hooks(facts: Analysis, forward: dict[str, Hook]) -> dict[str, Hook]:
+    """Hooks of the Hopper family's forward: the forward's tile range (one per CTA, whose BLOCK_M rows
+    its consumer warpgroups share), and its score and mask in the Gluon spellings; `plain_score` says
+    the spec has no score expression (the kernel may then scale the scores after their row max)."""
+    return {"score": _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc")),
+            "mask": _mask_hook(facts, HOPPER_MASK), "tile_range": forward["tile_range"],
+            "plain_score": facts.spec.score is None or facts.spec.score == ir.Score(),
+            "reads_q_off": _reads(forward["tile_range"].code, "q_off")}
+
+
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
     """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
     bounds, mask = _bounds_hook(facts, loop, with_full=False), _mask_hook(facts, spelling)
@@ -357,13 +371,15 @@ def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -
     """What the kernel templates of `families` fill in for this spec: every kernel's signature and
     each kernel's hooks."""
     decode = _decode_hooks(facts) if "decode" in families else None
+    fwd = _kernel_hooks(facts, FORWARD_ROWS, "k", "")
     return dict(
         decode=decode,
         # Whether the decode kernel reads query positions (else it never loads q_offset).
         decode_positions=decode is not None and any(
             _reads(h.code, name) for h in decode.values() for name in ("pos_m", "q_off")),
         sig=kernel_signatures(facts.spec, facts.tile_table),
-        fwd=_kernel_hooks(facts, FORWARD_ROWS, "k", ""),
+        fwd=fwd,
+        hopper=_hopper_hooks(facts, fwd) if "hopper" in families else None,
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
         table=facts.tile_table,

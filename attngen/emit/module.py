@@ -15,7 +15,7 @@ from attngen.analysis import Analysis, integers
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
-from attngen.plan.families import DECODE_MAX_ROWS, PORTABLE, plain_causal
+from attngen.plan.families import DECODE_MAX_ROWS, FAMILIES, PORTABLE
 from attngen.version import __version__
 
 # What the preamble in module.py.jinja defines (the spec's facts) and what the kernel templates define
@@ -27,7 +27,7 @@ PREAMBLE_NAMES = ("SPEC_NAME", "FINGERPRINT", "INPUTS", "PLAN", "TILE_TABLE", "T
 KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_query_classify",
                 "_table_by_key_classify", "_table_compact")
 # What the module defines after the host code: the families' forward launches, in order of preference.
-FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES",)
+FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES")
 LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
 # Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
@@ -123,6 +123,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         for e in plan.entries if e.family_tiles) + "}" if any(e.family_tiles for e in plan.entries) else "{}"
     others = [family for family in plan.families if family != PORTABLE.name]
     forward_families = "(" + "".join(f"({f!r}, _{f}_serves, _{f}_forward), " for f in others).rstrip(" ") + ")"
+    table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
@@ -139,8 +140,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         max_batch_heads=integers.MAX_BATCH_HEADS,
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
-        forward_families=forward_families, decode_max_rows=DECODE_MAX_ROWS,
-        hopper_causal=plain_causal(facts.spec.mask),
+        forward_families=forward_families, table_families=table_families, decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))

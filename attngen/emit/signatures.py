@@ -28,9 +28,17 @@ class Signature:
         """A call starting at `column`, passing `values[p]` for the parameters named there (code as
         str, or a Python bool or int) and each other parameter's own name. Its lines after the first
         are indented relative to the call (the template indents them to `column`)."""
+        return _wrapped(f"{self.name}(", self._values(values), ")", column)
+
+    def arguments(self, column: int, **values) -> str:
+        """The arguments of a call, as `call` passes them, in a tuple (gl.warp_specialize takes each
+        partition's function and its arguments apart)."""
+        return _wrapped("(", self._values(values), ")", column)
+
+    def _values(self, values: dict) -> list[str]:
         unknown = set(values) - set(self.params)
         assert not unknown, f"{self.name} has no parameter(s) {sorted(unknown)}"
-        return _wrapped(f"{self.name}(", [_code(values.get(p, p)) for p in self.params], ")", column)
+        return [_code(values.get(p, p)) for p in self.params]
 
 
 def _code(value) -> str:
@@ -70,6 +78,12 @@ CACHE_FLAGS = ("HAS_KV_LEN", "HAS_Q_OFFSET")
 # the page size are constexprs (K and V then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)).
 PAGE_TABLE = ("PageTable", "stride_pt", "NUM_PAGES")
 PAGING = ("PAGED", "PAGE_SIZE")
+# Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
+# [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
+# with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
+TILE_RANGE = ("masked_tiles", "masked_lo", "masked_hi", "gap_at", "gap", "full_tiles", "full_lo", "full_hi")
+# What the spec's element hooks may read in the Hopper forward's consumers, besides the tile's indices.
+_HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
 _INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
 _PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
 
@@ -137,6 +151,27 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
+        # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
+        # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
+        "hopper_fwd": sig("_hopper_fwd_kernel", (
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", "Lse", "sm_scale", "qk_scale", *inputs, *table, *SIZES),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE")),
+        "hopper_producer": sig("_hopper_producer", (
+            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready",
+            "v_empty", "q_row", "kv_row", "n_tiles", *TILE_RANGE), ("BLOCK_N", "STAGES", "NUM_CONSUMERS",
+                                                                   "FOLLOW_TABLE")),
+        "hopper_consumer": sig("_hopper_consumer", (
+            "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready", "v_empty", "sched", "o_desc",
+            "Out", "Lse", "tile_m", "tile_row", "off_bh", "n_tiles", *TILE_RANGE, *_HOOK_ARGS, *inputs),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "DEFER_SCALE", "WG", "NUM_CONSUMERS")),
+        "hopper_loop": sig("_hopper_consumer_loop", (
+            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "q_smem", "k_bufs", "v_bufs", "k_ready", "k_empty", "v_ready",
+            "v_empty", "sched", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS, *inputs),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
+             "o_layout", "p_layout", "WG", "NUM_CONSUMERS")),
+        "hopper_step": sig("_hopper_softmax_step", (
+            "qk", "m_i", "l_i", "start_n", "offs_m", "pos_m", *_HOOK_ARGS, *inputs),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout")),
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", "Lse", "n_rows", "SPLITS"),
                               ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),

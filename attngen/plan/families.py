@@ -8,7 +8,6 @@ from typing import Callable
 
 import triton
 
-from attngen import ir
 from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
@@ -25,13 +24,16 @@ class Family:
     The portable family provides every kernel and serves every call. Another family provides
     `kernels` (a subset of KERNELS) for the calls its `per_call` rule admits, checked by the host on
     each call's shapes (its folder's launch.py); the other calls and kernels go to the portable
-    family. `tiles` gives its launch shape per padded head dim pair and dtype."""
+    family. `tiles` gives its launch shape per padded head dim pair and dtype; `follows_tables` says
+    whether its forward follows the mask's tile tables (built for its tiles) or decides every
+    element of the mask's hull."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
     kernels: tuple[str, ...] = KERNELS
     per_call: str = "every call"
     tiles: TileRule | None = None
+    follows_tables: bool = False
 
 
 PORTABLE = Family(
@@ -72,15 +74,10 @@ DECODE = Family(
     per_call=(f"forward calls whose (H / HKV) * Q_LEN <= {DECODE_MAX_ROWS} (decoding, speculative "
               "decoding): one tile holds every query of a key/value head; and longer calls (chunked prefill) "
               "where the host's model of both kernels, from the call's shapes and the SM count, predicts "
-              "the split kernel faster (masks without tile tables)"),
+              "the split kernel faster than the portable forward (masks without tile tables; calls a later "
+              "family does not take)"),
     tiles=_decode_tiles,
 )
-
-def plain_causal(mask: ir.Expr | None) -> bool:
-    """Whether `mask` is exactly `causal` (q >= k, or k <= q)."""
-    q, k = ir.Var(type="int", name="q"), ir.Var(type="int", name="k")
-    return mask in (ir.Binary(type="bool", op="ge", left=q, right=k), ir.Binary(type="bool", op="le", left=k, right=q))
-
 
 # The Gluon API the Hopper family's kernels are written against: it changes between releases.
 HOPPER_TRITON = "3.6."
@@ -91,30 +88,33 @@ def _hopper_problem(facts: Analysis, target: Target) -> str | None:
         return f"its kernels need a Hopper GPU (sm_90: TMA, wgmma, setmaxnreg); the target is {target.name}"
     if not triton.__version__.startswith(HOPPER_TRITON):
         return f"its Gluon kernels are written against triton {HOPPER_TRITON}x's API, found {triton.__version__}"
-    spec = facts.spec
-    if spec.score is not None or spec.inputs or not (spec.mask is None or plain_causal(spec.mask)):
-        return ("its kernels take no score expression, inputs or mask other than causal yet (the spec's code "
-                "in Gluon is issue 13's next step)")
     return None
 
 
 def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
-    stages = 3 if max(d, dv) <= 64 else 2
-    return ((128, 128, 4, stages),
-            f"hopper: 128x128 tiles, two 4-warp consumer warpgroups taking turns at the tensor cores and a "
-            f"TMA producer warp, {stages} K/V stages (D=128 at 3 stages leaves no shared memory to spare); "
-            f"measured at 0.99-1.06x cuDNN (BENCHMARKS.md)")
+    # Shared memory holds Q (BLOCK_M x d) and STAGES K and V tiles (BLOCK_N x d, BLOCK_N x dv), 227 KiB at
+    # most: at d = dv = 128 a third stage leaves nothing to spare; at 256 the key tiles halve.
+    widest = max(d, dv)
+    block_n = 128 if widest <= 128 else 64
+    stages = 3 if widest <= 64 else 2
+    return ((128, block_n, 4, stages),
+            f"hopper: 128x{block_n} tiles, two 4-warp consumer warpgroups taking turns at the tensor cores and a "
+            f"TMA producer warp, {stages} K/V stages ({(128 * d + stages * block_n * (d + dv)) * 2 // 1024} KiB of "
+            f"shared memory at 16 bits)")
 
 
 HOPPER = Family(
     name="hopper",
     strength=("FlashAttention-3-style Gluon forward: TMA loads by a producer warp, asynchronous wgmma with P in "
-              "registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in pingpong"),
+              "registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in pingpong; "
+              "the spec's score and mask run on the wgmma accumulator, over the same tile ranges and tables"),
     problem=_hopper_problem,
     kernels=("fwd",),
-    per_call=("forward calls that are not cache calls, bf16 or fp16 on the GPU, D = DV in {64, 128}, "
-              "Q_LEN = KV_LEN, contiguous q, k, v, B * H * Q_LEN below 2**31 (TMA's int32 coordinates)"),
+    per_call=("forward calls that are not cache calls, bf16 or fp16 on the GPU, D and DV multiples of 8 from 64 "
+              "to 256, contiguous 16-byte-aligned q, k, v, B * H * Q_LEN and B * HKV * KV_LEN below 2**31 "
+              "(TMA's int32 coordinates)"),
     tiles=_hopper_tiles,
+    follows_tables=True,
 )
 
 # In order of preference; the portable family comes last and serves what the others do not.

@@ -186,14 +186,17 @@ class Case:
 
 
 @st.composite
-def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",)) -> Case:
+def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",),
+          head_dims=None) -> Case:
     """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, and a
-    call from `caches` (plain calls twice as often as each cache layout, when both are allowed)."""
+    call from `caches` (plain calls twice as often as each cache layout, when both are allowed).
+    `head_dims`: the head dims to draw D and DV from (default 1 .. max_head_dim)."""
     hkv = draw(st.integers(1, 2))
+    dims = st.sampled_from(list(head_dims)) if head_dims is not None else st.integers(1, max_head_dim)
     weighted = [c for c in caches for _ in range(2 if c == "none" else 1)]
     return Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
                 Q_LEN=draw(_length(max_len)), KV_LEN=draw(_length(max_len)),
-                D=draw(st.integers(1, max_head_dim)), DV=draw(st.integers(1, max_head_dim)),
+                D=draw(dims), DV=draw(dims),
                 dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
                 cache=draw(st.sampled_from(weighted)))
 

@@ -140,9 +140,9 @@ FAMILY_TILES = {
     (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
     (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
     (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
     (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
@@ -155,9 +155,9 @@ FAMILY_TILES = {
     (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
     (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
     (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
     (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
@@ -170,9 +170,9 @@ FAMILY_TILES = {
     (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
     (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
@@ -185,24 +185,24 @@ FAMILY_TILES = {
     (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
     (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 128, 4, 2)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
 }
 
 
@@ -813,35 +813,57 @@ _table_by_query_classify = _table_by_key_classify = _table_compact = None
 # A producer warp streams K/V tiles by TMA into a ring of shared-memory stages guarded by mbarriers;
 # two consumer warpgroups of 64 query rows take turns at the tensor cores (FA3's pingpong), each
 # overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
-# Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
+# spec's score and mask run on each S accumulator tile in the wgmma layout: the same elementwise code
+# as the portable forward's (hooks.HOPPER_SCORE / HOPPER_MASK), and the same tile ranges and tables.
+# The Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
 from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-# Whether the spec's mask is `causal` (q >= k); the family's kernels take no other mask yet.
-HOPPER_CAUSAL = False
-
-HOPPER_LOG2E = gl.constexpr(1.4426950408889634)
-HOPPER_LN2 = gl.constexpr(0.6931471805599453)
-
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
+# Whether the spec has no score expression: its kernel may then scale the scores after their row max.
+HOPPER_PLAIN_SCORE = True
+
+
+@triton.jit
+def _tanh_approx(x):
+    # One MUFU op (the portable _tanh takes an exp, a division and a polynomial); relative error about
+    # 1e-5, far below the 16-bit inputs' rounding, and the same instruction FA3 uses for softcapping.
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
+                       BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # Step i's key tile: the masked tiles come first, then the unmasked ones (TILE_RANGE). Producer and
+    # consumers both walk this one sequence, so a stage of the ring always holds the tile a step expects.
+    if i < n_masked:
+        start = _tile_start(masked_tiles, masked_lo + i, masked_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+    else:
+        start = _tile_start(full_tiles, full_lo + (i - n_masked), full_hi, 0, 0, BLOCK_N, FOLLOW_TABLE)
+    return start
 
 
 @gluon.jit
-def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_row,
-                     kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                     full_lo, full_hi, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
+                     FOLLOW_TABLE: tl.constexpr):
     # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers.
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    n_masked = masked_hi - masked_lo
     mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, 0], q_bar, q_bufs.index(c))
-    for j in range(n_tiles):
-        stage = j % STAGES
+    for i in range(n_tiles):
+        stage = i % STAGES
         # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
-        phase = ((j // STAGES) & 1) ^ 1
-        row = kv_row + j * BLOCK_N
+        phase = ((i // STAGES) & 1) ^ 1
+        row = kv_row + _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                          full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
         mbarrier.wait(k_empty.index(stage), phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(stage), k_bufs.index(stage))
@@ -851,22 +873,33 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_re
 
 
 @gluon.jit
-def _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-                         CAUSAL: gl.constexpr, col_layout: gl.constexpr):
-    if MASKED:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        allowed = gl.expand_dims(offs_n < N, 0)
-        if CAUSAL:
-            allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1))
-        s = gl.where(allowed, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    if MASKED:
-        # A row whose every key so far is masked keeps m = -inf; subtracting 0 instead keeps exp2
-        # at exp2(-inf) = 0 rather than exp2(NaN).
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+def _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
+                         HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                         s_layout: tl.constexpr):
+    # The portable forward's step on one S tile (qk, fp32, s_layout): the spec's score, its mask on
+    # MASKED steps, the online softmax in base 2.
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if DEFER_SCALE:
+        # No score expression and a positive scale: the row max is the raw products', scaled once a row,
+        # and the scale goes into exp2's argument below (one FMA an element, FA3's order).
+        s2 = qk
     else:
-        m_use = m_new
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
+    if MASKED:
+        allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
+        s2 = gl.where(allowed, s2, float("-inf"))
+    # A row with no allowed key yet keeps m = -inf; subtracting 0 instead keeps exp2 at exp2(-inf) = 0
+    # rather than exp2(NaN).
+    if DEFER_SCALE:
+        m_new = gl.maximum(m_i, gl.max(s2, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s2 * qk_scale - gl.expand_dims(m_use, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -888,33 +921,42 @@ def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                          sched, offs_m, N, qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          MASKED: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr, o_layout: gl.constexpr,
-                          p_layout: gl.constexpr, col_layout: gl.constexpr, WG: gl.constexpr,
-                          NUM_CONSUMERS: gl.constexpr):
-    # Invariant on entry to step j: p holds tile j-1's probabilities, o all PV products before j-1,
+def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, sched, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at,
+                          gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
+                          HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
+                          FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, dtype: tl.constexpr,
+                          s_layout: tl.constexpr, o_layout: tl.constexpr, p_layout: tl.constexpr,
+                          WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
+    # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
     # already rescaled to m_i.
-    for j in range(j_lo, j_hi):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        prev = (j - 1) % STAGES
-        prev_phase = ((j - 1) // STAGES) & 1
+    n_masked = masked_hi - masked_lo
+    for i in range(i_lo, i_hi):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        prev = (i - 1) % STAGES
+        prev_phase = ((i - 1) // STAGES) & 1
         k_smem = k_bufs.index(stage)
         v_prev = v_bufs.index(prev)
+        start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                     full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
 
         mbarrier.wait(k_ready.index(stage), phase)
         mbarrier.wait(v_ready.index(prev), prev_phase)
-        _hopper_take_turn(sched, j, WG, NUM_CONSUMERS)
+        _hopper_take_turn(sched, i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p, v_prev, o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
-        s, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(stage), count=1)
 
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, j, offs_m, N, qk_scale, BLOCK_N, MASKED, CAUSAL,
-                                                      col_layout)
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
+                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                                      BLOCK_N, MASKED, DEFER_SCALE, s_layout)
         p_next = gl.convert_layout(p_f32.to(dtype), p_layout)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
@@ -926,10 +968,13 @@ def _hopper_consumer_loop(o, p, m_i, l_i, j_lo, j_hi, q_smem, k_bufs, v_bufs, k_
 
 
 @gluon.jit
-def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr, lse_ptr,
-                     qk_scale, N, tile_m, tile_row, bh, n_full, n_tiles, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, Out, Lse,
+                     tile_m, tile_row, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                     full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                     KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                     WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     q_smem = q_bufs.index(WG)
     off_m = tile_m + WG * BLOCK_M
@@ -941,99 +986,132 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_V_PAD, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    # Query positions: the family takes no cache calls, so query i sits at position i.
+    pos_m = offs_m
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
+    n_masked = masked_hi - masked_lo
 
+    # Q's buffer is O's staging buffer in the epilogue: wait for Q's load even if no tile is visited.
     mbarrier.wait(q_bar, 0)
-    # Peeled step 0: there is no PV to overlap yet. Always masked (cheap, once per tile) so the
-    # loops below need not special-case a first tile that is also the diagonal or the ragged one.
-    mbarrier.wait(k_ready.index(0), 0)
-    _hopper_take_turn(sched, 0, WG, NUM_CONSUMERS)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-    s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p_f32, alpha, m_i, l_i = _hopper_softmax_step(s, m_i, l_i, 0, offs_m, N, qk_scale, BLOCK_N, True, CAUSAL,
-                                                  col_layout)
-    p = gl.convert_layout(p_f32.to(dtype), p_layout)
+    if n_tiles > 0:
+        # Peeled step 0: there is no PV to overlap yet. Masked whichever tile it is (masks are exact
+        # on any tile), so the loops below need not special-case it.
+        start_n = _hopper_tile_start(0, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                     full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
+        mbarrier.wait(k_ready.index(0), 0)
+        _hopper_take_turn(sched, 0, WG, NUM_CONSUMERS)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
+                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                                      BLOCK_N, True, DEFER_SCALE, s_layout)
+        p = gl.convert_layout(p_f32.to(dtype), p_layout)
 
-    o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_full, q_smem, k_bufs, v_bufs, k_ready, k_empty,
-                                           v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero, BLOCK_N, STAGES,
-                                           False, CAUSAL, dtype, o_layout, p_layout, col_layout, WG, NUM_CONSUMERS)
-    o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_full, 1), n_tiles, q_smem, k_bufs, v_bufs,
-                                           k_ready, k_empty, v_ready, v_empty, sched, offs_m, N, qk_scale, s_zero,
-                                           BLOCK_N, STAGES, True, CAUSAL, dtype, o_layout, p_layout, col_layout, WG,
-                                           NUM_CONSUMERS)
+        o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, q_smem, k_bufs, v_bufs, k_ready,
+                                               k_empty, v_ready, v_empty, sched, offs_m, pos_m, s_zero,
+                                               masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                               full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
+                                               H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE,
+                                               DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
+                                               NUM_CONSUMERS)
+        o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, q_smem, k_bufs,
+                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, offs_m, pos_m,
+                                               s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                                               full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
+                                               off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                                               HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
+                                               FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout,
+                                               WG, NUM_CONSUMERS)
 
-    # Drain: the last tile's PV.
-    last = n_tiles - 1
-    v_last = v_bufs.index(last % STAGES)
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    _hopper_take_turn(sched, n_tiles, WG, NUM_CONSUMERS)
-    o_tok = warpgroup_mma(p, v_last, o, is_async=True)
-    _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-    o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
-    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        # Drain: the last tile's PV.
+        last = n_tiles - 1
+        v_last = v_bufs.index(last % STAGES)
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        _hopper_take_turn(sched, n_tiles, WG, NUM_CONSUMERS)
+        o_tok = warpgroup_mma(p, v_last, o, is_async=True)
+        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+        o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
-    # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf there.
+    # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
     empty_row = l_i == 0.0
     inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * HOPPER_LN2)
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
     o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
-    if off_m + BLOCK_M <= N:
-        # Full tile: reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O.
-        q_smem.store(o.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
-        tma.store_wait(pendings=0)
+    if HEAD_DIM_V_PAD == HEAD_DIM_PAD:
+        if off_m + BLOCK_M <= Q_LEN:
+            # Full tile: reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O;
+            # TMA drops the columns past HEAD_DIM_V.
+            q_smem.store(o.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+            tma.store_wait(pendings=0)
+        else:
+            _hopper_store_rows(Out, o.to(dtype), q_row - off_m, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD,
+                               o_layout)
     else:
-        # Ragged last tile: a 2-D TMA store would spill into the next head's rows; store straight from
-        # the wgmma accumulator layout instead (no layout-conversion scratch in shared memory).
-        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = o_ptr + (q_row - off_m).to(gl.int64) * HEAD_DIM + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) \
-            + gl.expand_dims(cols, 0)
-        gl.store(ptrs, o.to(dtype), mask=gl.expand_dims(rows < N, 1))
-    gl.store(lse_ptr + bh.to(gl.int64) * N + offs_m, lse, mask=offs_m < N)
+        _hopper_store_rows(Out, o.to(dtype), q_row - off_m, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD,
+                           o_layout)
+    gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, N, H, GROUP, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+def _hopper_store_rows(Out, o, head_row, off_m, Q_LEN, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+                       HEAD_DIM_V_PAD: gl.constexpr, o_layout: gl.constexpr):
+    # O's rows straight from the wgmma accumulator layout, for the ragged last tile of a head (a 2-D TMA
+    # store would spill into the next head's rows) and for O wider or narrower than Q's buffer.
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + head_row.to(gl.int64) * HEAD_DIM_V + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM_V, 1) \
+        + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o, mask=gl.expand_dims(rows < Q_LEN, 1) & gl.expand_dims(cols < HEAD_DIM_V, 0))
+
+
+@gluon.jit
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       DEFER_SCALE: tl.constexpr):
     # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
-    # PINGPONG=True: two 4-warp consumer partitions (default + a worker), 64 query rows each, taking
-    # turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then 64 rows.
+    # PINGPONG=True: two 4-warp consumer partitions (default + a worker), BLOCK_M / 2 query rows each,
+    # taking turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then
+    # BLOCK_M / 2 rows.
     NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    num_m = gl.num_programs(0)
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        # Heaviest query tiles first so the long diagonal tiles do not trail at the end of the grid.
-        pid_m = num_m - 1 - pid_m
-    bh = gl.program_id(1)
-    off_m = pid_m * BLOCK_M
-    kv_bh = (bh // H) * (H // GROUP) + (bh % H) // GROUP
-    q_row = bh * N + off_m
-    kv_row = kv_bh * N
-
-    if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(off_m + BLOCK_M, N), BLOCK_N)
-        # Tiles entirely at or below the first query row of this tile need no mask.
-        n_full = gl.minimum((off_m + 1) // BLOCK_N, N // BLOCK_N)
-    else:
-        n_tiles = gl.cdiv(N, BLOCK_N)
-        n_full = N // BLOCK_N
-    qk_scale = sm_scale * HOPPER_LOG2E
+    # Query tiles in reverse: under causal-like masks the last tiles visit the most keys, and starting
+    # them first keeps them from trailing at the end of the grid.
+    start_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    off_bh = gl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
+    kv_lo = 0
+    kv_hi = KV_LEN
+    kv_full_lo = 0
+    kv_full_hi = KV_LEN
+    t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
+    # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
+    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+    full_tiles, full_lo, full_hi = 0, t1, t2
+    n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
+    tile_m = start_m * BLOCK_M
+    q_row = off_bh * Q_LEN + tile_m
+    kv_row = (off_b * HKV + off_hkv) * KV_LEN
 
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(q_desc.block_type.shape[0] == ROWS)
@@ -1059,22 +1137,35 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale,
 
     if PINGPONG:
         gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
-                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
-                         CAUSAL, 0, NUM_CONSUMERS)),
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
-                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
-                         CAUSAL, 1, NUM_CONSUMERS)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         q_row, kv_row, n_tiles, BLOCK_N, STAGES, NUM_CONSUMERS)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
+                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
+                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
+                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE,
+                                 0, NUM_CONSUMERS)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
+                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
+                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
+                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE,
+                                 1, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                                 v_ready, v_empty, q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi,
+                                 gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES, NUM_CONSUMERS,
+                                 FOLLOW_TABLE)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, o_ptr,
-                         lse_ptr, qk_scale, N, off_m, q_row, bh, n_full, n_tiles, HEAD_DIM, ROWS, BLOCK_N, STAGES,
-                         CAUSAL, 0, NUM_CONSUMERS)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         q_row, kv_row, n_tiles, BLOCK_N, STAGES, NUM_CONSUMERS)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
+                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
+                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
+                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE,
+                                 0, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                                 v_ready, v_empty, q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi,
+                                 gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES, NUM_CONSUMERS,
+                                 FOLLOW_TABLE)),
         ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -1346,16 +1437,30 @@ class TileTables:
         self.device = device
         self.built_for = built_for  # q's dtype and the head dims, which decide the tiles
         self.keys = keys  # kernel -> _table_key
-        self.tables = tables  # kernel (0 forward, 1 dK/dV, 2 dQ) -> (counts, indices)
+        self.tables = tables  # kernel (_table_kernels) -> (counts, indices)
 
     def __repr__(self):
         return f"TileTables({SPEC_NAME}, sizes={self.sizes}, {self.built_for}, device={self.device})"
 
 
 def _table_key(q, v, kernel):
-    """Which table kernel 0 (forward), 1 (dK/dV) or 2 (dQ) follows: (rows are query tiles,
-    BLOCK_M, BLOCK_N); kernels with equal keys share a table."""
+    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ) or a family's forward (by its
+    name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
+    equal keys share a table."""
+    if isinstance(kernel, str):
+        return (True, *FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])][kernel][:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
+
+
+def _table_kernels(backward):
+    """The kernels whose tables travel with a call, in this order: the forwards' (the portable one's,
+    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's and dQ's."""
+    return [0, *TABLE_FAMILIES, *([1, 2] if backward else [])]
+
+
+def _pairs(flat):
+    """Tables passed flat through an operator, (counts, indices) again."""
+    return [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
 
 
 def _table_shape(by_query, block_m, block_n, sizes):
@@ -1411,7 +1516,7 @@ def _checked_tables(tables, q, v, sizes):
               f"got tables for {tables.sizes}")
     if tables.device != q.device:
         _fail(f"tile_tables must be on {q.device} like q, got {tables.device}")
-    if any(tables.keys[kernel] != _table_key(q, v, kernel) for kernel in range(3)):
+    if any(tables.keys[kernel] != _table_key(q, v, kernel) for kernel in _table_kernels(True)):
         _fail(f"tile_tables must be built for this call's {_built_for(q, v)} (they decide the tiles), "
               f"got tables for {tables.built_for}")
     return dict(tables.tables)
@@ -1459,30 +1564,38 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
+def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
-    (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
-    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
-    `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
+    (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
+    (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
+    `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's.
+    Counting visits (visit_counts) follows the portable tiles."""
     cached = cache is not None or page_table is not None
-    launch = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[1] if visits is None else None
+    name, launch = (_forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached) if visits is None
+                    else ("portable", None))
     if launch is not None:
-        return launch(q, k, v, tensors, table, cache, page_table)
-    return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
+        return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table)
+    return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table)
 
 
-def _forward_family(q, k, v, HKV, KV_LEN, cached):
-    """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
-    these tensors over HKV heads of KV_LEN keys (`cached`: a cache call; k holds pages if paged);
-    ("portable", None) when none does."""
-    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, k, v, HKV, KV_LEN, cached)),
+def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
+    """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
+    if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
+    (`cached`: a cache call; k holds pages if paged); ("portable", None) when none does."""
+    names = [name for name, _, _ in FORWARD_FAMILIES]
+    families = FORWARD_FAMILIES[names.index(after) + 1:] if after is not None else FORWARD_FAMILIES
+    return next(((name, launch) for name, serves, launch in families if serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
 def _forward_tables(q, k, v):
-    """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
-    and the mask follows tables (the other families decide such masks in the kernel)."""
-    return [0] if TILE_TABLE and _forward_family(q, k, v, k.shape[1], k.shape[2], False)[1] is None else []
+    """The kernels whose tile tables a forward call needs built: the portable forward's if it runs,
+    a family's own if it runs and follows tables (TABLE_FAMILIES; the others decide such masks
+    element by element); none if the mask needs no tables."""
+    if not TILE_TABLE:
+        return []
+    name = _forward_family(q, k, v, k.shape[1], k.shape[2], False)[0]
+    return [0] if name == "portable" else [name] if name in TABLE_FAMILIES else []
 
 
 def _kv_layout(k, v, page_table, placeholder=None):
@@ -1617,8 +1730,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        tables = _resolve(_forward_tables(q, k, v), q, v, known, ctx.build)
-        out, lse = _forward(q, k, v, tensors, tables[0] if tables else ())
+        kernels = _forward_tables(q, k, v)
+        out, lse = _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, ctx.build))))
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -1642,7 +1755,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "244f9198e0e25ad8"
+MODULE_DIGEST = "ab6116edcada1811"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1658,7 +1771,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
     def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                    tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, tensors, tuple(tables[:2]))
+        return _forward(q, k, v, tensors, dict(zip(_table_kernels(True), _pairs(tables))))
 
     @forward_op.register_fake
     def _(q, k, v, tensors, tables):
@@ -1687,7 +1800,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         n_tensors, n_tables = ctx.counts
         tensors, flat = rest[:n_tensors], rest[n_tensors:]
-        known = {kernel: tuple(flat[2 * kernel:2 * kernel + 2]) for kernel in range(n_tables // 2)}
+        known = dict(zip(_table_kernels(True), _pairs(flat)))
         tables = _resolve([1, 2], q, v, known, _operator_builder(q, k, tensors))
         dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), [*tables[0], *tables[1]])
         grads = iter(grads)
@@ -1726,10 +1839,10 @@ def _operator_builder(q, k, tensors):
 
 
 def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else the forward's own, built
+    # The user's tables travel whole (the backward follows them too); else the forwards' own, built
     # whichever family runs: asking which would guard on the shapes (a recompile where dynamic lengths
     # cross a family's rule), and the forward operator picks the family at run time.
-    tables = _resolve([0, 1, 2] if known else [0], q, v, known, _operator_builder(q, k, tensors))
+    tables = _resolve(_table_kernels(bool(known)), q, v, known, _operator_builder(q, k, tensors))
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
 
@@ -1859,7 +1972,7 @@ def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_
 def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
     """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
     FORWARD_FAMILIES picks, with no tile table."""
-    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
+    return _forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
 
 
 def tile_tables(q, k, v, **inputs):
@@ -1872,8 +1985,8 @@ def tile_tables(q, k, v, **inputs):
     sizes = (B, H, HKV, Q_LEN, KV_LEN)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     known = {}
-    _resolve(range(3), q, v, known, _builder(sizes, q.device, tensors))
-    keys = {kernel: _table_key(q, v, kernel) for kernel in range(3)}
+    _resolve(_table_kernels(True), q, v, known, _builder(sizes, q.device, tensors))
+    keys = {kernel: _table_key(q, v, kernel) for kernel in _table_kernels(True)}
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
@@ -1908,7 +2021,7 @@ def visit_counts(q, k, v, **inputs):
     counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
     tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors))
     with torch.no_grad():
-        out, lse = _forward(q, k, v, tensors, tables[0], visits=counts["fwd"])
+        out, lse = _forward(q, k, v, tensors, {0: tables[0]}, visits=counts["fwd"])
         _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                   visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts
@@ -1941,11 +2054,13 @@ def _decode_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
     contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
     the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
-    split kernel is predicted faster than the portable forward."""
+    split kernel is predicted faster than the portable forward, which would run it otherwise."""
     if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
         return True
-    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
-    if TILE_TABLE:
+    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not
+    # see; and the model knows the portable forward's speed only: a call a later family takes (the Hopper
+    # family, any call but a cache call) runs there.
+    if TILE_TABLE or _forward_family(q, k, v, HKV, KV_LEN, cached, after="decode")[0] != "portable":
         return False
     portable, split = _predicted_seconds(q, v, HKV, KV_LEN)
     return split < portable
@@ -2028,22 +2143,25 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
 
 
 # --- hopper family: the Gluon forward -----------------------------------------------------------
-# The head dims its tiles are written for, and the dtypes its wgmma reads from shared memory.
-HOPPER_HEAD_DIMS = (64, 128)
+# The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
+# padded widths (zero-filled past the head dim on loads, clipped on stores), rows must be 16-byte
+# multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
-# The kernels address q, k, v and out as (B * heads * N, D) matrices by TMA, whose coordinates are
+HOPPER_HEAD_DIMS = range(64, 257, 8)
+# The kernels address q, k, v and out as (B * heads * length, D) matrices by TMA, whose coordinates are
 # int32: every row, and a tile's overhang past the last one, must stay below 2**31.
 HOPPER_MAX_ROWS = 2**31 - 256
 
 
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on the GPU, D = DV of a written tile, as many queries as keys, q, k, v
-    contiguous (the TMA descriptors view them as (rows, D) matrices) and their rows int32-addressable."""
+    cache call, bf16 or fp16 on the GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
+    descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and D in HOPPER_HEAD_DIMS
-            and v.shape[-1] == D and Q_LEN == KV_LEN and B * H * Q_LEN <= HOPPER_MAX_ROWS
-            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+            and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
+            and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
 def _hopper_launch_config(block_m, pingpong):
@@ -2057,47 +2175,71 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
-def _hopper_shared_layout(block_shape, torch_dtype):
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16)
+def _hopper_descriptor(t, block_shape):
+    """A TMA descriptor of t (..., D) as a (rows, D) matrix, read and written in boxes of block_shape."""
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape, _hopper_layout(block_shape, t.dtype))
 
 
-def _hopper_prepare(q, k, v, causal, sm_scale, block_m, block_n, stages, pingpong=True):
+# The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
+# and took a sixth of a call's host time on the H200 (tools/hopper/host_overhead.py).
+_HOPPER_LAYOUTS = {}
+
+
+def _hopper_layout(block_shape, dtype):
+    key = (*block_shape, dtype)
+    if key not in _HOPPER_LAYOUTS:
+        element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
+    return _HOPPER_LAYOUTS[key]
+
+
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
-    lse), which only launches (the tools time it apart from the descriptors' host cost)."""
-    B, H, N, D = q.shape
-    HKV = k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
+    the call's tile table for these tiles, () without one."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    d_pad, dv_pad = _widths(D, DV)
+    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
-    # 2-D views (B * heads * N, D): a tile that runs past a head's last row reads the next head's
-    # first rows (masked) or TMA's zero fill at the tensor's end.
-    q_desc = TensorDescriptor.from_tensor(q.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k.view(B * HKV * N, D), [block_n, D],
-                                          _hopper_shared_layout([block_n, D], q.dtype))
-    v_desc = TensorDescriptor.from_tensor(v.view(B * HKV * N, D), [block_n, D],
-                                          _hopper_shared_layout([block_n, D], q.dtype))
-    o_desc = TensorDescriptor.from_tensor(out.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
-    grid = (_cdiv(N, block_m), B * H)
+    # A tile that runs past a head's last row reads the next head's first rows (masked) or TMA's zero
+    # fill at the tensor's end.
+    q_desc, k_desc = _hopper_descriptor(q, [rows, d_pad]), _hopper_descriptor(k, [block_n, d_pad])
+    v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
+    grid = (_cdiv(Q_LEN, block_m), B * H)
+    sm_scale = softmax_scale(D)
+    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k)) if table else (
+        [lse, lse, 0, 0, 0] if TILE_TABLE else [])
 
     def run():
-        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, float(sm_scale), N, H, H // HKV,
-                                 HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                                 PINGPONG=pingpong, num_warps=num_warps, maxnreg=maxnreg)
+        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
+                                 *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+                                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
+                                 maxnreg=maxnreg)
         return out, lse
 
     return run
 
 
 def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
-    """Runs the Gluon forward on a call _hopper_serves admitted (no cache, no table: the family serves
-    no spec with inputs or a mask beyond causal). Returns out and the natural-log LSE, as the
+    """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
+    tile table (HOPPER_TABLE's tiles), () without one. Returns out and the natural-log LSE, as the
     portable forward does; the backward kernels are the portable family's."""
-    D = q.shape[-1]
-    block_m, block_n, _, stages = FAMILY_TILES[(*_widths(D, D), _DTYPES[q.dtype])]["hopper"]
-    return _hopper_prepare(q, k, v, HOPPER_CAUSAL, softmax_scale(D), block_m, block_n, stages)()
+    block_m, block_n, _, stages = _hopper_tiles(q, v)
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
+
+
+def _hopper_tiles(q, v):
+    """The family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype."""
+    return FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])]["hopper"]
 
 
 # The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
 # launch); a call none of them admits runs the portable forward.
 FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward), ('hopper', _hopper_serves, _hopper_forward),)
+# Those of them whose forward follows the mask's tile tables, with tiles of its own (FAMILY_TILES).
+TABLE_FAMILIES = ('hopper',)

@@ -138,16 +138,30 @@ class TileTables:
         self.device = device
         self.built_for = built_for  # q's dtype and the head dims, which decide the tiles
         self.keys = keys  # kernel -> _table_key
-        self.tables = tables  # kernel (0 forward, 1 dK/dV, 2 dQ) -> (counts, indices)
+        self.tables = tables  # kernel (_table_kernels) -> (counts, indices)
 
     def __repr__(self):
         return f"TileTables({SPEC_NAME}, sizes={self.sizes}, {self.built_for}, device={self.device})"
 
 
 def _table_key(q, v, kernel):
-    """Which table kernel 0 (forward), 1 (dK/dV) or 2 (dQ) follows: (rows are query tiles,
-    BLOCK_M, BLOCK_N); kernels with equal keys share a table."""
+    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ) or a family's forward (by its
+    name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
+    equal keys share a table."""
+    if isinstance(kernel, str):
+        return (True, *FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])][kernel][:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
+
+
+def _table_kernels(backward):
+    """The kernels whose tables travel with a call, in this order: the forwards' (the portable one's,
+    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's and dQ's."""
+    return [0, *TABLE_FAMILIES, *([1, 2] if backward else [])]
+
+
+def _pairs(flat):
+    """Tables passed flat through an operator, (counts, indices) again."""
+    return [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
 
 
 def _table_shape(by_query, block_m, block_n, sizes):
@@ -203,7 +217,7 @@ def _checked_tables(tables, q, v, sizes):
               f"got tables for {tables.sizes}")
     if tables.device != q.device:
         _fail(f"tile_tables must be on {q.device} like q, got {tables.device}")
-    if any(tables.keys[kernel] != _table_key(q, v, kernel) for kernel in range(3)):
+    if any(tables.keys[kernel] != _table_key(q, v, kernel) for kernel in _table_kernels(True)):
         _fail(f"tile_tables must be built for this call's {_built_for(q, v)} (they decide the tiles), "
               f"got tables for {tables.built_for}")
     return dict(tables.tables)
@@ -251,30 +265,38 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
+def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
-    (FORWARD_FAMILIES, in the plan's order), else the portable one; `table` is its tile table
-    (counts, indices), () without one; `cache` a cache call's (kv_len, q_offset), either None;
-    `page_table` a paged cache's. Counting visits (visit_counts) follows the portable tiles."""
+    (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
+    (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
+    `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's.
+    Counting visits (visit_counts) follows the portable tiles."""
     cached = cache is not None or page_table is not None
-    launch = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[1] if visits is None else None
+    name, launch = (_forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached) if visits is None
+                    else ("portable", None))
     if launch is not None:
-        return launch(q, k, v, tensors, table, cache, page_table)
-    return _portable_forward(q, k, v, tensors, table, visits, cache, page_table)
+        return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table)
+    return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table)
 
 
-def _forward_family(q, k, v, HKV, KV_LEN, cached):
-    """(name, launch) of the first family of FORWARD_FAMILIES whose per-call rule admits a call of
-    these tensors over HKV heads of KV_LEN keys (`cached`: a cache call; k holds pages if paged);
-    ("portable", None) when none does."""
-    return next(((name, launch) for name, serves, launch in FORWARD_FAMILIES if serves(q, k, v, HKV, KV_LEN, cached)),
+def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
+    """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
+    if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
+    (`cached`: a cache call; k holds pages if paged); ("portable", None) when none does."""
+    names = [name for name, _, _ in FORWARD_FAMILIES]
+    families = FORWARD_FAMILIES[names.index(after) + 1:] if after is not None else FORWARD_FAMILIES
+    return next(((name, launch) for name, serves, launch in families if serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
 def _forward_tables(q, k, v):
-    """The kernels whose tile tables a forward call needs built: the portable forward's, if it runs
-    and the mask follows tables (the other families decide such masks in the kernel)."""
-    return [0] if TILE_TABLE and _forward_family(q, k, v, k.shape[1], k.shape[2], False)[1] is None else []
+    """The kernels whose tile tables a forward call needs built: the portable forward's if it runs,
+    a family's own if it runs and follows tables (TABLE_FAMILIES; the others decide such masks
+    element by element); none if the mask needs no tables."""
+    if not TILE_TABLE:
+        return []
+    name = _forward_family(q, k, v, k.shape[1], k.shape[2], False)[0]
+    return [0] if name == "portable" else [name] if name in TABLE_FAMILIES else []
 
 
 def _kv_layout(k, v, page_table, placeholder=None):
@@ -409,8 +431,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        tables = _resolve(_forward_tables(q, k, v), q, v, known, ctx.build)
-        out, lse = _forward(q, k, v, tensors, tables[0] if tables else ())
+        kernels = _forward_tables(q, k, v)
+        out, lse = _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, ctx.build))))
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -450,7 +472,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
     def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                    tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, tensors, tuple(tables[:2]))
+        return _forward(q, k, v, tensors, dict(zip(_table_kernels(True), _pairs(tables))))
 
     @forward_op.register_fake
     def _(q, k, v, tensors, tables):
@@ -479,7 +501,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         n_tensors, n_tables = ctx.counts
         tensors, flat = rest[:n_tensors], rest[n_tensors:]
-        known = {kernel: tuple(flat[2 * kernel:2 * kernel + 2]) for kernel in range(n_tables // 2)}
+        known = dict(zip(_table_kernels(True), _pairs(flat)))
         tables = _resolve([1, 2], q, v, known, _operator_builder(q, k, tensors))
         dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), [*tables[0], *tables[1]])
         grads = iter(grads)
@@ -518,10 +540,10 @@ def _operator_builder(q, k, tensors):
 
 
 def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else the forward's own, built
+    # The user's tables travel whole (the backward follows them too); else the forwards' own, built
     # whichever family runs: asking which would guard on the shapes (a recompile where dynamic lengths
     # cross a family's rule), and the forward operator picks the family at run time.
-    tables = _resolve([0, 1, 2] if known else [0], q, v, known, _operator_builder(q, k, tensors))
+    tables = _resolve(_table_kernels(bool(known)), q, v, known, _operator_builder(q, k, tensors))
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
 
@@ -651,7 +673,7 @@ def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_
 def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
     """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
     FORWARD_FAMILIES picks, with no tile table."""
-    return _forward(q, k, v, tensors, (), cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
+    return _forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
 
 
 def tile_tables(q, k, v, **inputs):
@@ -664,8 +686,8 @@ def tile_tables(q, k, v, **inputs):
     sizes = (B, H, HKV, Q_LEN, KV_LEN)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     known = {}
-    _resolve(range(3), q, v, known, _builder(sizes, q.device, tensors))
-    keys = {kernel: _table_key(q, v, kernel) for kernel in range(3)}
+    _resolve(_table_kernels(True), q, v, known, _builder(sizes, q.device, tensors))
+    keys = {kernel: _table_key(q, v, kernel) for kernel in _table_kernels(True)}
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
@@ -700,7 +722,7 @@ def visit_counts(q, k, v, **inputs):
     counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
     tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors))
     with torch.no_grad():
-        out, lse = _forward(q, k, v, tensors, tables[0], visits=counts["fwd"])
+        out, lse = _forward(q, k, v, tensors, {0: tables[0]}, visits=counts["fwd"])
         _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                   visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts

@@ -34,11 +34,13 @@ def _decode_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
     contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
     the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
-    split kernel is predicted faster than the portable forward."""
+    split kernel is predicted faster than the portable forward, which would run it otherwise."""
     if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
         return True
-    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not see.
-    if TILE_TABLE:
+    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not
+    # see; and the model knows the portable forward's speed only: a call a later family takes (the Hopper
+    # family, any call but a cache call) runs there.
+    if TILE_TABLE or _forward_family(q, k, v, HKV, KV_LEN, cached, after="decode")[0] != "portable":
         return False
     portable, split = _predicted_seconds(q, v, HKV, KV_LEN)
     return split < portable

@@ -2,27 +2,31 @@
 
 import torch
 
+from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.shared import _DTYPES, _cdiv
 
 # ---- inlined into every generated module from here on ----
 
 # --- hopper family: the Gluon forward -----------------------------------------------------------
-# The head dims its tiles are written for, and the dtypes its wgmma reads from shared memory.
-HOPPER_HEAD_DIMS = (64, 128)
+# The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
+# padded widths (zero-filled past the head dim on loads, clipped on stores), rows must be 16-byte
+# multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
-# The kernels address q, k, v and out as (B * heads * N, D) matrices by TMA, whose coordinates are
+HOPPER_HEAD_DIMS = range(64, 257, 8)
+# The kernels address q, k, v and out as (B * heads * length, D) matrices by TMA, whose coordinates are
 # int32: every row, and a tile's overhang past the last one, must stay below 2**31.
 HOPPER_MAX_ROWS = 2**31 - 256
 
 
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on the GPU, D = DV of a written tile, as many queries as keys, q, k, v
-    contiguous (the TMA descriptors view them as (rows, D) matrices) and their rows int32-addressable."""
+    cache call, bf16 or fp16 on the GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
+    descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and D in HOPPER_HEAD_DIMS
-            and v.shape[-1] == D and Q_LEN == KV_LEN and B * H * Q_LEN <= HOPPER_MAX_ROWS
-            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+            and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
+            and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
 def _hopper_launch_config(block_m, pingpong):
@@ -36,42 +40,64 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
-def _hopper_shared_layout(block_shape, torch_dtype):
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16)
+def _hopper_descriptor(t, block_shape):
+    """A TMA descriptor of t (..., D) as a (rows, D) matrix, read and written in boxes of block_shape."""
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape, _hopper_layout(block_shape, t.dtype))
 
 
-def _hopper_prepare(q, k, v, causal, sm_scale, block_m, block_n, stages, pingpong=True):
+# The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
+# and took a sixth of a call's host time on the H200 (tools/hopper/host_overhead.py).
+_HOPPER_LAYOUTS = {}
+
+
+def _hopper_layout(block_shape, dtype):
+    key = (*block_shape, dtype)
+    if key not in _HOPPER_LAYOUTS:
+        element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
+    return _HOPPER_LAYOUTS[key]
+
+
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
-    lse), which only launches (the tools time it apart from the descriptors' host cost)."""
-    B, H, N, D = q.shape
-    HKV = k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
+    the call's tile table for these tiles, () without one."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    d_pad, dv_pad = _widths(D, DV)
+    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
-    # 2-D views (B * heads * N, D): a tile that runs past a head's last row reads the next head's
-    # first rows (masked) or TMA's zero fill at the tensor's end.
-    q_desc = TensorDescriptor.from_tensor(q.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k.view(B * HKV * N, D), [block_n, D],
-                                          _hopper_shared_layout([block_n, D], q.dtype))
-    v_desc = TensorDescriptor.from_tensor(v.view(B * HKV * N, D), [block_n, D],
-                                          _hopper_shared_layout([block_n, D], q.dtype))
-    o_desc = TensorDescriptor.from_tensor(out.view(B * H * N, D), [rows, D], _hopper_shared_layout([rows, D], q.dtype))
-    grid = (_cdiv(N, block_m), B * H)
+    # A tile that runs past a head's last row reads the next head's first rows (masked) or TMA's zero
+    # fill at the tensor's end.
+    q_desc, k_desc = _hopper_descriptor(q, [rows, d_pad]), _hopper_descriptor(k, [block_n, d_pad])
+    v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
+    grid = (_cdiv(Q_LEN, block_m), B * H)
+    sm_scale = softmax_scale(D)
+    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k)) if table else (
+        [lse, lse, 0, 0, 0] if TILE_TABLE else [])
 
     def run():
-        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, float(sm_scale), N, H, H // HKV,
-                                 HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                                 PINGPONG=pingpong, num_warps=num_warps, maxnreg=maxnreg)
+        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
+                                 *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+                                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
+                                 maxnreg=maxnreg)
         return out, lse
 
     return run
 
 
 def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
-    """Runs the Gluon forward on a call _hopper_serves admitted (no cache, no table: the family serves
-    no spec with inputs or a mask beyond causal). Returns out and the natural-log LSE, as the
+    """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
+    tile table (HOPPER_TABLE's tiles), () without one. Returns out and the natural-log LSE, as the
     portable forward does; the backward kernels are the portable family's."""
-    D = q.shape[-1]
-    block_m, block_n, _, stages = FAMILY_TILES[(*_widths(D, D), _DTYPES[q.dtype])]["hopper"]
-    return _hopper_prepare(q, k, v, HOPPER_CAUSAL, softmax_scale(D), block_m, block_n, stages)()
+    block_m, block_n, _, stages = _hopper_tiles(q, v)
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
+
+
+def _hopper_tiles(q, v):
+    """The family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype."""
+    return FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])]["hopper"]
