@@ -1,7 +1,7 @@
 """Compiles every kernel of every catalog spec's module for sm_90 (Hopper) on a machine without a GPU, so
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
-    python tools/compile_sm90.py [--only causal document_causal ...] [--ptx DIR]
+    python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--ptx DIR] [--json]
 
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
@@ -48,8 +48,9 @@ def _label(constants: dict) -> str:
     return str(constants.get("PARTS", constants.get("LABEL", "")))
 
 
-def compile_module(path: str, ptx_dir: str | None) -> dict:
-    """In a process without TRITON_INTERPRET: compile the module's kernels at D=128 bf16 on its h200 plan."""
+def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None) -> dict:
+    """In a process without TRITON_INTERPRET: compile the module's kernels at D=128 bf16 on its h200 plan
+    (only those of `families`, by name prefix, when given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -74,40 +75,75 @@ def compile_module(path: str, ptx_dir: str | None) -> dict:
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
             launches.append(("_decode_combine", dict(HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, BLOCK_R=16), (0, 0, 4, 1)))
+        if family == "hopper":
+            launches.append(("_hopper_fwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
+                                                        PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
+                                                        DEFER_SCALE=module.HOPPER_PLAIN_SCORE),
+                             tiles))
     if module.TILE_TABLE:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
                                         LOOP_STEP=0, LOOP_POINTS=1), (0, 0, 4, 1)))
     sizes = {}
     for name, constants, tiles in launches:
+        if families and not any(name.startswith(f"_{family}") for family in families):
+            continue
         fn = getattr(module, name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.INPUTS)) for p in fn.params}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
-                                  options=dict(num_warps=tiles[2], num_stages=tiles[3]))
+        if name == "_hopper_fwd_kernel":
+            compiled = _compile_hopper(module, fn, signature, constexprs, constants, target)
+        else:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
+                                      options=dict(num_warps=tiles[2], num_stages=tiles[3]))
         ptx = compiled.asm["ptx"]
         if ptx_dir:
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
             Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
-                                                        "mma": "mma.sync" in ptx}
+                                                        "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
+                                                        "tma": "cp.async.bulk.tensor" in ptx,
+                                                        "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
+
+
+def _compile_hopper(module, fn, signature, constexprs, constants, target):
+    """The Hopper family's Gluon forward, typed as a bf16 launch of its host code would type it: TMA
+    descriptors of the tiles' boxes (the pingpong variant's half-height query boxes)."""
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    rows, block_n = constants["BLOCK_M"] // 2, constants["BLOCK_N"]
+    d, dv = constants["HEAD_DIM_PAD"], constants["HEAD_DIM_V_PAD"]
+
+    def descriptor(shape):
+        layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+        return f"tensordesc<bf16[{', '.join(map(str, shape))}],{layout!r}>"
+    boxes = {"q_desc": [rows, d], "k_desc": [block_n, d], "v_desc": [block_n, dv], "o_desc": [rows, dv]}
+    signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
+    num_warps, maxnreg = module._hopper_launch_config(constants["BLOCK_M"], constants["PINGPONG"])
+    return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,
+                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--ptx", help="write each kernel's PTX (without debug lines) to this folder")
+    parser.add_argument("--family", nargs="*", help="only these families' kernels (e.g. hopper)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(compile_module(args.child, args.ptx)))
+        print(json.dumps(compile_module(args.child, args.ptx, args.family)))
         return
     import attngen
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     failed = 0
+    results = {}
     with tempfile.TemporaryDirectory() as folder:
         for path in sorted((ROOT / "specs").glob("*.attn")):
             if args.only and path.stem not in args.only:
@@ -117,14 +153,18 @@ def main() -> None:
             ptx = ["--ptx", str(Path(args.ptx).resolve())] if args.ptx else []
             if args.ptx:
                 Path(args.ptx).mkdir(parents=True, exist_ok=True)
-            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx], env=env,
+            family = ["--family", *args.family] if args.family else []
+            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx, *family], env=env,
                                  capture_output=True, text=True)
             if run.returncode != 0:
                 failed += 1
                 print(f"{path.stem}: FAILED\n{run.stderr[-3000:]}")
                 continue
-            kernels = json.loads(run.stdout.strip().splitlines()[-1])
-            print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines" for k, v in kernels.items()))
+            kernels = results[path.stem] = json.loads(run.stdout.strip().splitlines()[-1])
+            if not args.json:
+                print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines" for k, v in kernels.items()))
+    if args.json:
+        print(json.dumps(results))
     sys.exit(1 if failed else 0)
 
 

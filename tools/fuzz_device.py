@@ -2,6 +2,10 @@
 run cut short by a time limit still reports what it checked.
 
     python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16] [--seed 3] [--cache contiguous ...]
+                                [--hopper]
+
+--hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths up to 700) and
+counts the cases by the forward family that ran them.
 
 Without --seed the draw is derandomized (the same cases each run); shards with different seeds
 draw different cases, so several processes can share a GPU (compiling dominates).
@@ -28,22 +32,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--cache", action="append", default=None, choices=strategies.CACHES,
                         help="calls to draw (default: training calls only)")
+    parser.add_argument("--hopper", action="store_true", help="draw shapes the Hopper family takes")
     args = parser.parse_args()
     dtypes = tuple(args.dtype or ["bf16", "f16", "f32"])
     caches = tuple(args.cache or ["none"])
     counts = {"ok": 0, "failed": 0, "skipped": 0}
+    families: dict[str, int] = {}
+    shapes = dict(max_len=700, head_dims=range(64, 257, 8)) if args.hopper else dict(max_len=300, max_head_dim=128)
 
     @settings(max_examples=args.examples, derandomize=args.seed is None, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     @given(text=strategies.spec_texts(),
-           case=strategies.cases(dtypes=dtypes, max_len=300, max_head_dim=128, caches=caches))
+           case=strategies.cases(dtypes=dtypes, caches=caches, **shapes))
     def run(text, case):
         t0 = time.time()
         spec = parse_spec(text)
         try:
-            strategies.check_case(spec, attngen.build(spec), case, device="cuda")
+            attn = attngen.build(spec)
+            family = ""
+            if case.cache == "none":
+                q, k, v, inputs = strategies.case_data(spec, case, device="cuda")
+                family = attn.forward_family(q, k, v, **inputs)
+                families[family] = families.get(family, 0) + 1
+            strategies.check_case(spec, attn, case, device="cuda")
             counts["ok"] += 1
-            print(f"ok   {case}  ({time.time() - t0:.1f} s)", flush=True)
+            print(f"ok   {case}  {family} ({time.time() - t0:.1f} s)", flush=True)
         except IndexOutOfRange as e:  # sizes outside what the spec defines (fuzz.fuzz_spec skips them too)
             counts["skipped"] += 1
             print(f"skip {case}: {e}", flush=True)
@@ -52,7 +65,8 @@ def main() -> None:
             print(f"FAIL {case}\n{text}{type(e).__name__}: {str(e)[:400]}", flush=True)
 
     (run if args.seed is None else seed(args.seed)(run))()
-    print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped", flush=True)
+    print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped; forward families of the "
+          f"plain calls: {families}", flush=True)
     sys.exit(1 if counts["failed"] else 0)
 
 

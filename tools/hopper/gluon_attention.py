@@ -1,7 +1,7 @@
 """FlashAttention-3-style forward attention for Hopper (sm_90) written in Gluon (triton 3.6).
 
 The kernels are the Hopper family's (attngen/emit/families/hopper), taken from a module built for
-the H200; this file gives the tools here (compile_check.py, gpu_bench.py) the names they call, with
+the H200; this file gives gpu_bench.py the names it calls, with
 the knobs the family fixes (BLOCK_N, STAGES, the one-consumer variant) open for sweeps. Plain
 attention: q (B, H, N, D), k/v (B, HKV, N, D) with GQA (query head h reads kv head h // (H // HKV)),
 bf16 or fp16, D in {64, 128}, optional top-left causal mask (key k allowed iff k <= q), any N. Returns O (B, H, N, D) in the input dtype and the natural-log
@@ -51,12 +51,11 @@ from __future__ import annotations
 
 import attngen
 
-# A spec the family serves, built for Hopper: its module holds the Gluon kernels and their host code.
-_MODULE = attngen.build("attention hopper_tools\n", target="h200").module
+# Specs the family serves, built for Hopper: their modules hold the Gluon kernels and their host code.
+_MODULES = {False: attngen.build("attention hopper_tools\n", target="h200").module,
+            True: attngen.build("attention hopper_tools_causal\nmask: causal\n", target="h200").module}
+_MODULE = _MODULES[False]
 
-attention_fwd_kernel = _MODULE._hopper_fwd_kernel
-shared_layout = _MODULE._hopper_shared_layout
-TensorDescriptor = _MODULE.TensorDescriptor
 # head_dim -> (BLOCK_M, BLOCK_N, STAGES): the plan's tiles for the family (bf16; fp16 takes the same).
 CONFIGS = {d: tuple(tiles["hopper"][i] for i in (0, 1, 3))
            for (d, dv, dtype), tiles in _MODULE.FAMILY_TILES.items() if d == dv and dtype == "bf16"
@@ -77,10 +76,10 @@ def prepare(q, k, v, causal: bool = False, sm_scale: float | None = None, block_
             stages: int | None = None, pingpong: bool = False):
     """run() -> (out, lse) for these tensors, descriptors built once (so timing leaves their host cost out)."""
     D = q.shape[-1]
+    assert sm_scale in (None, D ** -0.5), "the specs here take the default scale, 1 / sqrt(D)"
     block_m, block_n, stages, _, _ = launch_config(D, causal, block_n, stages, pingpong)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _MODULE._hopper_prepare(q, k, v, causal, sm_scale if sm_scale is not None else D ** -0.5,
-                                   block_m, block_n, stages, pingpong)
+    return _MODULES[causal]._hopper_prepare(q, k, v, [], (), block_m, block_n, stages, pingpong)
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, block_n: int | None = None,

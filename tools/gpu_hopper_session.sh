@@ -1,0 +1,40 @@
+#!/bin/bash
+# The Hopper family (issue 13) on the GPU, in parts chosen on the command line, each under its own time
+# limit; logs and JSON go to $OUT (or ./device-out).
+#
+#     bash tools/gpu_hopper_session.sh [tests] [fuzz] [targets] [catalog]
+#
+# tests: tests/test_hopper.py's GPU tests (every catalog spec through the family against float64, head
+#   dims, empty rows, tables, torch.compile) and the bf16 kernel tests;
+# fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
+#   (default 280), four shards side by side;
+# targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
+# catalog: benchmarks/targets.py on every catalog spec at N=8192.
+set -u
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+for part in ${*:-tests targets}; do
+  case $part in
+    tests)
+      timeout ${TESTS_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_hopper.py \
+        > "$OUT/pytest.log" 2>&1
+      echo "pytest exit $?" >> "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | head -30 ;;
+    fuzz)
+      for shard in 1 2 3 4; do
+        timeout ${FUZZ_SECONDS:-280} python3 tools/fuzz_device.py --hopper --examples 1000 --seed $shard \
+          --dtype bf16 --dtype f16 > "$OUT/fuzz$shard.log" 2>&1 &
+      done
+      wait
+      cat "$OUT"/fuzz?.log > "$OUT/fuzz.log" && rm "$OUT"/fuzz?.log
+      grep -c "^ok" "$OUT/fuzz.log"; grep -c " hopper (" "$OUT/fuzz.log"; grep -A4 "^FAIL" "$OUT/fuzz.log" | head -40 ;;
+    targets)
+      timeout ${TARGETS_SECONDS:-300} python3 benchmarks/targets.py --only full,causal,causal_d64,softcap,learned_rel_bias \
+        --out "$OUT/targets-shapes.json" > "$OUT/targets-shapes.log" 2>&1; tail -60 "$OUT/targets-shapes.log" | cut -c1-220 ;;
+    catalog)
+      timeout ${CATALOG_SECONDS:-400} python3 benchmarks/targets.py --only catalog --out "$OUT/targets-catalog.json" \
+        > "$OUT/targets-catalog.log" 2>&1; tail -60 "$OUT/targets-catalog.log" | cut -c1-220 ;;
+  esac
+  echo "-- $part done at $(( $(date +%s) - T0 )) s"
+done
