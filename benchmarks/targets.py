@@ -1,0 +1,535 @@
+"""Issue 13's targets table: attngen beside cuDNN, SDPA flash and FlexAttention on the issue's shapes, each
+target met or missed, for attngen as built for this GPU and for its portable family; prints it, writes JSON.
+
+    PYTHONPATH=$PWD python benchmarks/targets.py                      # every case, on an H200
+    PYTHONPATH=$PWD python benchmarks/targets.py --quick              # a smoke run: N/4, three catalog specs
+    PYTHONPATH=$PWD python benchmarks/targets.py --only causal,catalog --out causal-and-catalog.json
+    python benchmarks/targets.py --list                               # the cases' names (no GPU needed)
+
+A measurement is one spec at one size, timed as `attngen bench` times it (attngen.bench): the same q, k, v
+and inputs for every implementation, Flex's BlockMask built outside the timed region, bf16 medians of
+do_bench, the forward under no_grad and forward+backward with a fixed dO. Two attngen builds run side by
+side: "attngen" (`attngen.build(spec)`, planned for this GPU: on an H200 the Hopper family's forward where
+its rule serves the call) and "attngen portable" (planned for an A100: the portable family only, which
+runs on the H200 as it is); the table says which family each one's forward ran.
+
+A case is a measurement or two and the targets issue 13 sets on them. "x cuDNN" and "x Flex" targets are
+speed ratios as attngen bench defines them (the other's time over attngen's: above 1, attngen is faster);
+the softcap and learned_rel_bias targets are time ratios (the variant's time over plain attention's, both
+by the same implementation). A target whose times are missing is "not measured", never "met".
+
+Everything but `measure` and `main` runs on the CPU (tests/test_targets_script.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Callable, Mapping
+
+from attngen import bench
+from attngen.bench import ATTNGEN, ATTNGEN_PREBUILT, FLEX, Problem, Timing
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+RESULTS = ROOT / "benchmarks" / "results"
+
+PORTABLE = "attngen portable"
+# An A100 plan offers the portable family alone; its kernels use no sm_90 feature, so they run on the H200.
+PORTABLE_TARGET = "a100"
+CUDNN = "sdpa cudnn"
+# The two attngen builds each target is evaluated for, in the table's order.
+JUDGED = (ATTNGEN, PORTABLE)
+PHASES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+
+PLAIN = "attention plain\n"
+SOFTCAP = "attention softcap\nparam cap = 30.0\nscore: softcap(score, cap)\n"
+CATALOG = "catalog"  # the group name: --only catalog runs every catalog spec's case
+QUICK_DIVISOR = 4  # --quick divides every sequence length by this
+QUICK_CATALOG = ("causal", "document_causal", "gemma2_local")  # a mask, a tile-table mask, a score
+
+MET, MISSED, NOT_MEASURED, SHOWN = "met", "missed", "not measured", "shown"
+
+
+# --- cases and targets -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Measurement:
+    """One spec at one size, every implementation timed on the same inputs."""
+    label: str  # the spec's short name in the tables
+    spec: str  # an .attn path or spec text, as attngen.build takes it
+    problem: Problem
+
+    @property
+    def key(self) -> str:
+        p = self.problem
+        heads = f"H{p.H}" if p.HKV == p.H else f"H{p.H}/{p.HKV}"
+        return f"{self.label} B{p.B} {heads} N{p.Q_LEN} D{p.D}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one measurement gave: each implementation's Timing, the family each attngen build's forward ran,
+    why an implementation was not run at all, or why the whole measurement failed (`error`)."""
+    timings: dict[str, Timing] = field(default_factory=dict)
+    families: dict[str, str] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    rows: list[dict] = field(default_factory=list)  # bench.summarize's, for the raw-times table and the JSON
+    notes: list[str] = field(default_factory=list)
+
+
+Results = Mapping[str, Result]  # Measurement.key -> Result
+
+
+def phase_ms(results: Results, measurement: Measurement, implementation: str,
+             phase: str) -> tuple[float | None, str]:
+    """`implementation`'s median ms for `phase` on `measurement`, or None and why there is none."""
+    result = results.get(measurement.key)
+    if result is None:
+        return None, f"{measurement.key} not run"
+    if result.error:
+        return None, f"{measurement.key} failed: {result.error}"
+    timing = result.timings.get(implementation)
+    if timing is None:
+        why = result.absent.get(implementation, "not run")
+        return None, f"{implementation} on {measurement.key}: {why}"
+    ms = timing.fwd_ms if phase == "fwd" else timing.fwdbwd_ms
+    if ms is None:
+        return None, f"{implementation} on {measurement.key}: {timing.note or PHASES[phase] + ' not timed'}"
+    return ms, ""
+
+
+def times(bound: float) -> str:
+    """A target's factor as the issue writes it: 1.0x, 0.9x, 2.0x."""
+    return f"{bound:.1f}x" if round(bound, 1) == bound else f"{bound:g}x"
+
+
+@dataclass(frozen=True)
+class SpeedTarget:
+    """attngen's `phase` at least `at_least` times as fast as `other`'s on one measurement."""
+    measurement: Measurement
+    phase: str
+    other: str
+    at_least: float
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        return (self.measurement,)
+
+    @property
+    def bound(self) -> float:
+        return self.at_least
+
+    def describe(self) -> str:
+        return f"{PHASES[self.phase]} >= {times(self.at_least)} {self.other}"
+
+    def ratio(self, results: Results, implementation: str) -> tuple[float | None, str]:
+        """The other's time over `implementation`'s (above 1: faster), or None and why there is none."""
+        ours, why = phase_ms(results, self.measurement, implementation, self.phase)
+        theirs, why_theirs = phase_ms(results, self.measurement, self.other, self.phase)
+        if ours is None or theirs is None:
+            return None, why or why_theirs
+        return theirs / ours, ""
+
+    def meets(self, ratio: float) -> bool:
+        return ratio >= self.at_least
+
+
+@dataclass(frozen=True)
+class TimeTarget:
+    """`variant`'s time for `phase` at most `at_most` times `plain`'s, both by the same implementation;
+    with `at_most` None the ratio is shown beside the targets and judged against nothing."""
+    variant: Measurement
+    plain: Measurement
+    phase: str
+    at_most: float | None
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        return (self.variant, self.plain)
+
+    @property
+    def bound(self) -> float | None:
+        return self.at_most
+
+    def describe(self) -> str:
+        limit = f"<= {times(self.at_most)}" if self.at_most is not None else "(no target) vs"
+        return f"{PHASES[self.phase]} time {self.variant.label} {limit} {self.plain.label}"
+
+    def ratio(self, results: Results, implementation: str) -> tuple[float | None, str]:
+        """The variant's time over plain's (below 1: the variant is cheaper), or None and why there is none."""
+        variant, why = phase_ms(results, self.variant, implementation, self.phase)
+        plain, why_plain = phase_ms(results, self.plain, implementation, self.phase)
+        if variant is None or plain is None:
+            return None, why or why_plain
+        return variant / plain, ""
+
+    def meets(self, ratio: float) -> bool:
+        return self.at_most is not None and ratio <= self.at_most
+
+
+Target = SpeedTarget | TimeTarget
+
+
+@dataclass(frozen=True)
+class Case:
+    """A name for --only and the targets issue 13 sets on one or two measurements."""
+    name: str
+    targets: tuple[Target, ...]
+
+    @property
+    def group(self) -> str:
+        return self.name.split("/")[0]
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        unique = {m.key: m for t in self.targets for m in t.measurements}
+        return tuple(unique.values())
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One build's standing against one target: its ratio, the verdict, and why there is no ratio."""
+    ratio: float | None
+    status: str  # MET, MISSED, NOT_MEASURED, or SHOWN (a ratio with no target)
+    why: str = ""
+
+
+def evaluate(target: Target, results: Results, implementation: str) -> Verdict:
+    """Whether `implementation` meets `target` on these results; missing times are NOT_MEASURED."""
+    ratio, why = target.ratio(results, implementation)
+    if ratio is None:
+        return Verdict(None, NOT_MEASURED, why)
+    if target.bound is None:
+        return Verdict(ratio, SHOWN)
+    return Verdict(ratio, MET if target.meets(ratio) else MISSED)
+
+
+def catalog_stems(quick: bool = False) -> list[str]:
+    """The catalog's specs (specs/*.attn) by name, QUICK_CATALOG's alone with --quick."""
+    stems = sorted(path.stem for path in SPECS.glob("*.attn"))
+    return [s for s in stems if s in QUICK_CATALOG] if quick else stems
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """Issue 13's cases in the table's order; --quick divides N by QUICK_DIVISOR and keeps QUICK_CATALOG."""
+    def size(B: int, H: int, N: int, D: int) -> Problem:
+        n = N // QUICK_DIVISOR if quick else N
+        return Problem(B=B, H=H, HKV=H, Q_LEN=n, KV_LEN=n, D=D, dtype="bf16")
+
+    def catalog(stem: str, problem: Problem) -> Measurement:
+        return Measurement(stem, str(SPECS / f"{stem}.attn"), problem)
+
+    result = []
+    for stem in ("full", "causal"):
+        m = catalog(stem, size(4, 16, 4096, 128))
+        result.append(Case(stem, (SpeedTarget(m, "fwd", CUDNN, 1.0), SpeedTarget(m, "fwdbwd", CUDNN, 0.9))))
+    m = catalog("causal", size(4, 16, 8192, 64))
+    result.append(Case("causal_d64", tuple(SpeedTarget(m, phase, other, at_least) for phase in PHASES
+                                           for other, at_least in ((CUDNN, 0.9), (FLEX, 1.2)))))
+    for stem in catalog_stems(quick):
+        m = catalog(stem, size(2, 16, 8192, 128))
+        result.append(Case(f"{CATALOG}/{stem}", (SpeedTarget(m, "fwd", FLEX, 1.2),
+                                                 SpeedTarget(m, "fwdbwd", FLEX, 1.1))))
+    softcap = Measurement("softcap", SOFTCAP, size(2, 16, 8192, 128))
+    plain = Measurement("plain", PLAIN, size(2, 16, 8192, 128))
+    result.append(Case("softcap", (TimeTarget(softcap, plain, "fwd", 1.3), TimeTarget(softcap, plain, "fwdbwd", None))))
+    bias = catalog("learned_rel_bias", size(4, 16, 4096, 128))
+    plain = Measurement("plain", PLAIN, size(4, 16, 4096, 128))
+    result.append(Case("learned_rel_bias", (TimeTarget(bias, plain, "fwdbwd", 2.0),)))
+    return result
+
+
+def select(all_cases: list[Case], only: list[str] | None) -> list[Case]:
+    """The cases --only names (a case's name, or a group such as `catalog`), in the table's order."""
+    if not only:
+        return all_cases
+    known = {c.name for c in all_cases} | {c.group for c in all_cases}
+    unknown = [name for name in only if name not in known]
+    if unknown:
+        raise ValueError(f"--only must name cases or groups among {', '.join(sorted(known))}, "
+                         f"got {', '.join(unknown)}")
+    return [c for c in all_cases if c.name in only or c.group in only]
+
+
+def measurements(selected: list[Case]) -> list[Measurement]:
+    """Every measurement the cases need, once each, in the cases' order."""
+    unique = {m.key: m for case in selected for m in case.measurements}
+    return list(unique.values())
+
+
+# --- rows and tables -------------------------------------------------------------------------------
+
+def families(target: Target, results: Results, implementation: str) -> str:
+    """The family `implementation`'s forward ran on the target's measurements: one name where they agree."""
+    ran = {m.label: results[m.key].families.get(implementation, "-") if m.key in results else "-"
+           for m in target.measurements}
+    names = set(ran.values())
+    return names.pop() if len(names) == 1 else ", ".join(f"{label}: {name}" for label, name in ran.items())
+
+
+def target_rows(selected: list[Case], results: Results) -> list[dict]:
+    """One row per (case, target): each judged build's ratio, verdict, why not measured, and family."""
+    rows = []
+    for case in selected:
+        for target in case.targets:
+            row = {"case": case.name, "target": target.describe(), "bound": target.bound,
+                   "measurements": [m.key for m in target.measurements]}
+            for implementation in JUDGED:
+                verdict = evaluate(target, results, implementation)
+                row[implementation] = {**asdict(verdict), "family": families(target, results, implementation)}
+            rows.append(row)
+    return rows
+
+
+def format_ratio(ratio: float | None) -> str:
+    # Three decimals: a ratio just short of its bound must not print as the bound itself.
+    return f"{ratio:.3f}x" if ratio is not None else "-"
+
+
+STATUS_STYLES = {MET: "green", MISSED: "bold red", NOT_MEASURED: "yellow", SHOWN: "dim"}
+
+
+def targets_table(rows: list[dict], title: str):
+    """A rich Table of target_rows: ratio, verdict and family for each judged build, why not where not."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=Text(title))
+    t.add_column("case", no_wrap=True)
+    t.add_column("target")
+    for implementation in JUDGED:
+        t.add_column(implementation, justify="right", no_wrap=True)
+        t.add_column("verdict", no_wrap=True)
+        t.add_column("family")
+    t.add_column("why not measured")
+    for row in rows:
+        cells = []
+        for implementation in JUDGED:
+            judged = row[implementation]
+            cells += [format_ratio(judged["ratio"]), Text(judged["status"], style=STATUS_STYLES[judged["status"]]),
+                      Text(judged["family"])]
+        # Each reason names the implementation or measurement it is about; one both builds share shows once.
+        why = "; ".join(dict.fromkeys(row[i]["why"] for i in JUDGED if row[i]["why"]))
+        # Text, not markup: the reasons quote error messages, which may hold brackets.
+        t.add_row(Text(row["case"]), Text(row["target"]), *cells, Text(why))
+    return t
+
+
+def tally(rows: list[dict]) -> list[str]:
+    """One line per judged build: how many targets it met, missed, or could not be judged on (ratios shown
+    with no target count in none of these)."""
+    lines = []
+    for implementation in JUDGED:
+        judged = [row[implementation]["status"] for row in rows if row["bound"] is not None]
+        lines.append(f"{implementation}: {judged.count(MET)} of {len(judged)} targets met, "
+                     f"{judged.count(MISSED)} missed, {judged.count(NOT_MEASURED)} not measured")
+    return lines
+
+
+def raw_rows(result: Result) -> list[dict]:
+    """bench.summarize's rows with the family each attngen build's forward ran after its name."""
+    families = {**result.families}
+    if ATTNGEN in families:  # the same build, its tile tables passed in
+        families.setdefault(ATTNGEN_PREBUILT, families[ATTNGEN])
+    return [{**row, "implementation": f"{row['implementation']} [{families[row['implementation']]}]"}
+            if row["implementation"] in families else row for row in result.rows]
+
+
+def document(info: dict, selected: list[Case], plan: list[Measurement], results: Results) -> dict:
+    """The JSON file's content: the run's info, the target rows, and every measurement's times."""
+    measured = {}
+    for m in plan:
+        if m.key in results:
+            result = results[m.key]
+            measured[m.key] = {"label": m.label, "spec": m.spec, "problem": asdict(m.problem),
+                               "families": result.families, "absent": result.absent, "error": result.error,
+                               "rows": result.rows, "notes": result.notes}
+    return {"info": info, "targets": target_rows(selected, results), "measurements": measured}
+
+
+# --- timing on the GPU -----------------------------------------------------------------------------
+
+class Unbuilt:
+    """Stands in for an attngen build that failed: calling it raises the build's error, so bench._time
+    turns it into that implementation's note and the run goes on."""
+
+    def __init__(self, spec, error: Exception):
+        self.spec, self.error = spec, error
+
+    def __call__(self, *args, **kwargs):
+        raise self.error
+
+
+def _raiser(error: Exception) -> Callable:
+    def call():
+        raise error
+    return call
+
+
+def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Result:
+    """Build and time every implementation on one measurement, as bench.run does, with the portable build
+    beside attngen's; a failure of one implementation is its note, of the whole set-up the Result's error."""
+    import torch
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import attngen
+    from attngen import testing
+
+    spec = attngen.load_spec(m.spec)[0]
+    builds = {}
+    for name, target in ((ATTNGEN, None), (PORTABLE, PORTABLE_TARGET)):
+        step(f"{m.key}: building {name}")
+        try:
+            builds[name] = attngen.build(m.spec, target=target)
+        except Exception as e:
+            builds[name] = Unbuilt(spec, e)
+    attn, portable = builds[ATTNGEN], builds[PORTABLE]
+    p = m.problem
+    q, k, v = testing.random_qkv(p.B, p.H, p.HKV, p.Q_LEN, p.KV_LEN, p.D, p.D, bench.DTYPES[p.dtype],
+                                 device="cuda", seed=2)
+    inputs = testing.random_inputs(spec, p.B, p.H, p.HKV, p.Q_LEN, p.KV_LEN, device="cuda", seed=2)
+    step(f"{m.key}: counting the allowed pairs")
+    counted = bench.count_flops(spec, p, inputs, device="cuda")
+    learnable = [inputs[i.name].requires_grad_() for i in spec.learnable_inputs]
+    leaves = [x.requires_grad_() for x in (q, k, v)] + learnable
+    dout = torch.randn_like(q)
+
+    ran = {}
+    for name, build in builds.items():
+        try:
+            ran[name] = build.forward_family(q, k, v, **inputs) if not isinstance(build, Unbuilt) else "not built"
+        except Exception as e:
+            ran[name] = f"unknown ({bench._first_line(e)})"
+
+    step(f"{m.key}: building Flex's BlockMask")
+    flex_error = None
+    try:
+        variant = attngen.to_flex(spec)
+    except Exception as e:
+        variant, flex_error = None, e
+    block_mask = None
+    if variant is not None:
+        try:
+            block_mask = variant.block_mask(q, k, **inputs)
+        except Exception:  # made again in Flex's first call, where a failure becomes its row's note
+            pass
+    tables = None
+    if not isinstance(attn, Unbuilt) and attn.module.TILE_TABLE:
+        tables = attn.tile_tables(q, k, v, **inputs)
+    # A fresh compile: past dynamo's recompile limit flex_attention would silently run eagerly.
+    torch._dynamo.reset()
+    flex_kernel = torch.compile(flex_attention, dynamic=False)
+    is_causal, why_not = bench.sdpa_is_causal(spec, p.Q_LEN, p.KV_LEN)
+    backends = {name: getattr(SDPBackend, member) for name, member in bench.SDPA_BACKENDS.items()}
+    calls = bench.implementations(attn, variant, q, k, v, inputs, block_mask=block_mask, flex_kernel=flex_kernel,
+                                  tile_tables=tables, sdpa_backends=backends, is_causal=is_causal)
+    if flex_error is not None:
+        calls[FLEX] = _raiser(flex_error)
+    # The portable build right after attngen's, so the raw table reads the two side by side.
+    calls = {ATTNGEN: calls.pop(ATTNGEN), PORTABLE: lambda: portable(q, k, v, **inputs), **calls}
+    timings = [bench._time(name, call, leaves, dout, backward, lambda what: step(f"{m.key}: {what}"))
+               for name, call in calls.items()]
+    absent = {} if is_causal is not None else {name: f"SDPA cannot run it ({why_not})" for name in bench.SDPA_BACKENDS}
+    notes = [f"FLOPs: {counted.describe()}"]
+    if tables is not None:
+        notes.append(f"'{ATTNGEN}' builds its tile tables in every call; '{ATTNGEN_PREBUILT}' and Flex build "
+                     "theirs outside the timed region; the targets judge the first.")
+    return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted), notes)
+
+
+def run_info(args: argparse.Namespace) -> dict:
+    """The run's context, as bench.run's info dict gives it."""
+    import torch
+    import triton
+
+    import attngen
+
+    return {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "attngen": attngen.__version__, "python": platform.python_version(),
+            "dtype": "bf16", "quick": args.quick, "backward": not args.no_backward, "only": args.only,
+            "portable_target": PORTABLE_TARGET}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run: sequence lengths / {QUICK_DIVISOR}, catalog specs "
+                             f"{', '.join(QUICK_CATALOG)} only")
+    parser.add_argument("--only", type=lambda text: [n for n in text.split(",") if n], metavar="NAME[,NAME]",
+                        help=f"run these cases only: a case's name or '{CATALOG}' for every catalog spec (--list)")
+    parser.add_argument("--no-backward", action="store_true", help="time the forward only")
+    parser.add_argument("--out", type=Path, help="the JSON file (default: benchmarks/results/<date>-targets.json)")
+    parser.add_argument("--list", action="store_true", help="print the cases and their targets, run nothing")
+    args = parser.parse_args(argv)
+    try:
+        args.selected = select(cases(args.quick), args.only)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: whole tables, not ones cut to 80 columns
+        console = Console(width=200)
+    if args.list:
+        for case in args.selected:
+            console.print(f"{case.name}: " + "; ".join(t.describe() for t in case.targets)
+                          + f"  [{', '.join(m.key for m in case.measurements)}]", markup=False, highlight=False)
+        return 0
+
+    import torch
+    if not torch.cuda.is_available():
+        print("error: benchmarks/targets.py times kernels on a CUDA GPU, and this machine has none", file=sys.stderr)
+        return 2
+    out = args.out or RESULTS / f"{date.today()}-targets.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = run_info(args)
+    plan = measurements(args.selected)
+    start = time.perf_counter()
+
+    def step(what: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+    results: dict[str, Result] = {}
+    for m in plan:
+        try:
+            results[m.key] = measure(m, backward=not args.no_backward, step=step)
+        except Exception as e:  # the set-up failed (out of memory, an input the spec refuses): its targets say so
+            results[m.key] = Result(error=bench._first_line(e))
+        torch.cuda.empty_cache()
+        result = results[m.key]
+        if result.error:
+            console.print(f"{m.key}: {result.error}", markup=False, highlight=False)
+        else:
+            console.print(bench.table(raw_rows(result), f"{m.key} {m.problem.dtype} on {info['gpu']}"))
+            for note in result.notes:
+                console.print(note, markup=False, highlight=False)
+        # Rewritten after every measurement: a run cut short still leaves what it measured.
+        out.write_text(json.dumps(document(info, args.selected, plan, results), indent=1) + "\n")
+
+    rows = target_rows(args.selected, results)
+    quick = " (--quick: smaller N, the targets' shapes are not these)" if args.quick else ""
+    console.print(targets_table(rows, f"Issue 13's targets, bf16, on {info['gpu']}{quick}"))
+    for line in tally(rows):
+        console.print(line, markup=False, highlight=False)
+    console.print("speed ratio: the other's time over attngen's (above 1: attngen is faster); time ratio: the "
+                  "variant's time over plain's, same implementation.", markup=False, highlight=False)
+    console.print(f"wrote {out} ({time.perf_counter() - start:.0f} s)", markup=False, highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
