@@ -4,7 +4,7 @@ run cut short by a time limit still reports what it checked.
     python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16] [--seed 3] [--cache contiguous ...]
                                 [--hopper]
 
---hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths up to 700) and
+--hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths 65 to 700) and
 counts the cases by the forward family that ran them.
 
 Without --seed the draw is derandomized (the same cases each run); shards with different seeds
@@ -38,7 +38,11 @@ def main() -> None:
     caches = tuple(args.cache or ["none"])
     counts = {"ok": 0, "failed": 0, "skipped": 0}
     families: dict[str, int] = {}
-    shapes = dict(max_len=700, head_dims=range(64, 257, 8)) if args.hopper else dict(max_len=300, max_head_dim=128)
+    # --hopper: lengths past one decode tile (a call of at most 64 query rows per key/value head goes to
+    # the decode family first) and the head dims the Hopper family takes.
+    shapes = (dict(min_len=65, max_len=700, head_dims=range(64, 257, 8),
+                   near_tiles=[n + d for n in (128, 256, 384, 512) for d in (-1, 0, 1)]) if args.hopper
+              else dict(max_len=300, max_head_dim=128))
 
     @settings(max_examples=args.examples, derandomize=args.seed is None, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])

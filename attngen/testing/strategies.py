@@ -187,23 +187,25 @@ class Case:
 
 @st.composite
 def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",),
-          head_dims=None) -> Case:
+          head_dims=None, min_len: int = 1, near_tiles=NEAR_TILES) -> Case:
     """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, and a
     call from `caches` (plain calls twice as often as each cache layout, when both are allowed).
-    `head_dims`: the head dims to draw D and DV from (default 1 .. max_head_dim)."""
+    `head_dims`: the head dims to draw D and DV from (default 1 .. max_head_dim); lengths lie in
+    [min_len, max_len], often at `near_tiles` (lengths at tile edges)."""
     hkv = draw(st.integers(1, 2))
     dims = st.sampled_from(list(head_dims)) if head_dims is not None else st.integers(1, max_head_dim)
     weighted = [c for c in caches for _ in range(2 if c == "none" else 1)]
     return Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
-                Q_LEN=draw(_length(max_len)), KV_LEN=draw(_length(max_len)),
+                Q_LEN=draw(_length(min_len, max_len, near_tiles)), KV_LEN=draw(_length(min_len, max_len, near_tiles)),
                 D=draw(dims), DV=draw(dims),
                 dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
                 cache=draw(st.sampled_from(weighted)))
 
 
-def _length(max_len: int) -> st.SearchStrategy[int]:
-    near = [n for n in NEAR_TILES if n <= max_len]
-    return st.one_of(st.integers(1, max_len), st.sampled_from(near)) if near else st.integers(1, max_len)
+def _length(min_len: int, max_len: int, near_tiles=NEAR_TILES) -> st.SearchStrategy[int]:
+    near = [n for n in near_tiles if min_len <= n <= max_len]
+    lengths = st.integers(min_len, max_len)
+    return st.one_of(lengths, st.sampled_from(near)) if near else lengths
 
 
 def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):

@@ -1564,15 +1564,19 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None):
+def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
     (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
-    `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's.
+    `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's;
+    `family` the call's (name, launch) when the caller has it already (_forward_family).
     Counting visits (visit_counts) follows the portable tiles."""
     cached = cache is not None or page_table is not None
-    name, launch = (_forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached) if visits is None
-                    else ("portable", None))
+    if visits is not None:
+        family = ("portable", None)
+    elif family is None:
+        family = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)
+    name, launch = family
     if launch is not None:
         return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table)
     return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table)
@@ -1588,13 +1592,12 @@ def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
                 ("portable", None))
 
 
-def _forward_tables(q, k, v):
-    """The kernels whose tile tables a forward call needs built: the portable forward's if it runs,
-    a family's own if it runs and follows tables (TABLE_FAMILIES; the others decide such masks
+def _forward_tables(name):
+    """The kernels whose tile tables a forward call run by the family `name` needs built: the portable
+    forward's, or a family's own if it follows tables (TABLE_FAMILIES; the others decide such masks
     element by element); none if the mask needs no tables."""
     if not TILE_TABLE:
         return []
-    name = _forward_family(q, k, v, k.shape[1], k.shape[2], False)[0]
     return [0] if name == "portable" else [name] if name in TABLE_FAMILIES else []
 
 
@@ -1730,8 +1733,11 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        kernels = _forward_tables(q, k, v)
-        out, lse = _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, ctx.build))))
+        # The family is chosen once: it decides which table to build and which kernel follows it.
+        family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
+        kernels = _forward_tables(family[0])
+        out, lse = _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, ctx.build))),
+                            family=family)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -1755,7 +1761,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "ab6116edcada1811"
+MODULE_DIGEST = "dc23434b9349124c"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
