@@ -175,6 +175,18 @@ def test_hopper_head_dims_on_gpu(name, dims):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("scale", ["0.05", "-0.1"])
+def test_hopper_spec_scales_on_gpu(scale):
+    # A positive scale takes FA3's order (row max of the raw products, DEFER_SCALE); a negative one may
+    # not (the max of the raw products is then the scaled minimum) and takes the scaled-first path.
+    attn = attngen.build(f"attention scaled\nscale: {scale}\nmask: causal\n")
+    q, k, v = testing.random_qkv(1, 4, 2, 300, 300, 128, 128, torch.bfloat16, device="cuda")
+    assert attn.forward_family(q, k, v) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_hopper_rows_without_keys_and_user_tables_on_gpu():
     # Rows no key is allowed to: O = 0, LSE = -inf, no NaN (a block layout with empty rows).
     attn = attngen.build(SPECS / "block_sparse.attn")
