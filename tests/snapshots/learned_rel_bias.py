@@ -1672,6 +1672,15 @@ def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
                 ("portable", None))
 
 
+def _forward_with_tables(q, k, v, tensors, known, build):
+    """A training or inference call's forward (no cache), with the tile table of the family that runs
+    it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
+    decides which table to build and which kernel follows it."""
+    family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
+    kernels = _forward_tables(family[0])
+    return _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, build))), family=family)
+
+
 def _forward_tables(name):
     """The kernels whose tile tables a forward call run by the family `name` needs built: the portable
     forward's, or a family's own if it follows tables (TABLE_FAMILIES; the others decide such masks
@@ -1813,11 +1822,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, known, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        # The family is chosen once: it decides which table to build and which kernel follows it.
-        family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
-        kernels = _forward_tables(family[0])
-        out, lse = _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, ctx.build))),
-                            family=family)
+        out, lse = _forward_with_tables(q, k, v, tensors, known, ctx.build)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -1841,7 +1846,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "c9f2a821f8bf9d9c"
+MODULE_DIGEST = "9df50e34c1d2a1fb"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1857,7 +1862,10 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
     def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                    tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, tensors, dict(zip(_table_kernels(True), _pairs(tables))))
+        # The user's tables, if any, else the table of the family that runs, built here (at run time,
+        # where the family is known without guarding the compiled graph on the shapes).
+        known = dict(zip(_table_kernels(True), _pairs(tables)))
+        return _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
 
     @forward_op.register_fake
     def _(q, k, v, tensors, tables):
@@ -1925,10 +1933,10 @@ def _operator_builder(q, k, tensors):
 
 
 def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else the forwards' own, built
-    # whichever family runs: asking which would guard on the shapes (a recompile where dynamic lengths
-    # cross a family's rule), and the forward operator picks the family at run time.
-    tables = _resolve(_table_kernels(bool(known)), q, v, known, _operator_builder(q, k, tensors))
+    # The user's tables travel whole (the backward follows them too); else none: the forward operator
+    # picks the family at run time and builds its table (asking which here would guard the graph on the
+    # shapes, a recompile where dynamic lengths cross a family's rule), and the backward builds its own.
+    tables = _resolve(_table_kernels(True), q, v, known, _operator_builder(q, k, tensors)) if known else []
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
 
