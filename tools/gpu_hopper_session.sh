@@ -2,14 +2,15 @@
 # The Hopper family (issue 13) on the GPU, in parts chosen on the command line, each under its own time
 # limit; logs and JSON go to $OUT (or ./device-out).
 #
-#     bash tools/gpu_hopper_session.sh [tests] [fuzz] [targets] [catalog]
+#     bash tools/gpu_hopper_session.sh [tests] [fuzz] [targets] [catalog] [backward]
 #
 # tests: tests/test_hopper.py's GPU tests (every catalog spec through the family against float64, head
 #   dims, empty rows, tables, torch.compile) and the bf16 kernel tests;
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
 #   (default 280), four shards side by side;
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
-# catalog: benchmarks/targets.py on every catalog spec at N=8192.
+# catalog: benchmarks/targets.py on every catalog spec at N=8192;
+# backward: tools/hopper/gpu_backward.py (the Gluon backward prototype against float64, then timed).
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -35,6 +36,9 @@ for part in ${*:-tests targets}; do
     catalog)
       timeout ${CATALOG_SECONDS:-400} python3 benchmarks/targets.py --only catalog --out "$OUT/targets-catalog.json" \
         > "$OUT/targets-catalog.log" 2>&1; tail -60 "$OUT/targets-catalog.log" | cut -c1-220 ;;
+    backward)
+      timeout ${BACKWARD_SECONDS:-400} python3 tools/hopper/gpu_backward.py --timeout 90 --out "$OUT/backward.json" \
+        > "$OUT/backward.log" 2>&1; grep -E "^FAIL|within|^\{" "$OUT/backward.log" | cut -c1-300 ;;
   esac
   echo "-- $part done at $(( $(date +%s) - T0 )) s"
 done
