@@ -1,6 +1,6 @@
 """Checks and times the Gluon backward prototype (gluon_backward.py) on a Hopper GPU, in one run.
 
-    python tools/hopper/gpu_backward.py [--out FILE] [--timeout 120] [--skip-check] [--skip-time]
+    python tools/hopper/gpu_backward.py [--out FILE] [--timeout 120] [--workers 8] [--skip-check] [--skip-time]
 
 Check: for bf16/fp16 x D 64/128 x causal or not x awkward shapes (N = 1, 129, 1000 with GQA 8/2), the
 prototype's dq, dk, dv against float64 autograd of the same attention, each within 8 eps of the input
@@ -21,6 +21,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -120,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=int, default=120)
+    parser.add_argument("--workers", type=int, default=8, help="child processes at once")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -131,23 +133,25 @@ def main() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     checks, failed = [], 0
     if not args.skip_check:
-        for dtype in DTYPES:
-            for head_dim in (64, 128):
-                for causal in (False, True):
-                    for tma in (False, True):
-                        for shape in SHAPES:
-                            config = [dtype, head_dim, causal, tma, list(shape)]
-                            try:
-                                run = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)],
-                                                     capture_output=True, text=True, env=env, timeout=args.timeout)
-                                errors = (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
-                                          else {"error": run.stderr[-600:]})
-                            except subprocess.TimeoutExpired:
-                                errors = {"error": f"timed out after {args.timeout} s (a hang?)"}
-                            ok = "error" not in errors and all(e <= TOLERANCE_EPS for e in errors.values())
-                            failed += not ok
-                            checks.append({"config": config, "errors_eps": errors, "ok": ok})
-                            print(("ok  " if ok else "FAIL"), config, errors, flush=True)
+        configs = [[dtype, head_dim, causal, tma, list(shape)] for dtype in DTYPES for head_dim in (64, 128)
+                   for causal in (False, True) for tma in (False, True) for shape in SHAPES]
+
+        def check(config):
+            try:
+                run = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], capture_output=True,
+                                     text=True, env=env, timeout=args.timeout)
+                return (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
+                        else {"error": run.stderr[-600:]})
+            except subprocess.TimeoutExpired:
+                return {"error": f"timed out after {args.timeout} s (a hang?)"}
+
+        # Children side by side: compiling dominates, and the GPU takes several small checks at once.
+        with ThreadPoolExecutor(max_workers=args.workers) as pool:
+            for config, errors in zip(configs, pool.map(check, configs)):
+                ok = "error" not in errors and all(e <= TOLERANCE_EPS for e in errors.values())
+                failed += not ok
+                checks.append({"config": config, "errors_eps": errors, "ok": ok})
+                print(("ok  " if ok else "FAIL"), config, errors, flush=True)
         print(f"{len(checks) - failed} of {len(checks)} configurations within {TOLERANCE_EPS} eps", flush=True)
     rows = [] if args.skip_time or failed else time_all()
     if args.out:
