@@ -108,8 +108,9 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
 class _Tensor:
     """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test)."""
 
-    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True, address=1 << 20):
+    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True, address=1 << 20, device="cuda:7"):
         self.shape, self.dtype, self.is_cuda, self._contiguous, self._address = shape, dtype, True, contiguous, address
+        self.device = device
 
     def is_contiguous(self):
         return self._contiguous
@@ -119,7 +120,12 @@ class _Tensor:
 
 
 def test_the_per_call_rule():
-    serves = attngen.build(SPECS / "causal.attn", target="h200").module._hopper_serves
+    module = attngen.build(SPECS / "causal.attn", target="h200").module
+    serves = module._hopper_serves
+    # Stand-in devices: "cuda:7" is a Hopper GPU, "cuda:8" an A100 (a module built for --target h200 may
+    # run on any GPU; the family's kernels compile for sm_90 only).
+    module._HOPPER_DEVICES.update({"cuda:7": True, "cuda:8": False})
+    assert not serves(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3, 8, 1000, False)
     q, k = _Tensor(2, 8, 1000, 128), _Tensor(2, 2, 1000, 128)
     assert serves(q, k, k, 2, 1000, False)
     assert not serves(q, k, k, 2, 1000, True)  # a cache call

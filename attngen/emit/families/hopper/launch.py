@@ -18,12 +18,23 @@ HOPPER_HEAD_DIMS = range(64, 257, 8)
 HOPPER_MAX_ROWS = 2**31 - 256
 
 
+# Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
+# be run on any GPU; the family's kernels compile for sm_90 only.
+_HOPPER_DEVICES = {}
+
+
+def _hopper_device(device):
+    if device not in _HOPPER_DEVICES:
+        _HOPPER_DEVICES[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return _HOPPER_DEVICES[device]
+
+
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on the GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
+    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
     descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
     B, H, Q_LEN, D = q.shape
-    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and D in HOPPER_HEAD_DIMS
+    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device) and D in HOPPER_HEAD_DIMS
             and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
             and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
