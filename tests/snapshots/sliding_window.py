@@ -1829,7 +1829,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a6a9551dbd7a8255"
+MODULE_DIGEST = "6bb353572bf1764e"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2246,8 +2246,8 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
     descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
     B, H, Q_LEN, D = q.shape
-    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device) and D in HOPPER_HEAD_DIMS
-            and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
+    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
+            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
             and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 

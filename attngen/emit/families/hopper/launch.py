@@ -34,8 +34,8 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
     descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
     B, H, Q_LEN, D = q.shape
-    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device) and D in HOPPER_HEAD_DIMS
-            and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
+    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
+            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
             and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
