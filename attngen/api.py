@@ -63,8 +63,9 @@ class Attention:
         return self.module.tile_tables(q, k, v, **inputs)
 
     def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs) -> str:
-        """The kernel family whose forward kernel a call with these arguments runs ("decode" or
-        "portable"): each family's rule on the call's shapes picks it (`attngen explain` lists them)."""
+        """The kernel family whose forward kernel a call with these arguments runs ("decode", "hopper"
+        or "portable"): each family's rule on the call's shapes and device picks it (`attngen explain`
+        lists them)."""
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                           **inputs)
 
