@@ -110,7 +110,7 @@ HOPPER = Family(
               "the spec's score and mask run on the wgmma accumulator, over the same tile ranges and tables"),
     problem=_hopper_problem,
     kernels=("fwd",),
-    per_call=("forward calls that are not cache calls, bf16 or fp16 on the GPU, D and DV multiples of 8 from 64 "
+    per_call=("forward calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 "
               "to 256, contiguous 16-byte-aligned q, k, v, B * H * Q_LEN and B * HKV * KV_LEN below 2**31 "
               "(TMA's int32 coordinates)"),
     tiles=_hopper_tiles,

@@ -1447,6 +1447,12 @@ def _tiles(q, v, kernel):
     return PLAN[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
 
 
+def _family_tiles(q, v, family):
+    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
+    (FAMILY_TILES; int() as in _tiles)."""
+    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
+
+
 def _dot_precision(dtype):
     # fp32 inputs get true fp32 products (tf32 would not be fp32 attention); so do bf16 inputs in
     # Triton's interpreter, whose bf16 tl.dot is wrong (_dot upcasts them; the products are exact).
@@ -1485,7 +1491,7 @@ def _table_key(q, v, kernel):
     name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
     equal keys share a table."""
     if isinstance(kernel, str):
-        return (True, *FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])][kernel][:2])
+        return (True, *_family_tiles(q, v, kernel)[:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
 
 
@@ -1518,10 +1524,13 @@ def _empty_table(key, sizes, device):
             torch.empty((rows * n_cols,), dtype=torch.int32, device=device))
 
 
-def _table_args(key, table, sizes):
-    """A kernel's tile-table arguments: counts, indices, batch stride, head stride, row length."""
+def _table_args(key, table, sizes, placeholder=None):
+    """A kernel's tile-table arguments: counts, indices, batch stride, head stride, row length. A
+    forward call without its table (a cache call: FOLLOW_TABLE off) passes `placeholder`, never read."""
     if not TILE_TABLE:
         return []
+    if not table:
+        return [placeholder, placeholder, 0, 0, 0]
     g_b, g_h, n_rows, n_cols = _table_shape(*key, sizes)
     return [*table, (g_h * n_rows if TABLE_PER_B else 0), (n_rows if TABLE_PER_H else 0), n_cols]
 
@@ -1681,9 +1690,7 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
-    # A cache call of a tile-table spec comes without a table (FOLLOW_TABLE off): placeholders, never read.
-    table_args = (_table_args(_table_key(q, v, 0), table, _sizes(q, k)) if table
-                  else [lse, lse, 0, 0, 0] if TILE_TABLE else [])
+    table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
     _fwd_kernel[grid](
         q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k_strides, *v_strides, *out.stride(),
@@ -1803,7 +1810,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "8a7d700b7c9fa2ed"
+MODULE_DIGEST = "58b266f2ea8953be"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2142,7 +2149,7 @@ def _decode_block_m(rows):
 
 
 def _decode_block_n(q, v):
-    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])]["decode"][1]
+    return _family_tiles(q, v, "decode")[1]
 
 
 def _sm_count(device):
@@ -2171,7 +2178,7 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
+    _, block_n, warps, stages = _family_tiles(q, v, "decode")
     rows = (H // HKV) * Q_LEN
     block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)
@@ -2272,8 +2279,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
     grid = (_cdiv(Q_LEN, block_m), B * H)
     sm_scale = softmax_scale(D)
-    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k)) if table else (
-        [lse, lse, 0, 0, 0] if TILE_TABLE else [])
+    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
         _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
@@ -2289,15 +2295,10 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
 
 def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
-    tile table (HOPPER_TABLE's tiles), () without one. Returns out and the natural-log LSE, as the
-    portable forward does; the backward kernels are the portable family's."""
-    block_m, block_n, _, stages = _hopper_tiles(q, v)
+    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one. Returns out
+    and the natural-log LSE, as the portable forward does; the backward kernels are the portable family's."""
+    block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
-
-
-def _hopper_tiles(q, v):
-    """The family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype."""
-    return FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])]["hopper"]
 
 
 # The families whose forward kernel a call may run, in order of preference: (name, per-call rule,

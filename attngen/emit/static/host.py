@@ -111,6 +111,12 @@ def _tiles(q, v, kernel):
     return PLAN[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
 
 
+def _family_tiles(q, v, family):
+    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
+    (FAMILY_TILES; int() as in _tiles)."""
+    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
+
+
 def _dot_precision(dtype):
     # fp32 inputs get true fp32 products (tf32 would not be fp32 attention); so do bf16 inputs in
     # Triton's interpreter, whose bf16 tl.dot is wrong (_dot upcasts them; the products are exact).
@@ -149,7 +155,7 @@ def _table_key(q, v, kernel):
     name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
     equal keys share a table."""
     if isinstance(kernel, str):
-        return (True, *FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])][kernel][:2])
+        return (True, *_family_tiles(q, v, kernel)[:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
 
 
@@ -182,10 +188,13 @@ def _empty_table(key, sizes, device):
             torch.empty((rows * n_cols,), dtype=torch.int32, device=device))
 
 
-def _table_args(key, table, sizes):
-    """A kernel's tile-table arguments: counts, indices, batch stride, head stride, row length."""
+def _table_args(key, table, sizes, placeholder=None):
+    """A kernel's tile-table arguments: counts, indices, batch stride, head stride, row length. A
+    forward call without its table (a cache call: FOLLOW_TABLE off) passes `placeholder`, never read."""
     if not TILE_TABLE:
         return []
+    if not table:
+        return [placeholder, placeholder, 0, 0, 0]
     g_b, g_h, n_rows, n_cols = _table_shape(*key, sizes)
     return [*table, (g_h * n_rows if TABLE_PER_B else 0), (n_rows if TABLE_PER_H else 0), n_cols]
 
@@ -345,9 +354,7 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
-    # A cache call of a tile-table spec comes without a table (FOLLOW_TABLE off): placeholders, never read.
-    table_args = (_table_args(_table_key(q, v, 0), table, _sizes(q, k)) if table
-                  else [lse, lse, 0, 0, 0] if TILE_TABLE else [])
+    table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
     _fwd_kernel[grid](
         q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k_strides, *v_strides, *out.stride(),

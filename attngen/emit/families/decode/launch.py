@@ -3,7 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
-from attngen.emit.static.shared import _DTYPES, _cdiv, _next_power_of_2
+from attngen.emit.static.shared import _cdiv, _next_power_of_2
 
 # ---- inlined into every generated module from here on ----
 
@@ -71,7 +71,7 @@ def _decode_block_m(rows):
 
 
 def _decode_block_n(q, v):
-    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])]["decode"][1]
+    return _family_tiles(q, v, "decode")[1]
 
 
 def _sm_count(device):
@@ -100,7 +100,7 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages = FAMILY_TILES[(d_pad, dv_pad, _DTYPES[q.dtype])]["decode"]
+    _, block_n, warps, stages = _family_tiles(q, v, "decode")
     rows = (H // HKV) * Q_LEN
     block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)

@@ -3,7 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
-from attngen.emit.static.shared import _DTYPES, _cdiv
+from attngen.emit.static.shared import _cdiv
 
 # ---- inlined into every generated module from here on ----
 
@@ -86,8 +86,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
     grid = (_cdiv(Q_LEN, block_m), B * H)
     sm_scale = softmax_scale(D)
-    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k)) if table else (
-        [lse, lse, 0, 0, 0] if TILE_TABLE else [])
+    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
         _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
@@ -103,12 +102,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
 
 def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
-    tile table (HOPPER_TABLE's tiles), () without one. Returns out and the natural-log LSE, as the
-    portable forward does; the backward kernels are the portable family's."""
-    block_m, block_n, _, stages = _hopper_tiles(q, v)
+    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one. Returns out
+    and the natural-log LSE, as the portable forward does; the backward kernels are the portable family's."""
+    block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
-
-
-def _hopper_tiles(q, v):
-    """The family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype."""
-    return FAMILY_TILES[(*_widths(q.shape[-1], v.shape[-1]), _DTYPES[q.dtype])]["hopper"]
