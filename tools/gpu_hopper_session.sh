@@ -2,10 +2,11 @@
 # The Hopper family (issue 13) on the GPU, in parts chosen on the command line, each under its own time
 # limit; logs and JSON go to $OUT (or ./device-out).
 #
-#     bash tools/gpu_hopper_session.sh [tests] [fuzz] [targets] [catalog] [backward]
+#     bash tools/gpu_hopper_session.sh [tests] [suite] [fuzz] [targets] [catalog] [backward]
 #
 # tests: tests/test_hopper.py's GPU tests (every catalog spec through the family against float64, head
 #   dims, empty rows, tables, torch.compile) and the bf16 kernel tests;
+# suite: every GPU-marked test of the suite (the Hopper family serves their bf16/fp16 calls now);
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
 #   (default 280), four shards side by side;
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
@@ -22,6 +23,9 @@ for part in ${*:-tests targets}; do
       timeout ${TESTS_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_hopper.py \
         > "$OUT/pytest.log" 2>&1
       echo "pytest exit $?" >> "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | head -30 ;;
+    suite)
+      timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/ > "$OUT/suite.log" 2>&1
+      echo "pytest exit $?" >> "$OUT/suite.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | head -30 ;;
     fuzz)
       for shard in 1 2 3 4; do
         timeout ${FUZZ_SECONDS:-280} python3 tools/fuzz_device.py --hopper --examples 1000 --seed $shard \
