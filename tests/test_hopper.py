@@ -140,12 +140,13 @@ def test_the_per_call_rule():
     assert serves(_Tensor(2, 8, 999, 128), k, k, 2, 1000, False)  # Q_LEN != KV_LEN
     assert not serves(q, _Tensor(2, 2, 1000, 128, contiguous=False), k, 2, 1000, False)
     assert not serves(q, _Tensor(2, 2, 1000, 128, address=(1 << 20) + 8), k, 2, 1000, False)  # TMA: 16-byte bases
-    # Rows past int32 would wrap the kernels' TMA coordinates: those calls go elsewhere.
-    assert serves(_Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128),
-                  16, 2**27 - 16, False)
-    big = _Tensor(1, 16, 2**27, 128)
-    assert not serves(big, big, big, 16, 2**27, False)
-    assert not serves(_Tensor(1, 1, 16, 128), big, big, 16, 2**27, False)  # the keys' rows count too
+    # TMA coordinates are int32 per dim of the (B * heads, length, D) views: a head's rows, and a tile's
+    # overhang past them, must stay below 2**31; many heads of long rows are fine.
+    assert serves(_Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), 16, 2**27,
+                  False)
+    long = _Tensor(1, 1, 2**31 - 128, 128)
+    assert not serves(long, long, long, 1, 2**31 - 128, False)
+    assert not serves(_Tensor(1, 1, 16, 128), long, long, 1, 2**31 - 128, False)  # the keys' rows count too
 
 
 @pytest.mark.gpu
