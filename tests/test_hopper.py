@@ -194,6 +194,23 @@ def test_hopper_spec_scales_on_gpu(scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_a_ragged_tile_reads_nothing_of_the_next_head_on_gpu():
+    # The last key tile of head 0 overhangs its 200 rows. Those rows must be TMA's zeros, not head 1's
+    # first rows: an inf there would give 0 * inf = NaN in head 0's P @ V, where the reference is finite.
+    attn = attngen.build(SPECS / "causal.attn")
+    q, k, v = testing.random_qkv(2, 2, 2, 200, 200, 128, 128, torch.bfloat16, device="cuda")
+    v[:, 1, :56] = float("inf")
+    v[1, :, :56] = float("inf")  # and batch 1's rows, after batch 0's last head
+    assert attn.forward_family(q, k, v) == "hopper"
+    out = attn(q, k, v)
+    assert not out[0, 0].isnan().any()
+    head = (slice(0, 1), slice(0, 1))
+    testing.check_against_reference(attn.spec, attn, q[head], k[head], v[head], grads=False)
+    torch.testing.assert_close(out[head], attn(q[head], k[head], v[head]), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_hopper_rows_without_keys_and_user_tables_on_gpu():
     # Rows no key is allowed to: O = 0, LSE = -inf, no NaN (a block layout with empty rows).
     attn = attngen.build(SPECS / "block_sparse.attn")
