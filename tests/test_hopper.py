@@ -140,12 +140,13 @@ def test_the_per_call_rule():
     assert serves(_Tensor(2, 8, 999, 128), k, k, 2, 1000, False)  # Q_LEN != KV_LEN
     assert not serves(q, _Tensor(2, 2, 1000, 128, contiguous=False), k, 2, 1000, False)
     assert not serves(q, _Tensor(2, 2, 1000, 128, address=(1 << 20) + 8), k, 2, 1000, False)  # TMA: 16-byte bases
-    # Rows past int32 would wrap the kernels' TMA coordinates: those calls go elsewhere.
-    assert serves(_Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128), _Tensor(1, 16, 2**27 - 16, 128),
-                  16, 2**27 - 16, False)
-    big = _Tensor(1, 16, 2**27, 128)
-    assert not serves(big, big, big, 16, 2**27, False)
-    assert not serves(_Tensor(1, 1, 16, 128), big, big, 16, 2**27, False)  # the keys' rows count too
+    # TMA coordinates are int32 per dim of the (B * heads, length, D) views: a head's rows, and a tile's
+    # overhang past them, must stay below 2**31; many heads of long rows are fine.
+    assert serves(_Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), 16, 2**27,
+                  False)
+    long = _Tensor(1, 1, 2**31 - 128, 128)
+    assert not serves(long, long, long, 1, 2**31 - 128, False)
+    assert not serves(_Tensor(1, 1, 16, 128), long, long, 1, 2**31 - 128, False)  # the keys' rows count too
 
 
 @pytest.mark.gpu
@@ -189,6 +190,23 @@ def test_hopper_spec_scales_on_gpu(scale):
     q, k, v = testing.random_qkv(1, 4, 2, 300, 300, 128, 128, torch.bfloat16, device="cuda")
     assert attn.forward_family(q, k, v) == "hopper"
     testing.check_against_reference(attn.spec, attn, q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_a_ragged_tile_reads_nothing_of_the_next_head_on_gpu():
+    # The last key tile of head 0 overhangs its 200 rows. Those rows must be TMA's zeros, not head 1's
+    # first rows: an inf there would give 0 * inf = NaN in head 0's P @ V, where the reference is finite.
+    attn = attngen.build(SPECS / "causal.attn")
+    q, k, v = testing.random_qkv(2, 2, 2, 200, 200, 128, 128, torch.bfloat16, device="cuda")
+    v[:, 1, :56] = float("inf")
+    v[1, :, :56] = float("inf")  # and batch 1's rows, after batch 0's last head
+    assert attn.forward_family(q, k, v) == "hopper"
+    out = attn(q, k, v)
+    assert not out[0, 0].isnan().any()
+    head = (slice(0, 1), slice(0, 1))
+    testing.check_against_reference(attn.spec, attn, q[head], k[head], v[head], grads=False)
+    torch.testing.assert_close(out[head], attn(q[head], k[head], v[head]), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,7 @@ def _compile_hopper(module, fn, signature, constexprs, constants, target):
     def descriptor(shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
         return f"tensordesc<bf16[{', '.join(map(str, shape))}],{layout!r}>"
-    boxes = {"q_desc": [rows, d], "k_desc": [block_n, d], "v_desc": [block_n, dv], "o_desc": [rows, dv]}
+    boxes = {"q_desc": [1, rows, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv], "o_desc": [1, rows, dv]}
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     num_warps, maxnreg = module._hopper_launch_config(constants["BLOCK_M"], constants["PINGPONG"])
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,

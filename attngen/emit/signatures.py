@@ -158,11 +158,11 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE")),
         "hopper_producer": sig("_hopper_producer", (
             "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready",
-            "v_empty", "q_row", "kv_row", "n_tiles", *TILE_RANGE), ("BLOCK_N", "STAGES", "NUM_CONSUMERS",
-                                                                   "FOLLOW_TABLE")),
+            "v_empty", "off_bh", "kv_bh", "tile_m", "n_tiles", *TILE_RANGE), ("BLOCK_N", "STAGES", "NUM_CONSUMERS",
+                                                                              "FOLLOW_TABLE")),
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready", "v_empty", "sched", "o_desc",
-            "Out", "Lse", "tile_m", "tile_row", "off_bh", "n_tiles", *TILE_RANGE, *_HOOK_ARGS, *inputs),
+            "Out", "Lse", "tile_m", "off_bh", "n_tiles", *TILE_RANGE, *_HOOK_ARGS, *inputs),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "DEFER_SCALE", "WG", "NUM_CONSUMERS")),
         "hopper_loop": sig("_hopper_consumer_loop", (
             "o", "p", "m_i", "l_i", "i_lo", "i_hi", "q_smem", "k_bufs", "v_bufs", "k_ready", "k_empty", "v_ready",

@@ -111,8 +111,8 @@ HOPPER = Family(
     problem=_hopper_problem,
     kernels=("fwd",),
     per_call=("forward calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 "
-              "to 256, contiguous 16-byte-aligned q, k, v, B * H * Q_LEN and B * HKV * KV_LEN below 2**31 "
-              "(TMA's int32 coordinates)"),
+              "to 256, contiguous 16-byte-aligned q, k, v, Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 "
+              "coordinates)"),
     tiles=_hopper_tiles,
     follows_tables=True,
 )

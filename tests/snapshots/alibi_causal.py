@@ -899,27 +899,39 @@ def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, 
 
 @gluon.jit
 def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                     full_lo, full_hi, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr):
-    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers.
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+                     off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                     full_tiles, full_lo, full_hi, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers. Boxes are
+    # (1 head, rows, width) of (heads, length, D) tensors: TMA fills the rows past a head's length with
+    # zeros (a tile never reads the next head's rows, whose values could be anything, inf included).
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
     n_masked = masked_hi - masked_lo
     mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, 0], q_bar, q_bufs.index(c))
+        tma.async_copy_global_to_shared(q_desc, [off_bh, tile_m + c * ROWS, 0], q_bar, _hopper_box(q_bufs.index(c),
+                                                                                                   q_desc))
     for i in range(n_tiles):
         stage = i % STAGES
         # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
         phase = ((i // STAGES) & 1) ^ 1
-        row = kv_row + _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                          full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
+        start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
+                                     full_hi, BLOCK_N, FOLLOW_TABLE)
         mbarrier.wait(k_empty.index(stage), phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(stage), k_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n, 0], k_ready.index(stage),
+                                        _hopper_box(k_bufs.index(stage), k_desc))
         mbarrier.wait(v_empty.index(stage), phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_bufs.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n, 0], v_ready.index(stage),
+                                        _hopper_box(v_bufs.index(stage), v_desc))
+
+
+@gluon.jit
+def _hopper_box(buffer, desc):
+    # A 2-D tile buffer seen as the (1, rows, width) box of a TMA descriptor: the same bytes, since a
+    # leading dim of 1 changes nothing in the swizzled layout; the wgmmas read the 2-D view.
+    return buffer._reinterpret(buffer.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -1024,9 +1036,9 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, Out, Lse,
-                     tile_m, tile_row, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                     full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                     KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM: tl.constexpr,
+                     tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                     full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                     slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM: tl.constexpr,
                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                      FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
@@ -1034,7 +1046,6 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     q_smem = q_bufs.index(WG)
     off_m = tile_m + WG * BLOCK_M
-    q_row = tile_row + WG * BLOCK_M
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
     # One 16-row slab per warp, so rows never span warps: row max/sum are intra-warp shuffles and the
@@ -1111,30 +1122,26 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
     o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
     if HEAD_DIM_V_PAD == HEAD_DIM_PAD:
-        if off_m + BLOCK_M <= Q_LEN:
-            # Full tile: reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O;
-            # TMA drops the columns past HEAD_DIM_V.
-            q_smem.store(o.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
-            tma.store_wait(pendings=0)
-        else:
-            _hopper_store_rows(Out, o.to(dtype), q_row - off_m, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD,
-                               o_layout)
+        # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
+        # past the head's Q_LEN and the columns past HEAD_DIM_V.
+        q_smem.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_bh, off_m, 0], _hopper_box(q_smem, o_desc))
+        tma.store_wait(pendings=0)
     else:
-        _hopper_store_rows(Out, o.to(dtype), q_row - off_m, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD,
-                           o_layout)
+        _hopper_store_rows(Out, o.to(dtype), off_bh.to(gl.int64) * Q_LEN, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M,
+                           HEAD_DIM_V_PAD, o_layout)
     gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
 
 
 @gluon.jit
 def _hopper_store_rows(Out, o, head_row, off_m, Q_LEN, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                        HEAD_DIM_V_PAD: gl.constexpr, o_layout: gl.constexpr):
-    # O's rows straight from the wgmma accumulator layout, for the ragged last tile of a head (a 2-D TMA
-    # store would spill into the next head's rows) and for O wider or narrower than Q's buffer.
+    # O's rows straight from the wgmma accumulator layout, where O is wider or narrower than Q's buffer
+    # (which stages the TMA store otherwise).
     rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, o_layout))
-    ptrs = Out + head_row.to(gl.int64) * HEAD_DIM_V + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM_V, 1) \
+    ptrs = Out + head_row * HEAD_DIM_V + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM_V, 1) \
         + gl.expand_dims(cols, 0)
     gl.store(ptrs, o, mask=gl.expand_dims(rows < Q_LEN, 1) & gl.expand_dims(cols < HEAD_DIM_V, 0))
 
@@ -1175,14 +1182,15 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_sc
     full_tiles, full_lo, full_hi = 0, t1, t2
     n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
     tile_m = start_m * BLOCK_M
-    q_row = off_bh * Q_LEN + tile_m
-    kv_row = (off_b * HKV + off_hkv) * KV_LEN
+    kv_bh = off_b * HKV + off_hkv
 
     dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(q_desc.block_type.shape[0] == ROWS)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    gl.static_assert(q_desc.block_type.shape[1] == ROWS)
+    # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_PAD], tile_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1203,34 +1211,34 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_sc
     if PINGPONG:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
-                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
-                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0,
-                                 size_slopes_0, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
+                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0,
+                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
-                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
-                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0,
-                                 size_slopes_0, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS)),
+                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
+                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0,
+                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi,
-                                 gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES, NUM_CONSUMERS,
-                                 FOLLOW_TABLE)),
+                                 v_ready, v_empty, off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo,
+                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES,
+                                 NUM_CONSUMERS, FOLLOW_TABLE)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, q_row, off_bh, n_tiles, masked_tiles, masked_lo,
-                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale,
-                                 off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0,
-                                 size_slopes_0, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
+                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0,
+                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, q_row, kv_row, n_tiles, masked_tiles, masked_lo, masked_hi,
-                                 gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES, NUM_CONSUMERS,
-                                 FOLLOW_TABLE)),
+                                 v_ready, v_empty, off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo,
+                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES,
+                                 NUM_CONSUMERS, FOLLOW_TABLE)),
         ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -1855,7 +1863,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a961d55bbb89bcd2"
+MODULE_DIGEST = "6c530d0f14f5ad3a"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2251,9 +2259,9 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
 # multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = range(64, 257, 8)
-# The kernels address q, k, v and out as (B * heads * length, D) matrices by TMA, whose coordinates are
-# int32: every row, and a tile's overhang past the last one, must stay below 2**31.
-HOPPER_MAX_ROWS = 2**31 - 256
+# The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
+# int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
+HOPPER_MAX_LENGTH = 2**31 - 256
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -2270,11 +2278,10 @@ def _hopper_device(device):
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
     cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
-    descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
+    descriptors view them as (heads, length, D) tensors) and 16-byte aligned, lengths int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
-            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
-            and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
+            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
@@ -2289,9 +2296,11 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
-def _hopper_descriptor(t, block_shape):
-    """A TMA descriptor of t (..., D) as a (rows, D) matrix, read and written in boxes of block_shape."""
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape, _hopper_layout(block_shape, t.dtype))
+def _hopper_descriptor(t, rows, width):
+    """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
+    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D)."""
+    box = [1, rows, width]
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
 
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
@@ -2318,10 +2327,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
-    # A tile that runs past a head's last row reads the next head's first rows (masked) or TMA's zero
-    # fill at the tensor's end.
-    q_desc, k_desc = _hopper_descriptor(q, [rows, d_pad]), _hopper_descriptor(k, [block_n, d_pad])
-    v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
+    q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
+    v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)

@@ -13,9 +13,9 @@ from attngen.emit.static.shared import _cdiv
 # multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = range(64, 257, 8)
-# The kernels address q, k, v and out as (B * heads * length, D) matrices by TMA, whose coordinates are
-# int32: every row, and a tile's overhang past the last one, must stay below 2**31.
-HOPPER_MAX_ROWS = 2**31 - 256
+# The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
+# int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
+HOPPER_MAX_LENGTH = 2**31 - 256
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -32,11 +32,10 @@ def _hopper_device(device):
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
     cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
-    descriptors view them as (rows, D) matrices) and 16-byte aligned, and their rows int32-addressable."""
+    descriptors view them as (heads, length, D) tensors) and 16-byte aligned, lengths int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
-            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and B * H * Q_LEN <= HOPPER_MAX_ROWS
-            and B * HKV * KV_LEN <= HOPPER_MAX_ROWS
+            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
@@ -51,9 +50,11 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
-def _hopper_descriptor(t, block_shape):
-    """A TMA descriptor of t (..., D) as a (rows, D) matrix, read and written in boxes of block_shape."""
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape, _hopper_layout(block_shape, t.dtype))
+def _hopper_descriptor(t, rows, width):
+    """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
+    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D)."""
+    box = [1, rows, width]
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
 
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
@@ -80,10 +81,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
-    # A tile that runs past a head's last row reads the next head's first rows (masked) or TMA's zero
-    # fill at the tensor's end.
-    q_desc, k_desc = _hopper_descriptor(q, [rows, d_pad]), _hopper_descriptor(k, [block_n, d_pad])
-    v_desc, o_desc = _hopper_descriptor(v, [block_n, dv_pad]), _hopper_descriptor(out, [rows, dv_pad])
+    q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
+    v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
