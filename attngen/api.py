@@ -69,6 +69,11 @@ class Attention:
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                           **inputs)
 
+    def backward_family(self, q, k, v, **inputs) -> str:
+        """The kernel family whose backward kernels a training call with these arguments runs
+        ("hopper" or "portable"), by the same kind of per-call rule as forward_family."""
+        return self.module.backward_family(q, k, v, **inputs)
+
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
         return self.module.visit_counts(q, k, v, **inputs)

@@ -31,7 +31,7 @@ def test_hopper_targets_get_the_family_for_every_catalog_spec(target):
     for spec in CATALOG:
         chosen, why = families.choose_families(analyze(attngen.load_spec(SPECS / f"{spec}.attn")[0]), get_target(target))
         assert chosen[-2:] == (families.HOPPER, families.PORTABLE), (spec, why)
-        assert f"hopper (fwd for {families.HOPPER.per_call})" in why
+        assert f"hopper (fwd/bwd_dkdv/bwd_dq for {families.HOPPER.per_call})" in why
 
 
 def test_other_targets_do_not_get_the_family():
@@ -45,6 +45,8 @@ def test_the_module_for_hopper_holds_the_gluon_kernels():
     hopper = attngen.compile_source(SPECS / "causal.attn", target="h200")
     assert "from triton.experimental import gluon" in hopper and "def _hopper_fwd_kernel(" in hopper
     assert "('hopper', _hopper_serves, _hopper_forward)" in hopper
+    assert "def _hopper_bwd_kernel(" in hopper
+    assert "('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_backward)" in hopper
     ampere = attngen.compile_source(SPECS / "causal.attn", target="a100")
     assert "gluon" not in ampere and "_hopper_" not in ampere
 
@@ -72,6 +74,33 @@ def test_the_spec_runs_in_the_gluon_step():
     assert "tl.load(slopes_ptr + " in alibi
 
 
+def _hopper_backward_steps(source: str) -> str:
+    start = source.index("def _hopper_bwd_steps(")
+    return source[start:source.index("\n\n\n", start)]
+
+
+def test_the_spec_runs_in_the_gluon_backward():
+    # The score, its derivative and the mask on transposed (key, query) tiles, as in the portable dK/dV
+    # kernel, with the forward's tanh (the scores must be those the forward's LSE normalised).
+    steps = _hopper_backward_steps(attngen.compile_source(SPECS / "gemma2_local.attn", target="h200"))
+    assert "# score: softcap(score, cap)" in steps and "_tanh_approx(" in steps
+    assert "# d score'/d score = " in steps and "dsT = dsT * " in steps
+    assert "offs_m[None, :]" in steps and "offs_n[:, None]" in steps and "allowed = " in steps
+    # A derivative may be inf where the mask is off: dS is masked again after it.
+    assert "dsT = gl.where(allowed, dsT, 0.0)" in steps
+    # Without one, P = 0 has zeroed dS already: no second mask, no `allowed` kept alive across the wgmmas.
+    plain = _hopper_backward_steps(attngen.compile_source(SPECS / "causal.attn", target="h200"))
+    assert "dsT = gl.where(allowed, dsT, 0.0)" not in plain
+    # A learnable input's gradient is scattered from dS^T, reduced along the axis its index does not vary
+    # on: a bias per key (varies along rows, the keys) is summed over the columns (axis 1).
+    learned = _hopper_backward_steps(attngen.compile_source(
+        "attention key_bias\ninput bias: f32[KV_LEN] learnable\nscore: score + bias[k]\n", target="h200"))
+    assert "tl.atomic_add(bias_grad + " in learned and "tl.sum(g0, 1)[:, None]" in learned
+    per_query = _hopper_backward_steps(attngen.compile_source(
+        "attention query_bias\ninput bias: f32[Q_LEN] learnable\nscore: score + bias[q]\n", target="h200"))
+    assert "tl.sum(g0, 0)[None, :]" in per_query
+
+
 def test_tile_table_specs_follow_tables_of_the_family_s_tiles():
     module = attngen.build(SPECS / "document_causal.attn", target="h200").module
     assert module.TABLE_FAMILIES == ("hopper",)
@@ -79,6 +108,9 @@ def test_tile_table_specs_follow_tables_of_the_family_s_tiles():
     assert attngen.build(SPECS / "causal.attn", target="a100").module.TABLE_FAMILIES == ()
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
     assert module._table_key(q, q, "hopper") == (True, 128, 128)
+    # The backward walks query tiles of 64 rows for each key tile of 128, as dK/dV does.
+    assert module._table_key(q, q, "hopper_bwd") == (False, 64, 128)
+    assert "hopper_bwd" in module._table_kernels(True) and "hopper_bwd" not in module._table_kernels(False)
 
 
 def test_explain_names_the_family_and_its_tiles():
@@ -86,6 +118,7 @@ def test_explain_names_the_family_and_its_tiles():
                        target="h200").text
     assert "kernel families: decode, hopper, portable" in text
     assert "hopper: 128x128 tiles, two 4-warp consumer warpgroups" in text
+    assert "hopper backward: 64 queries x 128 keys" in text
 
 
 def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
@@ -103,6 +136,10 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
             assert facts[instruction], f"{spec}: no {instruction} in the Hopper forward's PTX"
         softcapped = "softcap(" in (SPECS / f"{spec}.attn").read_text()
         assert facts["tanh_approx"] == softcapped, f"{spec}: tanh.approx {facts['tanh_approx']}"
+        backward = kernels["_hopper_bwd_kernel"]
+        for instruction in ("wgmma", "tma", "setmaxnreg"):
+            assert backward[instruction], f"{spec}: no {instruction} in the Hopper backward's PTX"
+        assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
 
 
 class _Tensor:
@@ -147,6 +184,13 @@ def test_the_per_call_rule():
     long = _Tensor(1, 1, 2**31 - 128, 128)
     assert not serves(long, long, long, 1, 2**31 - 128, False)
     assert not serves(_Tensor(1, 1, 16, 128), long, long, 1, 2**31 - 128, False)  # the keys' rows count too
+    # The backward: the forward's rule, with head dims up to 128 (dK and dV live in registers).
+    backward = module._hopper_backward_serves
+    assert backward(q, k, k) and backward(_Tensor(2, 8, 1000, 80), _Tensor(2, 2, 1000, 80), _Tensor(2, 2, 1000, 128))
+    wide = _Tensor(2, 2, 1000, 136)
+    assert not backward(_Tensor(2, 8, 1000, 136), wide, k) and not backward(q, k, wide)
+    assert not backward(q, _Tensor(2, 2, 1000, 128, contiguous=False), k)
+    assert not backward(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3)
 
 
 @pytest.mark.gpu
@@ -155,15 +199,17 @@ def test_the_per_call_rule():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 4, 129, 300), (1, 4, 2, 257, 700)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_hopper_forward_matches_the_reference_on_gpu(name, dtype, shape):
+def test_hopper_family_matches_the_reference_on_gpu(name, dtype, shape):
     B, H, HKV, Q_LEN, KV_LEN = shape
     attn = attngen.build(SPECS / f"{name}.attn")
     q, k, v = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, 128, 128, dtype, device="cuda")
     inputs = testing.random_inputs(attn.spec, B, H, HKV, Q_LEN, KV_LEN, device="cuda")
     assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
     out = attn(q, k, v, **inputs)
     assert not out.isnan().any()
-    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)  # out, LSE, gradients (portable backward)
+    # out, LSE, dq, dk, dv and the learnable inputs' gradients, all from the family's kernels.
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
 @pytest.mark.gpu
@@ -177,6 +223,7 @@ def test_hopper_head_dims_on_gpu(name, dims):
     q, k, v = testing.random_qkv(2, 4, 2, 333, 333, D, DV, torch.bfloat16, device="cuda")
     inputs = testing.random_inputs(attn.spec, 2, 4, 2, 333, 333, device="cuda")
     assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == ("hopper" if max(D, DV) <= 128 else "portable")
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
@@ -234,6 +281,11 @@ def test_hopper_under_torch_compile_on_gpu():
     inputs = testing.random_inputs(attn.spec, 1, 4, 4, 1000, 1000, device="cuda")
     compiled = torch.compile(lambda q, k, v, doc: attn(q, k, v, doc=doc), fullgraph=True)
     assert torch.equal(compiled(q, k, v, inputs["doc"]), attn(q, k, v, **inputs))
+    # The backward operator runs the family's backward too, with the table it builds at run time.
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    traced = torch.compile(lambda q, k, v, return_lse, doc: attn(q, k, v, return_lse=return_lse, doc=doc),
+                           fullgraph=True)
+    testing.check_against_reference(attn.spec, traced, q, k, v, inputs)
 
 
 @pytest.mark.gpu

@@ -80,6 +80,9 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                         PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
                                                         DEFER_SCALE=module.HOPPER_PLAIN_SCORE),
                              tiles))
+        if family == "hopper_bwd":
+            launches.append(("_hopper_bwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
+                                                        FOLLOW_TABLE=bool(module.TILE_TABLE)), tiles))
     if module.TILE_TABLE:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
@@ -91,7 +94,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         fn = getattr(module, name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.INPUTS)) for p in fn.params}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
-        if name == "_hopper_fwd_kernel":
+        if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
             compiled = _compile_hopper(module, fn, signature, constexprs, constants, target)
         else:
             compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
@@ -109,21 +112,30 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
 
 
 def _compile_hopper(module, fn, signature, constexprs, constants, target):
-    """The Hopper family's Gluon forward, typed as a bf16 launch of its host code would type it: TMA
-    descriptors of the tiles' boxes (the pingpong variant's half-height query boxes)."""
+    """The Hopper family's Gluon forward or backward, typed as a bf16 launch of its host code would type
+    it: TMA descriptors of the tiles' boxes (the forward's pingpong variant has half-height query boxes;
+    the backward reduces dQ into fp32)."""
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    rows, block_n = constants["BLOCK_M"] // 2, constants["BLOCK_N"]
+    block_m, block_n = constants["BLOCK_M"], constants["BLOCK_N"]
     d, dv = constants["HEAD_DIM_PAD"], constants["HEAD_DIM_V_PAD"]
 
-    def descriptor(shape):
-        layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
-        return f"tensordesc<bf16[{', '.join(map(str, shape))}],{layout!r}>"
-    boxes = {"q_desc": [1, rows, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv], "o_desc": [1, rows, dv]}
+    def descriptor(shape, element="bf16"):
+        layout = gl.NVMMASharedLayout.get_default_for(shape, {"bf16": gl.bfloat16, "fp32": gl.float32}[element])
+        return f"tensordesc<{element}[{', '.join(map(str, shape))}],{layout!r}>"
+    if "PINGPONG" in constants:
+        rows = block_m // 2
+        boxes = {"q_desc": [1, rows, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv],
+                 "o_desc": [1, rows, dv]}
+        num_warps, maxnreg = module._hopper_launch_config(block_m, constants["PINGPONG"])
+    else:
+        boxes = {"q_desc": [1, block_m, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv],
+                 "do_desc": [1, block_m, dv]}
+        signature = {**signature, "dq_desc": descriptor([1, block_m, d], "fp32")}
+        num_warps, maxnreg = module._hopper_launch_config(block_n, False)
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
-    num_warps, maxnreg = module._hopper_launch_config(constants["BLOCK_M"], constants["PINGPONG"])
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,
                           options=dict(num_warps=num_warps, maxnreg=maxnreg))
 

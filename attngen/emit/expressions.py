@@ -27,11 +27,13 @@ def int64(code: str) -> str:
 class Spelling:
     """How one kernel names the things an expression may use; `dims` says which index varies
     along which tile axis, so results can be broadcast to the full tile (`zeros` is a zero fp32
-    tile of its shape); `tanh` names the tanh helper it calls."""
+    tile of its shape); `tanh` names the tanh helper it calls; `rows` is the index along the tile's
+    rows ("m": queries; "n": keys, in the dK/dV kernels' transposed tiles)."""
     names: dict[str, str]
     dims: dict[str, frozenset]
     zeros: str
     tanh: str = "_tanh"
+    rows: str = "m"
 
 
 @dataclass

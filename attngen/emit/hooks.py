@@ -21,7 +21,7 @@ ROW_MAJOR = Spelling(
 TRANSPOSED = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
+    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)", rows="n")
 # The forward kernels also serve cache calls, whose query i sits at position pos_m = q_off + i
 # (q_off = q_offset[b], 0 otherwise); the backward kernels never see an offset.
 FORWARD_ROWS = Spelling(
@@ -43,6 +43,12 @@ HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
                        zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)")
 HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
                         tanh="_tanh_approx")
+# Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
+# the scores with the forward's tanh, so P is the one the forward's LSE normalised.
+HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
+                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n")
+HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
+                            tanh="_tanh_approx", rows="n")
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
@@ -152,13 +158,17 @@ def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> H
                 source=f"d score'/d score = {expr_to_source(facts.score_derivative)}")
 
 
-def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook) -> Hook:
-    return Hook("learnable", ("ds", "allowed", "MASKED", *score.shared, *ELEMENT_NAMES), (),
-                _learnable_code(facts, em))
+def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str = "ds") -> Hook:
+    return Hook("learnable", (var, "allowed", "MASKED", *score.shared, *ELEMENT_NAMES), (),
+                _learnable_code(facts, em, var))
 
 
-def _learnable_code(facts: Analysis, em: TritonEmitter) -> str:
-    """Scatters ds * d score'/d input into each learnable input's fp32 gradient."""
+def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
+    """Scatters `var` (the gradient of the modified score) * d score'/d input into each learnable
+    input's fp32 gradient."""
+    # An index that varies along one tile axis only is summed over the other axis first.
+    columns = "n" if em.spelling.rows == "m" else "m"
+    sums = {em.spelling.rows: "tl.sum({}, 1)[:, None]", columns: "tl.sum({}, 0)[None, :]"}
     lines = []
     for n, (load, derivative) in enumerate(facts.learnable_derivatives):
         start = len(em.lines)
@@ -169,17 +179,15 @@ def _learnable_code(facts: Analysis, em: TritonEmitter) -> str:
         bounds = " & ".join(f"({i} >= 0) & ({i} < size_{load.input}_{j})" for j, i in enumerate(indices))
         contribution = f"g{n}"
         lines += em.lines[start:]
-        lines.append(f"{contribution} = ds * {d}")
+        lines.append(f"{contribution} = {var} * {d}")
         lines.append("if MASKED:")
         lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
         # Reduce along the axes the index does not vary on: one atomic per distinct address.
         if dims == frozenset("mn"):
             lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
             continue
-        if dims == frozenset("m"):
-            value = f"tl.sum({contribution}, 1)[:, None]"
-        elif dims == frozenset("n"):
-            value = f"tl.sum({contribution}, 0)[None, :]"
+        if len(dims) == 1:
+            value = sums[next(iter(dims))].format(contribution)
         else:
             value = f"tl.sum(tl.sum({contribution}, 1), 0)"
         mask = f", mask={bounds}" if bounds else ""
@@ -299,10 +307,10 @@ def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
 
 def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
-    if spelling in (ROW_MAJOR, FORWARD_ROWS, HOPPER_MASK):
-        return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
     if spelling is DECODE_ROWS:
         return "row_ok[:, None]", "offs_n[None, :] < KV_LEN"
+    if spelling.rows == "m":
+        return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
@@ -342,6 +350,19 @@ def _hopper_hooks(facts: Analysis, forward: dict[str, Hook]) -> dict[str, Hook]:
             "reads_q_off": _reads(forward["tile_range"].code, "q_off")}
 
 
+def _hopper_backward_hooks(facts: Analysis, dkdv: dict[str, Hook]) -> dict:
+    """Hooks of the Hopper family's backward: a CTA per key tile computes its dK and dV and its share of
+    dQ and of the learnable inputs' gradients, on transposed S tiles, over the dK/dV kernel's tile
+    range (for the family's own tiles). `remask`: dS needs the mask again after the score's derivative
+    or a learnable input's gradient (else P = 0 has zeroed it already where the mask is off)."""
+    em = _emitter(facts, HOPPER_BWD_SCORE, "sc")
+    score = _score_hook(facts.spec, em)
+    learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
+    return {"score": score, "mask": _mask_hook(facts, HOPPER_BWD_MASK), "tile_range": dkdv["tile_range"],
+            "learnable": learnable, "dscore": _dscore_hook(facts, em, score, "dsT"),
+            "remask": facts.score_derivative is not None or bool(facts.learnable_derivatives)}
+
+
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
     """Hooks of a tile-table kernel: rows are tiles of the other index, the loop runs over `loop`."""
     bounds, mask = _bounds_hook(facts, loop, with_full=False), _mask_hook(facts, spelling)
@@ -372,6 +393,7 @@ def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -
     each kernel's hooks."""
     decode = _decode_hooks(facts) if "decode" in families else None
     fwd = _kernel_hooks(facts, FORWARD_ROWS, "k", "")
+    dkdv = _kernel_hooks(facts, TRANSPOSED, "q", "dsT")
     return dict(
         decode=decode,
         # Whether the decode kernel reads query positions (else it never loads q_offset).
@@ -381,7 +403,8 @@ def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -
         fwd=fwd,
         hopper=_hopper_hooks(facts, fwd) if "hopper" in families else None,
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
-        dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
+        dkdv=dkdv,
+        hopper_bwd=_hopper_backward_hooks(facts, dkdv) if "hopper" in families else None,
         table=facts.tile_table,
         table_by_query=_table_hooks(facts, ROW_MAJOR, "k") if facts.tile_table else None,
         table_by_key=_table_hooks(facts, TRANSPOSED, "q") if facts.tile_table else None,

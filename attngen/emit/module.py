@@ -26,8 +26,9 @@ PREAMBLE_NAMES = ("SPEC_NAME", "FINGERPRINT", "INPUTS", "PLAN", "TILE_TABLE", "T
                   "MAX_BATCH_HEADS", "MASKED_WIDTH_FLOOR", "FAMILY_TILES", "softmax_scale")
 KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_query_classify",
                 "_table_by_key_classify", "_table_compact")
-# What the module defines after the host code: the families' forward launches, in order of preference.
-FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES")
+# What the module defines after the host code: the families' forward and backward launches, in order of
+# preference.
+FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES")
 LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
 # Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
@@ -124,6 +125,9 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     others = [family for family in plan.families if family != PORTABLE.name]
     forward_families = "(" + "".join(f"({f!r}, _{f}_serves, _{f}_forward), " for f in others).rstrip(" ") + ")"
     table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
+    backward_families = "(" + "".join(
+        f"({f.name!r}, {f.backward_name!r}, _{f.name}_backward_serves, _{f.name}_backward), " for f in FAMILIES
+        if f.name in others and f.backward_tiles is not None).rstrip(" ") + ")"
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
@@ -140,7 +144,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         max_batch_heads=integers.MAX_BATCH_HEADS,
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
-        forward_families=forward_families, table_families=table_families, decode_max_rows=DECODE_MAX_ROWS,
+        forward_families=forward_families, table_families=table_families, backward_families=backward_families, decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))

@@ -24,16 +24,23 @@ class Family:
     The portable family provides every kernel and serves every call. Another family provides
     `kernels` (a subset of KERNELS) for the calls its `per_call` rule admits, checked by the host on
     each call's shapes (its folder's launch.py); the other calls and kernels go to the portable
-    family. `tiles` gives its launch shape per padded head dim pair and dtype; `follows_tables` says
-    whether its forward follows the mask's tile tables (built for its tiles) or decides every
-    element of the mask's hull."""
+    family. `tiles` gives its forward's launch shape per padded head dim pair and dtype, and
+    `backward_tiles` its backward's, if it has one (it then follows the tile tables, built for its
+    tiles); `follows_tables` says whether its forward follows the mask's tile tables (built for its
+    tiles) or decides every element of the mask's hull."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
     kernels: tuple[str, ...] = KERNELS
     per_call: str = "every call"
     tiles: TileRule | None = None
+    backward_tiles: TileRule | None = None
     follows_tables: bool = False
+
+    @property
+    def backward_name(self) -> str:
+        """The name the host knows this family's backward by (its tiles, its tile table)."""
+        return f"{self.name}_bwd"
 
 
 PORTABLE = Family(
@@ -103,17 +110,36 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
             f"shared memory at 16 bits)")
 
 
+# The widest head dims the Hopper backward takes: dK and dV live in registers, 2 * D fp32 a key row.
+HOPPER_BACKWARD_MAX_HEAD_DIM = 128
+
+
+def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
+    tiles = (64, 128, 8, 2)
+    if max(d, dv) > HOPPER_BACKWARD_MAX_HEAD_DIM:
+        return tiles, (f"hopper backward: head dims above {HOPPER_BACKWARD_MAX_HEAD_DIM} go to the portable "
+                       f"backward (dK and dV would not fit the registers)")
+    # K and V; two stages of Q and dO; dS^T at 16 bits; dQ's fp32 staging box.
+    shared_bytes = (128 * (d + dv) + 2 * 64 * (d + dv) + 128 * 64) * 2 + 64 * d * 4
+    return tiles, (f"hopper backward: 64 queries x 128 keys (FA3's D=128 tile), two consumer warpgroups holding dK "
+                   f"and dV in registers, 2 Q/dO stages, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of shared "
+                   f"memory)")
+
+
 HOPPER = Family(
     name="hopper",
-    strength=("FlashAttention-3-style Gluon forward: TMA loads by a producer warp, asynchronous wgmma with P in "
-              "registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in pingpong; "
-              "the spec's score and mask run on the wgmma accumulator, over the same tile ranges and tables"),
+    strength=("FlashAttention-3-style Gluon kernels. Forward: TMA loads by a producer warp, asynchronous wgmma "
+              "with P in registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in "
+              "pingpong. Backward: a CTA per key tile with dK/dV in registers over the query heads of its group, "
+              "dQ by TMA reduce-add. The spec's score and mask run on the wgmma accumulators, over the same tile "
+              "ranges and tables"),
     problem=_hopper_problem,
-    kernels=("fwd",),
-    per_call=("forward calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 "
-              "to 256, contiguous 16-byte-aligned q, k, v, Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 "
-              "coordinates)"),
+    kernels=KERNELS,
+    per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256 "
+              f"(the backward: to {HOPPER_BACKWARD_MAX_HEAD_DIM}), contiguous 16-byte-aligned q, k, v, Q_LEN and "
+              "KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
     tiles=_hopper_tiles,
+    backward_tiles=_hopper_backward_tiles,
     follows_tables=True,
 )
 
@@ -131,7 +157,7 @@ def choose_families(facts: Analysis, target: Target) -> tuple[tuple[Family, ...]
             reasons.append(f"not {family.name}: {problem}")
             continue
         chosen.append(family)
-        scope = "" if family.kernels == KERNELS else f" ({'/'.join(family.kernels)} for {family.per_call})"
+        scope = "" if family is PORTABLE else f" ({'/'.join(family.kernels)} for {family.per_call})"
         reasons.append(f"{family.name}{scope}: {family.strength}")
     assert chosen and chosen[-1] is PORTABLE, "the portable family serves every spec on every target, last"
     return tuple(chosen), "; ".join(reasons)

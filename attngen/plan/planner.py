@@ -351,6 +351,8 @@ def plan(target: Target, *, gather_bytes: int = 0, narrow: bool = False,
         for dv in HEAD_DIMS:
             for dtype in DTYPES:
                 others = [(f.name, f.tiles(target, d, dv, dtype)) for f in families if f.tiles is not None]
+                others += [(f.backward_name, f.backward_tiles(target, d, dv, dtype)) for f in families
+                           if f.backward_tiles is not None]
                 family_tiles = tuple((name, Tiles(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
                                      for name, ((bm, bn, w, st), _) in others)
                 family_reasons = tuple(why for _, (_, why) in others)

@@ -133,81 +133,81 @@ MASKED_WIDTH_FLOOR = 64
 # The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
 # HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages).
 FAMILY_TILES = {
-    (16, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3)},
-    (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2)},
+    (16, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
 }
 
 
@@ -871,6 +871,8 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.experimental.gluon.language._core import builtin as _gluon_builtin  # noqa: E402
+from triton._C.libtriton import ir as _triton_ir  # noqa: E402
 
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
@@ -887,13 +889,14 @@ def _tanh_approx(x):
 
 @triton.jit
 def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
-                       BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
-    # Step i's key tile: the masked tiles come first, then the unmasked ones (TILE_RANGE). Producer and
-    # consumers both walk this one sequence, so a stage of the ring always holds the tile a step expects.
+                       BLOCK: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # Step i's tile (key tiles in the forward, query tiles in the backward), as its first row: the
+    # masked tiles come first, then the unmasked ones (TILE_RANGE). Producer and consumers both walk this
+    # one sequence, so a stage of the ring always holds the tile a step expects.
     if i < n_masked:
-        start = _tile_start(masked_tiles, masked_lo + i, masked_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+        start = _tile_start(masked_tiles, masked_lo + i, masked_hi, gap_at, gap, BLOCK, FOLLOW_TABLE)
     else:
-        start = _tile_start(full_tiles, full_lo + (i - n_masked), full_hi, 0, 0, BLOCK_N, FOLLOW_TABLE)
+        start = _tile_start(full_tiles, full_lo + (i - n_masked), full_hi, 0, 0, BLOCK, FOLLOW_TABLE)
     return start
 
 
@@ -1135,15 +1138,15 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
 
 
 @gluon.jit
-def _hopper_store_rows(Out, o, head_row, off_m, Q_LEN, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                       HEAD_DIM_V_PAD: gl.constexpr, o_layout: gl.constexpr):
-    # O's rows straight from the wgmma accumulator layout, where O is wider or narrower than Q's buffer
-    # (which stages the TMA store otherwise).
-    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, o_layout))
-    ptrs = Out + head_row * HEAD_DIM_V + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM_V, 1) \
-        + gl.expand_dims(cols, 0)
-    gl.store(ptrs, o, mask=gl.expand_dims(rows < Q_LEN, 1) & gl.expand_dims(cols < HEAD_DIM_V, 0))
+def _hopper_store_rows(Out, tile, head_row, first_row, length, WIDTH: gl.constexpr, ROWS: gl.constexpr,
+                       WIDTH_PAD: gl.constexpr, layout: gl.constexpr):
+    # A tile's rows straight from its wgmma accumulator layout into a dense (rows, WIDTH) array from row
+    # head_row: the rows below `length` and the columns below WIDTH. For O where it is wider or narrower
+    # than Q's buffer (which stages the TMA store otherwise), and for dK and dV.
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, WIDTH_PAD, layout=gl.SliceLayout(0, layout))
+    ptrs = Out + head_row * WIDTH + gl.expand_dims(rows.to(gl.int64) * WIDTH, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, tile, mask=gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < WIDTH, 0))
 
 
 @gluon.jit
@@ -1249,6 +1252,269 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_sc
 HOPPER_PARTITION_ARRIVALS = gl.constexpr(1)
 # Consumer worker budget in the pingpong variant (FA3 gives its two consumer warpgroups 240 each).
 HOPPER_CONSUMER_REGS = gl.constexpr(240)
+
+
+# --- hopper backward (Gluon): FlashAttention-3's layout ------------------------------------------
+# One CTA per key tile of one (batch, kv head) keeps K_j, V_j in shared memory and dK_j, dV_j in
+# registers, and walks the query tiles of every query head of its group (so GQA sums dK/dV in
+# registers, no atomics). A TMA producer warp streams Q_i and dO_i into a ring of stages; the consumer
+# (BLOCK_N / 16 warps, a 16-key slab each) computes per step, on transposed tiles (rows are keys):
+#   S^T = K Q^T, dP^T = V dO^T (asynchronous wgmmas), P^T = exp2(score - LSE) with the spec's score and
+#   mask (hooks.HOPPER_BWD_*, the portable dK/dV kernel's code), dV += P^T dO (P^T from registers),
+#   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
+#   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
+# The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel.
+
+
+@_gluon_builtin
+def _hopper_reduce_add(tensor_desc, coord, src, _semantic=None):
+    # cp.reduce.async.bulk.tensor .add (FA3's dQ accumulation). Gluon 3.6's builder has it, but no public
+    # function calls it (hopper.tma has loads, stores and store_wait); this is that missing wrapper,
+    # written like tma.async_copy_shared_to_global. Private API: the family pins triton 3.6.
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
+@gluon.jit
+def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr,
+                           stride_slopes_0, size_slopes_0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The query tiles key tile start_n visits for query head off_h, with mask code and without (TILE_RANGE):
+    # the dK/dV kernel's tile range, over this family's tiles.
+    k_first = start_n * BLOCK_N
+    k_last = tl.minimum(start_n * BLOCK_N + BLOCK_N, KV_LEN) - 1
+    bd0 = tl.cast(k_first, tl.int64)
+    bd1 = tl.cast(k_last, tl.int64)
+    q_lo = _index_bound(bd0, Q_LEN)
+    q_hi = Q_LEN
+    q_full_lo = _index_bound(bd1, Q_LEN)
+    q_full_hi = Q_LEN
+    t0, t1, t2, t3 = _tile_ranges(q_lo, q_hi, q_full_lo, q_full_hi, BLOCK_M)
+    # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
+    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+    full_tiles, full_lo, full_hi = 0, t1, t2
+    return masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi
+
+
+@gluon.jit
+def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
+                         start_n, off_b, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0,
+                         size_slopes_0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                         FOLLOW_TABLE: tl.constexpr):
+    # One warp, scalars only: K_j and V_j once, then Q_i and dO_i of every step, in the consumer's order.
+    # Boxes are (1 head, rows, width): TMA zero-fills the rows past a head's length.
+    kv_bh = off_b * HKV + off_hkv
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(k_smem, k_desc))
+    tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(v_smem, v_desc))
+    step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    group = H // HKV
+    t = 0
+    for g in range(group):
+        off_h = off_hkv * group + g
+        masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
+            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr,
+                                   stride_slopes_0, size_slopes_0, BLOCK_M, BLOCK_N)
+        n_masked = masked_hi - masked_lo
+        for i in range(n_masked + (full_hi - full_lo)):
+            start_m = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                         full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
+            stage = t % STAGES
+            # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
+            mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, step_bytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b * H + off_h, start_m, 0], bar,
+                                            _hopper_box(q_bufs.index(stage), q_desc))
+            tma.async_copy_global_to_shared(do_desc, [off_b * H + off_h, start_m, 0], bar,
+                                            _hopper_box(do_bufs.index(stage), do_desc))
+            t += 1
+
+
+@gluon.jit
+def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, ready, empty,
+                      dq_desc, Lse, Delta, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                      full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                      KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
+                      FOLLOW_TABLE: tl.constexpr):
+    # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
+    dtype: gl.constexpr = k_smem.dtype
+    NUM_WARPS: gl.constexpr = BLOCK_N // 16
+    WARPGROUPS: gl.constexpr = NUM_WARPS // 4
+    # One 16-key slab per warp: P^T, dS^T and the dK/dV accumulators share rows, so the accumulator to
+    # A-operand conversions stay in registers.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM_V_PAD, 16])
+    # dQ_i has BLOCK_M (64) rows, one warpgroup's M: the warpgroups split its columns instead.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                        instr_shape=[16, HEAD_DIM_PAD // WARPGROUPS, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
+    offs_n = start_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    off_bh = off_b * H + off_h
+    row = off_bh.to(gl.int64) * Q_LEN
+    for i in range(i_lo, i_hi):
+        stage = t % STAGES
+        q_smem = q_bufs.index(stage)
+        do_smem = do_bufs.index(stage)
+        start_m = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                     full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        # S^T and dP^T both in flight; the exponentials wait only for S^T (wgmma groups retire in order).
+        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # Rows past Q_LEN, and rows no key was allowed to, get +inf: P = 0 there.
+        lse = _base2_lse(Lse, row, offs_m, Q_LEN)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
+        # score: score + slopes[h] * (k - q)
+        s = qk * sm_scale
+        sc0 = tl.load(slopes_ptr + (off_h) * stride_slopes_0, mask=(off_h >= 0) & (off_h < size_slopes_0), other=0)
+        sc1 = offs_n[:, None] - offs_m[None, :]
+        sc2 = sc0 * sc1
+        sc3 = s + sc2
+        s2 = sc3 * LOG2E
+        pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
+        if MASKED:
+            # mask: q >= k
+            mk0 = offs_m[None, :] >= offs_n[:, None]
+            allowed = (mk0) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
+            pT = gl.where(allowed, pT, 0.0)
+        dv_tok = warpgroup_mma(gl.convert_layout(pT.to(dtype), gl.DotOperandLayout(0, dv_layout, 2)), do_smem, dv,
+                               is_async=True)
+        # dV is waited for here with dP^T: that frees P^T's operand registers before dS^T is built.
+        dpT, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, dv_tok, v_smem, do_smem))
+        delta = gl.load(Delta + row + offs_m, mask=offs_m < Q_LEN, other=0.0)
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        # no learnable inputs
+        # d score'/d score = 1.0
+        dsT = dsT * 1.0
+        if MASKED:
+            dsT = gl.where(allowed, dsT, 0.0)
+        dsT = dsT.to(dtype)
+        dk_tok = warpgroup_mma(gl.convert_layout(dsT, gl.DotOperandLayout(0, dk_layout, 2)), q_smem, dk,
+                               is_async=True)
+        # The previous step's dQ wgmma, the only reader of ds_smem, retired at that step's last wait, and
+        # the partition-wide bar.sync of its `empty` arrive ordered every warp after it.
+        ds_smem.store(dsT)
+        fence_async_shared()
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
+        mbarrier.arrive(empty.index(stage), count=1)
+        # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
+        # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
+        # warp from overwriting the box before the previous step's reduce has read it.
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        dq_smem.store(dq)
+        fence_async_shared()
+        _hopper_reduce_add(dq_desc, [off_bh, start_m, 0], _hopper_box(dq_smem, dq_desc))
+        t += 1
+    return t, dk, dv
+
+
+@gluon.jit
+def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc, DK,
+                         DV, Lse, Delta, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
+                         slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                         FOLLOW_TABLE: tl.constexpr):
+    NUM_WARPS: gl.constexpr = BLOCK_N // 16
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM_V_PAD, 16])
+    dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
+    # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
+    ragged = (start_n + 1) * BLOCK_N > KV_LEN
+    mbarrier.wait(kv_bar, 0)
+    group = H // HKV
+    t = 0
+    for g in range(group):
+        off_h = off_hkv * group + g
+        masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
+            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr,
+                                   stride_slopes_0, size_slopes_0, BLOCK_M, BLOCK_N)
+        n_masked = masked_hi - masked_lo
+        n_steps = n_masked + (full_hi - full_lo)
+        n_checked = n_masked
+        if ragged:
+            n_checked = n_steps
+        t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem,
+                                      dq_smem, ready, empty, dq_desc, Lse, Delta, start_n, n_masked,
+                                      masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
+                                      full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                                      KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM, HEAD_DIM_V,
+                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
+                                      FOLLOW_TABLE)
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem,
+                                      dq_smem, ready, empty, dq_desc, Lse, Delta, start_n, n_masked,
+                                      masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
+                                      full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                                      KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM, HEAD_DIM_V,
+                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
+                                      FOLLOW_TABLE)
+    # The last reduce must have read dq_smem before the CTA's shared memory goes away.
+    tma.store_wait(pendings=0)
+    kv_bh = off_b * HKV + off_hkv
+    _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty), kv_bh.to(gl.int64) * KV_LEN, start_n * BLOCK_N,
+                       KV_LEN, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, dk_layout)
+    _hopper_store_rows(DV, dv.to(DV.dtype.element_ty), kv_bh.to(gl.int64) * KV_LEN, start_n * BLOCK_N, KV_LEN,
+                       HEAD_DIM_V, BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
+
+
+@gluon.jit
+def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse, Delta, sm_scale, qk_scale,
+                       slopes_ptr, stride_slopes_0, size_slopes_0, B, H, HKV, Q_LEN, KV_LEN,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
+    start_n = gl.program_id(0)
+    off_bhkv = gl.program_id(1)
+    off_b = off_bhkv // HKV
+    off_hkv = off_bhkv % HKV
+    dtype: gl.constexpr = q_desc.dtype
+    # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_PAD], tile_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_V_PAD], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_PAD], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
+    # dS^T (BLOCK_N, BLOCK_M): stored from registers each step, read transposed as dQ's A operand.
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout)
+    # dQ_i's fp32 staging box for the reduce-add (the descriptor's layout, rank 2).
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM_PAD],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=HOPPER_PARTITION_ARRIVALS)
+    # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
+    fence_async_shared()
+    gl.warp_specialize([
+        (_hopper_bwd_consumer, (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                                 dq_desc, DK, DV, Lse, Delta, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H,
+                                 HKV, Q_LEN, KV_LEN, slopes_ptr, stride_slopes_0, size_slopes_0, HEAD_DIM,
+                                 HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE)),
+        (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar,
+                                 ready, empty, start_n, off_b, off_hkv, B, H, HKV, Q_LEN, KV_LEN, slopes_ptr,
+                                 stride_slopes_0, size_slopes_0, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
+    ], [1], [HOPPER_PRODUCER_REGS])
 
 
 # --- decode (split-KV) forward ----------------------------------------------------------------
@@ -1540,18 +1806,23 @@ class TileTables:
 
 
 def _table_key(q, v, kernel):
-    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ) or a family's forward (by its
-    name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
-    equal keys share a table."""
+    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ), a family's forward (by its
+    name, one of TABLE_FAMILIES) or a family's backward (by its name in BACKWARD_FAMILIES) follows:
+    (rows are query tiles, BLOCK_M, BLOCK_N); kernels with equal keys share a table. A family's
+    backward walks query tiles for each key tile, as dK/dV does."""
     if isinstance(kernel, str):
-        return (True, *_family_tiles(q, v, kernel)[:2])
+        return (kernel not in _backward_names(), *_family_tiles(q, v, kernel)[:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
 
 
 def _table_kernels(backward):
     """The kernels whose tables travel with a call, in this order: the forwards' (the portable one's,
-    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's and dQ's."""
-    return [0, *TABLE_FAMILIES, *([1, 2] if backward else [])]
+    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's, dQ's and those of BACKWARD_FAMILIES."""
+    return [0, *TABLE_FAMILIES, *([1, 2, *_backward_names()] if backward else [])]
+
+
+def _backward_names():
+    return [name for _, name, _, _ in BACKWARD_FAMILIES]
 
 
 def _pairs(flat):
@@ -1766,9 +2037,51 @@ def _side_stream(device):
     return _SIDE_STREAMS[device]
 
 
-def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
-    """Runs the backward kernels; `tables` are the dK/dV and dQ kernels' tile tables. Returns dq,
-    dk, dv and one gradient per input (None for inputs that are not learnable)."""
+def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build):
+    """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
+    portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
+    tiles agree) or build(key). Returns dq, dk, dv and one gradient per input (None for inputs that are
+    not learnable)."""
+    _, name, launch = _backward_family(q, k, v)
+    kernels = ([1, 2] if launch is None else [name]) if TILE_TABLE else []
+    tables = dict(zip(kernels, _resolve(kernels, q, v, known, build)))
+    if launch is not None:
+        return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()))
+    return _portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())))
+
+
+def _backward_family(q, k, v):
+    """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
+    of these tensors; ("portable", "portable", None) when none does."""
+    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES if serves(q, k, v)),
+                ("portable", "portable", None))
+
+
+def _delta(out, do, dlse):
+    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term."""
+    B, H, Q_LEN, DV = out.shape
+    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
+    pre_m = 64
+    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
+        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
+        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
+    return delta
+
+
+def _input_grads(tensors, device):
+    """An fp32 gradient of zeros per learnable input, None for the others: the kernels add into them."""
+    return [torch.zeros(t.shape, dtype=torch.float32, device=device) if learnable else None
+            for (name, (dtype, dims, learnable)), t in zip(INPUTS.items(), tensors)]
+
+
+def _in_input_dtypes(grads, tensors):
+    """The summed gradients of _input_grads, each in its input's dtype."""
+    return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
+
+
+def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
+    """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables. Returns
+    dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -1778,16 +2091,11 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
     # (B, H, Q_LEN) array. contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
     dlse = dlse.contiguous() if dlse is not None else None
-    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    pre_m = 64
-    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
+    delta = _delta(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) if learnable else None
-             for (name, (dtype, dims, learnable)), t in zip(INPUTS.items(), tensors)]
+    grads = _input_grads(tensors, q.device)
     grad_args = [g for g in grads if g is not None]
     visits = visits or {}
     bm1, bn1, warps1, stages1 = _tiles(q, v, 1)
@@ -1819,8 +2127,7 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
             if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
                 for t in (q, k, v, do, lse, delta, dk, dv, *tensors):
                     t.record_stream(side)  # the allocator must not hand their memory out before dK/dV ends
-    input_grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
-    return dq, dk, dv, input_grads
+    return dq, dk, dv, _in_input_dtypes(grads, tensors)
 
 
 def _no_double_backward():
@@ -1850,8 +2157,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(out)
-        tables = _resolve([1, 2], q, v, ctx.known, ctx.build)
-        dq, dk, dv, input_grads = _backward(q, k, v, out, lse, do, dlse, tensors, tables)
+        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build)
         return (dq, dk, dv, None, *input_grads)
 
 
@@ -1863,7 +2169,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "6c530d0f14f5ad3a"
+MODULE_DIGEST = "487bb036367d1014"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -1893,7 +2199,10 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor], tables: list[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        dq, dk, dv, input_grads = _backward(q, k, v, out, lse, do, dlse, tensors, (tables[:2], tables[2:]))
+        # The user's tables, if any, else those of the family that runs, built here (as the forward does).
+        known = dict(zip(_table_kernels(True), _pairs(tables)))
+        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
+                                                        _builder(_sizes(q, k), q.device, tensors))
         return dq, dk, dv, [g for g in input_grads if g is not None]
 
     @backward_op.register_fake
@@ -1911,9 +2220,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         n_tensors, n_tables = ctx.counts
         tensors, flat = rest[:n_tensors], rest[n_tensors:]
-        known = dict(zip(_table_kernels(True), _pairs(flat)))
-        tables = _resolve([1, 2], q, v, known, _operator_builder(q, k, tensors))
-        dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), [*tables[0], *tables[1]])
+        dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
         grads = iter(grads)
         input_grads = [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
         return dq, dk, dv, input_grads, [None] * n_tables
@@ -2113,6 +2420,13 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
     return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
 
 
+def backward_family(q, k, v, **inputs):
+    """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
+    or the family of BACKWARD_FAMILIES whose per-call rule admits it."""
+    _check(q, k, v, inputs)
+    return _backward_family(q, k, v)[0]
+
+
 def visit_counts(q, k, v, **inputs):
     """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
@@ -2133,8 +2447,8 @@ def visit_counts(q, k, v, **inputs):
     tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors))
     with torch.no_grad():
         out, lse = _forward(q, k, v, tensors, {0: tables[0]}, visits=counts["fwd"])
-        _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
-                  visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
+        _portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
+                           visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts
 
 
@@ -2262,6 +2576,8 @@ HOPPER_HEAD_DIMS = range(64, 257, 8)
 # The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
+# dK and dV stay in the backward consumer's registers: 2 * D fp32 values a key row (plan.families).
+HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -2285,6 +2601,13 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
+def _hopper_backward_serves(q, k, v):
+    """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
+    whose forward it could serve, with head dims up to HOPPER_BACKWARD_MAX_HEAD_DIM."""
+    return (max(q.shape[-1], v.shape[-1]) <= HOPPER_BACKWARD_MAX_HEAD_DIM
+            and _hopper_serves(q, k, v, k.shape[1], k.shape[2], False))
+
+
 def _hopper_launch_config(block_m, pingpong):
     """(num_warps, maxnreg) of a launch: pingpong runs two 4-warp consumer warpgroups (the default
     partition and a worker) and a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
@@ -2298,7 +2621,8 @@ def _hopper_launch_config(block_m, pingpong):
 
 def _hopper_descriptor(t, rows, width):
     """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
-    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D)."""
+    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
+    clipped there on stores and reductions)."""
     box = [1, rows, width]
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
@@ -2311,7 +2635,7 @@ _HOPPER_LAYOUTS = {}
 def _hopper_layout(block_shape, dtype):
     key = (*block_shape, dtype)
     if key not in _HOPPER_LAYOUTS:
-        element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
         _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
     return _HOPPER_LAYOUTS[key]
 
@@ -2353,8 +2677,43 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
 
 
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
+    """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
+    (_table_key(q, v, "hopper_bwd")), () for a mask without tables. Returns dq, dk, dv and one gradient
+    per input (None for inputs that are not learnable), as the portable backward does."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
+    if not do.is_contiguous() or do.data_ptr() % 16:
+        do = do.clone(memory_format=torch.contiguous_format)
+    delta = _delta(out, do, dlse.contiguous() if dlse is not None else None)
+    block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    d_pad, dv_pad = _widths(D, DV)
+    sm_scale = softmax_scale(D)
+    # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
+    dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    grads = _input_grads(tensors, q.device)
+    num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
+    descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
+                   _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
+                   _hopper_descriptor(dq_sum, block_m, d_pad))
+    table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
+    _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
+        *descriptors, dk, dv, lse, delta, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+        *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
+        HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+    dq = dq_sum.mul_(sm_scale).to(q.dtype)
+    return dq, dk, dv, _in_input_dtypes(grads, tensors)
+
+
 # The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
 # launch); a call none of them admits runs the portable forward.
 FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward), ('hopper', _hopper_serves, _hopper_forward),)
 # Those of them whose forward follows the mask's tile tables, with tiles of its own (FAMILY_TILES).
 TABLE_FAMILIES = ('hopper',)
+# The families whose backward kernels a call may run, in order of preference: (family, its backward's
+# name, which keys its tiles and its tile table, per-call rule, launch); a call none of them admits runs
+# the portable backward. Each follows tile tables of its own tiles.
+BACKWARD_FAMILIES = (('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_backward),)

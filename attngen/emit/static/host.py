@@ -151,18 +151,23 @@ class TileTables:
 
 
 def _table_key(q, v, kernel):
-    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ) or a family's forward (by its
-    name, one of TABLE_FAMILIES) follows: (rows are query tiles, BLOCK_M, BLOCK_N); kernels with
-    equal keys share a table."""
+    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ), a family's forward (by its
+    name, one of TABLE_FAMILIES) or a family's backward (by its name in BACKWARD_FAMILIES) follows:
+    (rows are query tiles, BLOCK_M, BLOCK_N); kernels with equal keys share a table. A family's
+    backward walks query tiles for each key tile, as dK/dV does."""
     if isinstance(kernel, str):
-        return (True, *_family_tiles(q, v, kernel)[:2])
+        return (kernel not in _backward_names(), *_family_tiles(q, v, kernel)[:2])
     return (kernel != 1, *_tiles(q, v, kernel)[:2])
 
 
 def _table_kernels(backward):
     """The kernels whose tables travel with a call, in this order: the forwards' (the portable one's,
-    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's and dQ's."""
-    return [0, *TABLE_FAMILIES, *([1, 2] if backward else [])]
+    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's, dQ's and those of BACKWARD_FAMILIES."""
+    return [0, *TABLE_FAMILIES, *([1, 2, *_backward_names()] if backward else [])]
+
+
+def _backward_names():
+    return [name for _, name, _, _ in BACKWARD_FAMILIES]
 
 
 def _pairs(flat):
@@ -377,9 +382,51 @@ def _side_stream(device):
     return _SIDE_STREAMS[device]
 
 
-def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
-    """Runs the backward kernels; `tables` are the dK/dV and dQ kernels' tile tables. Returns dq,
-    dk, dv and one gradient per input (None for inputs that are not learnable)."""
+def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build):
+    """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
+    portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
+    tiles agree) or build(key). Returns dq, dk, dv and one gradient per input (None for inputs that are
+    not learnable)."""
+    _, name, launch = _backward_family(q, k, v)
+    kernels = ([1, 2] if launch is None else [name]) if TILE_TABLE else []
+    tables = dict(zip(kernels, _resolve(kernels, q, v, known, build)))
+    if launch is not None:
+        return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()))
+    return _portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())))
+
+
+def _backward_family(q, k, v):
+    """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
+    of these tensors; ("portable", "portable", None) when none does."""
+    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES if serves(q, k, v)),
+                ("portable", "portable", None))
+
+
+def _delta(out, do, dlse):
+    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term."""
+    B, H, Q_LEN, DV = out.shape
+    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
+    pre_m = 64
+    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
+        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
+        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
+    return delta
+
+
+def _input_grads(tensors, device):
+    """An fp32 gradient of zeros per learnable input, None for the others: the kernels add into them."""
+    return [torch.zeros(t.shape, dtype=torch.float32, device=device) if learnable else None
+            for (name, (dtype, dims, learnable)), t in zip(INPUTS.items(), tensors)]
+
+
+def _in_input_dtypes(grads, tensors):
+    """The summed gradients of _input_grads, each in its input's dtype."""
+    return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
+
+
+def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
+    """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables. Returns
+    dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -389,16 +436,11 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
     # (B, H, Q_LEN) array. contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
     dlse = dlse.contiguous() if dlse is not None else None
-    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    pre_m = 64
-    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
+    delta = _delta(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) if learnable else None
-             for (name, (dtype, dims, learnable)), t in zip(INPUTS.items(), tensors)]
+    grads = _input_grads(tensors, q.device)
     grad_args = [g for g in grads if g is not None]
     visits = visits or {}
     bm1, bn1, warps1, stages1 = _tiles(q, v, 1)
@@ -430,8 +472,7 @@ def _backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
             if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
                 for t in (q, k, v, do, lse, delta, dk, dv, *tensors):
                     t.record_stream(side)  # the allocator must not hand their memory out before dK/dV ends
-    input_grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
-    return dq, dk, dv, input_grads
+    return dq, dk, dv, _in_input_dtypes(grads, tensors)
 
 
 def _no_double_backward():
@@ -461,8 +502,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(out)
-        tables = _resolve([1, 2], q, v, ctx.known, ctx.build)
-        dq, dk, dv, input_grads = _backward(q, k, v, out, lse, do, dlse, tensors, tables)
+        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build)
         return (dq, dk, dv, None, *input_grads)
 
 
@@ -504,7 +544,10 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor], tables: list[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        dq, dk, dv, input_grads = _backward(q, k, v, out, lse, do, dlse, tensors, (tables[:2], tables[2:]))
+        # The user's tables, if any, else those of the family that runs, built here (as the forward does).
+        known = dict(zip(_table_kernels(True), _pairs(tables)))
+        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
+                                                        _builder(_sizes(q, k), q.device, tensors))
         return dq, dk, dv, [g for g in input_grads if g is not None]
 
     @backward_op.register_fake
@@ -522,9 +565,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         n_tensors, n_tables = ctx.counts
         tensors, flat = rest[:n_tensors], rest[n_tensors:]
-        known = dict(zip(_table_kernels(True), _pairs(flat)))
-        tables = _resolve([1, 2], q, v, known, _operator_builder(q, k, tensors))
-        dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), [*tables[0], *tables[1]])
+        dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
         grads = iter(grads)
         input_grads = [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
         return dq, dk, dv, input_grads, [None] * n_tables
@@ -724,6 +765,13 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
     return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
 
 
+def backward_family(q, k, v, **inputs):
+    """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
+    or the family of BACKWARD_FAMILIES whose per-call rule admits it."""
+    _check(q, k, v, inputs)
+    return _backward_family(q, k, v)[0]
+
+
 def visit_counts(q, k, v, **inputs):
     """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
@@ -744,6 +792,6 @@ def visit_counts(q, k, v, **inputs):
     tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors))
     with torch.no_grad():
         out, lse = _forward(q, k, v, tensors, {0: tables[0]}, visits=counts["fwd"])
-        _backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
-                  visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
+        _portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
+                           visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
     return counts

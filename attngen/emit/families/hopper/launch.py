@@ -16,6 +16,8 @@ HOPPER_HEAD_DIMS = range(64, 257, 8)
 # The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
+# dK and dV stay in the backward consumer's registers: 2 * D fp32 values a key row (plan.families).
+HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -39,6 +41,13 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
+def _hopper_backward_serves(q, k, v):
+    """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
+    whose forward it could serve, with head dims up to HOPPER_BACKWARD_MAX_HEAD_DIM."""
+    return (max(q.shape[-1], v.shape[-1]) <= HOPPER_BACKWARD_MAX_HEAD_DIM
+            and _hopper_serves(q, k, v, k.shape[1], k.shape[2], False))
+
+
 def _hopper_launch_config(block_m, pingpong):
     """(num_warps, maxnreg) of a launch: pingpong runs two 4-warp consumer warpgroups (the default
     partition and a worker) and a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
@@ -52,7 +61,8 @@ def _hopper_launch_config(block_m, pingpong):
 
 def _hopper_descriptor(t, rows, width):
     """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
-    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D)."""
+    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
+    clipped there on stores and reductions)."""
     box = [1, rows, width]
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
@@ -65,7 +75,7 @@ _HOPPER_LAYOUTS = {}
 def _hopper_layout(block_shape, dtype):
     key = (*block_shape, dtype)
     if key not in _HOPPER_LAYOUTS:
-        element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
         _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
     return _HOPPER_LAYOUTS[key]
 
@@ -105,3 +115,34 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
     and the natural-log LSE, as the portable forward does; the backward kernels are the portable family's."""
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
+
+
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
+    """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
+    (_table_key(q, v, "hopper_bwd")), () for a mask without tables. Returns dq, dk, dv and one gradient
+    per input (None for inputs that are not learnable), as the portable backward does."""
+    B, H, Q_LEN, D = q.shape
+    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
+    if not do.is_contiguous() or do.data_ptr() % 16:
+        do = do.clone(memory_format=torch.contiguous_format)
+    delta = _delta(out, do, dlse.contiguous() if dlse is not None else None)
+    block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    d_pad, dv_pad = _widths(D, DV)
+    sm_scale = softmax_scale(D)
+    # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
+    dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    grads = _input_grads(tensors, q.device)
+    num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
+    descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
+                   _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
+                   _hopper_descriptor(dq_sum, block_m, d_pad))
+    table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
+    _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
+        *descriptors, dk, dv, lse, delta, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+        *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
+        HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+    dq = dq_sum.mul_(sm_scale).to(q.dtype)
+    return dq, dk, dv, _in_input_dtypes(grads, tensors)
