@@ -56,7 +56,8 @@ def main() -> None:
             family = ""
             if case.cache == "none":
                 q, k, v, inputs = strategies.case_data(spec, case, device="cuda")
-                family = attn.forward_family(q, k, v, **inputs)
+                family = (f"fwd {attn.forward_family(q, k, v, **inputs)} "
+                          f"bwd {attn.backward_family(q, k, v, **inputs)}")
                 families[family] = families.get(family, 0) + 1
             strategies.check_case(spec, attn, case, device="cuda")
             counts["ok"] += 1
@@ -69,8 +70,8 @@ def main() -> None:
             print(f"FAIL {case}\n{text}{type(e).__name__}: {str(e)[:400]}", flush=True)
 
     (run if args.seed is None else seed(args.seed)(run))()
-    print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped; forward families of the "
-          f"plain calls: {families}", flush=True)
+    print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped; families of the "
+          f"training calls: {families}", flush=True)
     sys.exit(1 if counts["failed"] else 0)
 
 
