@@ -192,7 +192,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "ready",
             "empty", "dq_desc", "Lse", "Delta", "start_n", "n_masked", *TILE_RANGE, "sm_scale", "qk_scale",
             *POSITIONS, *SIZES, *inputs, *grads),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE")),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "dk_layout", "dv_layout")),
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", "Lse", "n_rows", "SPLITS"),
                               ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),

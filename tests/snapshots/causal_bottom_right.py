@@ -1321,19 +1321,16 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds
                       full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
                       KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+                      STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                      dk_layout: tl.constexpr, dv_layout: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
     WARPGROUPS: gl.constexpr = NUM_WARPS // 4
-    # One 16-key slab per warp: P^T, dS^T and the dK/dV accumulators share rows, so the accumulator to
-    # A-operand conversions stay in registers.
+    # One 16-key slab per warp, as in dK/dV's layouts: P^T, dS^T and the dK/dV accumulators share rows,
+    # so the accumulator to A-operand conversions stay in registers.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM_V_PAD, 16])
     # dQ_i has BLOCK_M (64) rows, one warpgroup's M: the warpgroups split its columns instead.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
                                                         instr_shape=[16, HEAD_DIM_PAD // WARPGROUPS, 16])
@@ -1402,6 +1399,7 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_b
                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows).
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -1428,13 +1426,13 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_b
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
                                       KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                      BLOCK_N, STAGES, True, FOLLOW_TABLE)
+                                      BLOCK_N, STAGES, True, FOLLOW_TABLE, dk_layout, dv_layout)
         t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem,
                                       dq_smem, ready, empty, dq_desc, Lse, Delta, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
                                       KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                      BLOCK_N, STAGES, False, FOLLOW_TABLE)
+                                      BLOCK_N, STAGES, False, FOLLOW_TABLE, dk_layout, dv_layout)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     kv_bh = off_b * HKV + off_hkv
@@ -2136,7 +2134,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "28062cea5ae00ba2"
+MODULE_DIGEST = "e3c0debf21107ffc"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2671,7 +2669,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
-    dq = dq_sum.mul_(sm_scale).to(q.dtype)
+    dq = torch.empty_like(q)
+    torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
 
 

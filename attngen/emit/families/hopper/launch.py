@@ -144,5 +144,6 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
-    dq = dq_sum.mul_(sm_scale).to(q.dtype)
+    dq = torch.empty_like(q)
+    torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
