@@ -32,7 +32,8 @@ for part in ${*:-tests targets}; do
       done
       wait
       cat "$OUT"/fuzz?.log > "$OUT/fuzz.log" && rm "$OUT"/fuzz?.log
-      grep -c "^ok" "$OUT/fuzz.log"; grep -c "fwd hopper" "$OUT/fuzz.log"; grep -c "bwd hopper" "$OUT/fuzz.log"; grep -A4 "^FAIL" "$OUT/fuzz.log" | head -40 ;;
+      grep -c "^ok" "$OUT/fuzz.log"; grep -c "fwd hopper" "$OUT/fuzz.log"; grep -c "bwd hopper" "$OUT/fuzz.log"
+      grep -A4 "^FAIL" "$OUT/fuzz.log" | head -40 ;;
     targets)
       timeout ${TARGETS_SECONDS:-300} python3 benchmarks/targets.py --only full,causal,causal_d64,softcap,learned_rel_bias \
         --out "$OUT/targets-shapes.json" > "$OUT/targets-shapes.log" 2>&1; tail -60 "$OUT/targets-shapes.log" | cut -c1-220 ;;

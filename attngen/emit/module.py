@@ -144,7 +144,8 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         max_batch_heads=integers.MAX_BATCH_HEADS,
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
-        forward_families=forward_families, table_families=table_families, backward_families=backward_families, decode_max_rows=DECODE_MAX_ROWS,
+        forward_families=forward_families, table_families=table_families, backward_families=backward_families,
+        decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))
