@@ -21,9 +21,10 @@ CATALOG = sorted(ROOT.glob("specs/*.attn"))
 
 
 def _hooks(context: dict):
-    for kernel in ("fwd", "dq", "dkdv", "table_by_query", "table_by_key", "decode"):
+    for kernel in ("fwd", "dq", "dkdv", "table_by_query", "table_by_key", "decode", "hopper", "hopper_bwd"):
         for name, hook in (context[kernel] or {}).items():
-            yield f"{kernel}.{name}", hook
+            if not isinstance(hook, bool):  # the Hopper kernels' flags (plain_score, remask, ...)
+                yield f"{kernel}.{name}", hook
 
 
 def _check_contracts(spec: attngen.Spec) -> None:
