@@ -1,7 +1,8 @@
 """Compiles every kernel of every catalog spec's module for sm_90 (Hopper) on a machine without a GPU, so
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
-    python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--ptx DIR] [--json]
+    python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--head-dim 64] [--ptx DIR]
+                                 [--json]
 
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
@@ -48,9 +49,9 @@ def _label(constants: dict) -> str:
     return str(constants.get("PARTS", constants.get("LABEL", "")))
 
 
-def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None) -> dict:
-    """In a process without TRITON_INTERPRET: compile the module's kernels at D=128 bf16 on its h200 plan
-    (only those of `families`, by name prefix, when given)."""
+def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None, head_dim: int = 128) -> dict:
+    """In a process without TRITON_INTERPRET: compile the module's kernels at D = DV = head_dim (a power of
+    two), bf16, on its h200 plan (only those of `families`, by name prefix, when given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,9 +60,10 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     target = GPUTarget("cuda", 90, 32)
-    plan = module.PLAN[(128, 128, "bf16")]
-    head = dict(HEAD_DIM=128, HEAD_DIM_V=128, HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128, COUNT_VISITS=False,
-                DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False, PAGE_SIZE=1)
+    plan = module.PLAN[(head_dim, head_dim, "bf16")]
+    head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
+                COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
+                PAGE_SIZE=1)
     forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.TILE_TABLE))
     # Also a cache call over pages of 16 keys: no tile table, per-row lengths and offsets.
     launches = [("_fwd_kernel", forward, plan[0]),
@@ -70,11 +72,12 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1])
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
-    for family, tiles in module.FAMILY_TILES.get((128, 128, "bf16"), {}).items():
+    for family, tiles in module.FAMILY_TILES.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
-            launches.append(("_decode_combine", dict(HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, BLOCK_R=16), (0, 0, 4, 1)))
+            launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16),
+                             (0, 0, 4, 1)))
         if family == "hopper":
             launches.append(("_hopper_fwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                                                         PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
@@ -146,10 +149,11 @@ def main() -> None:
     parser.add_argument("--ptx", help="write each kernel's PTX (without debug lines) to this folder")
     parser.add_argument("--family", nargs="*", help="only these families' kernels (e.g. hopper)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
+    parser.add_argument("--head-dim", type=int, default=128, help="D = DV of the launches (a power of two)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(compile_module(args.child, args.ptx, args.family)))
+        print(json.dumps(compile_module(args.child, args.ptx, args.family, args.head_dim)))
         return
     import attngen
 
@@ -166,7 +170,8 @@ def main() -> None:
             if args.ptx:
                 Path(args.ptx).mkdir(parents=True, exist_ok=True)
             family = ["--family", *args.family] if args.family else []
-            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx, *family], env=env,
+            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx, *family, "--head-dim",
+                                  str(args.head_dim)], env=env,
                                  capture_output=True, text=True)
             if run.returncode != 0:
                 failed += 1
