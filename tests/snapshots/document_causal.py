@@ -977,6 +977,8 @@ from triton._C.libtriton import ir as _triton_ir  # noqa: E402
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = True
+# The widest head dims the backward takes: dK and dV stay in its consumer's registers (plan.families).
+HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 @triton.jit
@@ -2149,8 +2151,10 @@ def _backward_family(q, k, v):
 
 
 def _delta(out, do, dlse):
-    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term."""
+    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term. dLSE comes
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array."""
     B, H, Q_LEN, DV = out.shape
+    dlse = dlse.contiguous() if dlse is not None else None
     delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
     pre_m = 64
     _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
@@ -2178,10 +2182,9 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     sm_scale = softmax_scale(D)
     sizes = _sizes(q, k)
     # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
-    # kernels read dO through its strides but along a unit-stride head dim, and dLSE as a dense
-    # (B, H, Q_LEN) array. contiguous() copies only when needed (an expansion is not contiguous).
+    # kernels read dO through its strides but along a unit-stride head dim (and _delta makes dLSE
+    # dense). contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
-    dlse = dlse.contiguous() if dlse is not None else None
     delta = _delta(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -2260,7 +2263,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "f58e71917f304d79"
+MODULE_DIGEST = "1c31bd783f7cac1c"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2667,8 +2670,6 @@ HOPPER_HEAD_DIMS = range(64, 257, 8)
 # The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
-# dK and dV stay in the backward consumer's registers: 2 * D fp32 values a key row (plan.families).
-HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -2777,7 +2778,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    delta = _delta(out, do, dlse.contiguous() if dlse is not None else None)
+    delta = _delta(out, do, dlse)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)

@@ -403,8 +403,10 @@ def _backward_family(q, k, v):
 
 
 def _delta(out, do, dlse):
-    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term."""
+    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term. dLSE comes
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array."""
     B, H, Q_LEN, DV = out.shape
+    dlse = dlse.contiguous() if dlse is not None else None
     delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
     pre_m = 64
     _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
@@ -432,10 +434,9 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     sm_scale = softmax_scale(D)
     sizes = _sizes(q, k)
     # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
-    # kernels read dO through its strides but along a unit-stride head dim, and dLSE as a dense
-    # (B, H, Q_LEN) array. contiguous() copies only when needed (an expansion is not contiguous).
+    # kernels read dO through its strides but along a unit-stride head dim (and _delta makes dLSE
+    # dense). contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
-    dlse = dlse.contiguous() if dlse is not None else None
     delta = _delta(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)

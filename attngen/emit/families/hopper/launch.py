@@ -16,8 +16,6 @@ HOPPER_HEAD_DIMS = range(64, 257, 8)
 # The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
-# dK and dV stay in the backward consumer's registers: 2 * D fp32 values a key row (plan.families).
-HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -126,7 +124,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    delta = _delta(out, do, dlse.contiguous() if dlse is not None else None)
+    delta = _delta(out, do, dlse)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
