@@ -136,7 +136,8 @@ def _compile_hopper(module, fn, signature, constexprs, constants, target):
     else:
         boxes = {"q_desc": [1, block_m, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv],
                  "do_desc": [1, block_m, dv]}
-        signature = {**signature, "dq_desc": descriptor([1, block_m, d], "fp32")}
+        signature = {**signature, "dq_desc": descriptor([1, block_m, d], "fp32"),
+                     "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
         num_warps, maxnreg = module._hopper_launch_config(block_n, False)
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,

@@ -548,11 +548,13 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
 # group and their query tiles, so GQA needs no atomics. dQ: one program per query tile.
 # Gradients of learnable inputs are accumulated in fp32 with atomics inside the dQ kernel.
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Delta, stride_oz, stride_oh, stride_om, stride_ok,
-                    stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, stride_oz, stride_oh, stride_om, stride_ok,
+                    stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_DLSE: tl.constexpr):
-    # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here).
+                    HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr):
+    # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
+    # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
+    # Q_LEN), for kernels that stream both by TMA in whole tiles.
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -567,7 +569,10 @@ def _bwd_preprocess(Out, DO, DLse, Delta, stride_oz, stride_oh, stride_om, strid
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLse + off_bh.to(tl.int64) * Q_LEN + offs_m, mask=offs_m < Q_LEN, other=0.0)
-    tl.store(Delta + off_bh.to(tl.int64) * Q_LEN + offs_m, delta, mask=offs_m < Q_LEN)
+    tl.store(Delta + off_bh.to(tl.int64) * Q_ROWS + offs_m, delta, mask=offs_m < Q_ROWS)
+    if BASE2_LSE:
+        tl.store(Lse2 + off_bh.to(tl.int64) * Q_ROWS + offs_m, _base2_lse(Lse, off_bh.to(tl.int64) * Q_LEN, offs_m,
+                                                                          Q_LEN), mask=offs_m < Q_ROWS)
 
 
 @triton.jit
@@ -1316,17 +1321,19 @@ def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 
 
 @gluon.jit
-def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
-                         start_n, off_b, off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0,
-                         size_prefix_0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                         FOLLOW_TABLE: tl.constexpr):
-    # One warp, scalars only: K_j and V_j once, then Q_i and dO_i of every step, in the consumer's order.
-    # Boxes are (1 head, rows, width): TMA zero-fills the rows past a head's length.
+def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                         delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b, off_hkv, B, H, HKV,
+                         Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
+    # every step, in the consumer's order. Boxes are (1 head, rows, width): TMA zero-fills the rows past a
+    # head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
     kv_bh = off_b * HKV + off_hkv
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(k_smem, k_desc))
     tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(v_smem, v_desc))
-    step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)
     group = H // HKV
     t = 0
     for g in range(group):
@@ -1347,14 +1354,18 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_sme
                                             _hopper_box(q_bufs.index(stage), q_desc))
             tma.async_copy_global_to_shared(do_desc, [off_b * H + off_h, start_m, 0], bar,
                                             _hopper_box(do_bufs.index(stage), do_desc))
+            tma.async_copy_global_to_shared(lse_desc, [off_b * H + off_h, start_m], bar,
+                                            _hopper_box(lse_bufs.index(stage), lse_desc))
+            tma.async_copy_global_to_shared(delta_desc, [off_b * H + off_h, start_m], bar,
+                                            _hopper_box(delta_bufs.index(stage), delta_desc))
             t += 1
 
 
 @gluon.jit
-def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, ready, empty,
-                      dq_desc, Lse, Delta, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                      full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                      KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
+def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
+                      dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
+                      gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
+                      H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr):
@@ -1374,7 +1385,6 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
     offs_n = start_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     off_bh = off_b * H + off_h
-    row = off_bh.to(gl.int64) * Q_LEN
     for i in range(i_lo, i_hi):
         stage = t % STAGES
         q_smem = q_bufs.index(stage)
@@ -1386,8 +1396,9 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds
         # S^T and dP^T both in flight; the exponentials wait only for S^T (wgmma groups retire in order).
         s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # Rows past Q_LEN, and rows no key was allowed to, get +inf: P = 0 there.
-        lse = _base2_lse(Lse, row, offs_m, Q_LEN)
+        # Base 2; rows past Q_LEN and rows no key was allowed to hold +inf, so P = 0 there. From shared
+        # memory: a column vector is 16 values a thread here, whose addresses by pointer spilled registers.
+        lse = lse_bufs.index(stage).load(col_layout)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
@@ -1403,7 +1414,7 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds
                                is_async=True)
         # dV is waited for here with dP^T: that frees P^T's operand registers before dS^T is built.
         dpT, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, dv_tok, v_smem, do_smem))
-        delta = gl.load(Delta + row + offs_m, mask=offs_m < Q_LEN, other=0.0)
+        delta = delta_bufs.index(stage).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
         # no learnable inputs
         # d score'/d score = 1: dsT is already the gradient of the raw score
@@ -1430,9 +1441,9 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds
 
 
 @gluon.jit
-def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc, DK,
-                         DV, Lse, Delta, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
-                         prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
+def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                         empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN,
+                         KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                          FOLLOW_TABLE: tl.constexpr):
@@ -1459,19 +1470,19 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_b
         n_checked = n_masked
         if ragged:
             n_checked = n_steps
-        t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem,
-                                      dq_smem, ready, empty, dq_desc, Lse, Delta, start_n, n_masked,
+        t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
+                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
                                       KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM, HEAD_DIM_V,
                                       HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
                                       FOLLOW_TABLE, dk_layout, dv_layout)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, k_smem, v_smem, ds_smem,
-                                      dq_smem, ready, empty, dq_desc, Lse, Delta, start_n, n_masked,
-                                      masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
-                                      full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM, HEAD_DIM_V,
-                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
+                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                                      Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
                                       FOLLOW_TABLE, dk_layout, dv_layout)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
@@ -1483,8 +1494,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_b
 
 
 @gluon.jit
-def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse, Delta, sm_scale, qk_scale,
-                       prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
+def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, sm_scale,
+                       qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
@@ -1498,6 +1509,10 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse, De
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_PAD], tile_layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_V_PAD], tile_layout)
+    # The rows' LSE and delta, unswizzled fp32 vectors (the TMA boxes (1, BLOCK_M) are the same bytes).
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_PAD], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
     # dS^T (BLOCK_N, BLOCK_M): stored from registers each step, read transposed as dQ's A operand.
@@ -1515,14 +1530,15 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse, De
     # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
     fence_async_shared()
     gl.warp_specialize([
-        (_hopper_bwd_consumer, (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                                 dq_desc, DK, DV, Lse, Delta, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H,
-                                 HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM,
-                                 HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
+        (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
+                                 kv_bar, ready, empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale,
+                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0,
+                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
                                  FOLLOW_TABLE)),
-        (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar,
-                                 ready, empty, start_n, off_b, off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr,
-                                 stride_prefix_0, size_prefix_0, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
+        (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                                 lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0,
+                                 BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
     ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -2067,17 +2083,22 @@ def _backward_family(q, k, v):
                 ("portable", "portable", None))
 
 
-def _delta(out, do, dlse):
-    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term. dLSE comes
+def _row_terms(out, do, dlse, lse=None, q_rows=None):
+    """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
+    (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
+    rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
     in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array."""
     B, H, Q_LEN, DV = out.shape
     dlse = dlse.contiguous() if dlse is not None else None
-    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
+    q_rows = q_rows or Q_LEN
+    delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
-    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
-    return delta
+    _bwd_preprocess[(_cdiv(q_rows, pre_m), B * H)](
+        out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
+        lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
+        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
+    return delta, lse2
 
 
 def _input_grads(tensors, device):
@@ -2099,10 +2120,10 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     sm_scale = softmax_scale(D)
     sizes = _sizes(q, k)
     # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
-    # kernels read dO through its strides but along a unit-stride head dim (and _delta makes dLSE
+    # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
     # dense). contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = _delta(out, do, dlse)
+    delta, _ = _row_terms(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -2180,7 +2201,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "8082dcfa09e8687c"
+MODULE_DIGEST = "df78cb6be43a6a6c"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2636,6 +2657,13 @@ def _hopper_descriptor(t, rows, width):
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
 
+def _hopper_row_descriptor(t, rows):
+    """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
+    one head's `rows` rows."""
+    box = [1, rows]
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, _hopper_layout(box, t.dtype))
+
+
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
 # and took a sixth of a call's host time on the H200 (tools/hopper/host_overhead.py).
 _HOPPER_LAYOUTS = {}
@@ -2695,8 +2723,9 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    delta = _delta(out, do, dlse)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    # Both padded to whole query tiles, so a TMA box never reads another head's rows.
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
@@ -2706,10 +2735,11 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                    _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
+                   _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
-        *descriptors, dk, dv, lse, delta, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+        *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)

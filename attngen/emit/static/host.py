@@ -402,17 +402,22 @@ def _backward_family(q, k, v):
                 ("portable", "portable", None))
 
 
-def _delta(out, do, dlse):
-    """delta = rowsum(dO * O) - dLSE, (B, H, Q_LEN) fp32: the softmax backward's row term. dLSE comes
+def _row_terms(out, do, dlse, lse=None, q_rows=None):
+    """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
+    (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
+    rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
     in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array."""
     B, H, Q_LEN, DV = out.shape
     dlse = dlse.contiguous() if dlse is not None else None
-    delta = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=out.device)
+    q_rows = q_rows or Q_LEN
+    delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
-    _bwd_preprocess[(_cdiv(Q_LEN, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, delta, *out.stride(), *do.stride(), H, Q_LEN,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
-    return delta
+    _bwd_preprocess[(_cdiv(q_rows, pre_m), B * H)](
+        out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
+        lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
+        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
+    return delta, lse2
 
 
 def _input_grads(tensors, device):
@@ -434,10 +439,10 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     sm_scale = softmax_scale(D)
     sizes = _sizes(q, k)
     # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
-    # kernels read dO through its strides but along a unit-stride head dim (and _delta makes dLSE
+    # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
     # dense). contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = _delta(out, do, dlse)
+    delta, _ = _row_terms(out, do, dlse)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

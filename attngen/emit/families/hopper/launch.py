@@ -65,6 +65,13 @@ def _hopper_descriptor(t, rows, width):
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
 
 
+def _hopper_row_descriptor(t, rows):
+    """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
+    one head's `rows` rows."""
+    box = [1, rows]
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, _hopper_layout(box, t.dtype))
+
+
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
 # and took a sixth of a call's host time on the H200 (tools/hopper/host_overhead.py).
 _HOPPER_LAYOUTS = {}
@@ -124,8 +131,9 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    delta = _delta(out, do, dlse)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    # Both padded to whole query tiles, so a TMA box never reads another head's rows.
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
@@ -135,10 +143,11 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
     num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                    _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
+                   _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
-        *descriptors, dk, dv, lse, delta, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+        *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
