@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from attngen import ir
 from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling, TritonEmitter
+from attngen.emit.fold import fold
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
 
@@ -147,10 +148,17 @@ def _mask_hook(facts: Analysis, spelling: Spelling) -> Hook:
                 source=f"mask: {expr_to_source(facts.spec.mask)}")
 
 
+def _score_is_shifted(facts: Analysis) -> bool:
+    """Whether d score'/d score is 1 everywhere: no score expression, or one that adds to the score (a
+    bias, ALiBi): the gradient of the modified score is then the raw score's."""
+    return facts.score_derivative is None or fold(facts.score_derivative, facts.params) == ir.Const(
+        type="float", value=1.0)
+
+
 def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> Hook:
     """Turns `var`, the gradient w.r.t. the modified score, into the gradient w.r.t. the raw score."""
     inputs = (var, *score.shared, *ELEMENT_NAMES)
-    if facts.score_derivative is None:
+    if _score_is_shifted(facts):
         return Hook("dscore", inputs, (), f"# d score'/d score = 1: {var} is already the gradient of the raw score")
     start = len(em.lines)
     d = em.emit(facts.score_derivative)
@@ -360,7 +368,7 @@ def _hopper_backward_hooks(facts: Analysis, dkdv: dict[str, Hook]) -> dict:
     learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
     return {"score": score, "mask": _mask_hook(facts, HOPPER_BWD_MASK), "tile_range": dkdv["tile_range"],
             "learnable": learnable, "dscore": _dscore_hook(facts, em, score, "dsT"),
-            "remask": facts.score_derivative is not None or bool(facts.learnable_derivatives)}
+            "remask": not _score_is_shifted(facts) or bool(facts.learnable_derivatives)}
 
 
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
