@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 
 from attngen import ir
@@ -155,6 +156,12 @@ def _score_is_shifted(facts: Analysis) -> bool:
         type="float", value=1.0)
 
 
+def _is_constant(e: ir.Expr, facts: Analysis) -> bool:
+    """Whether `e` folds to a finite constant: times 0 (P and dS where the mask is off) it gives 0."""
+    folded = fold(e, facts.params)
+    return isinstance(folded, ir.Const) and math.isfinite(folded.value)
+
+
 def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> Hook:
     """Turns `var`, the gradient w.r.t. the modified score, into the gradient w.r.t. the raw score."""
     inputs = (var, *score.shared, *ELEMENT_NAMES)
@@ -188,8 +195,10 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
         contribution = f"g{n}"
         lines += em.lines[start:]
         lines.append(f"{contribution} = {var} * {d}")
-        lines.append("if MASKED:")
-        lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
+        if not _is_constant(derivative, facts):
+            # Where the mask is off, `var` is 0 (P is), but a derivative there may be inf or NaN.
+            lines.append("if MASKED:")
+            lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
         # Reduce along the axes the index does not vary on: one atomic per distinct address.
         if dims == frozenset("mn"):
             lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
@@ -362,13 +371,17 @@ def _hopper_backward_hooks(facts: Analysis, dkdv: dict[str, Hook]) -> dict:
     """Hooks of the Hopper family's backward: a CTA per key tile computes its dK and dV and its share of
     dQ and of the learnable inputs' gradients, on transposed S tiles, over the dK/dV kernel's tile
     range (for the family's own tiles). `remask`: dS needs the mask again after the score's derivative
-    or a learnable input's gradient (else P = 0 has zeroed it already where the mask is off)."""
+    or for a learnable input's gradient unless each of them is a finite constant (P = 0 has zeroed dS
+    where the mask is off, and a constant keeps it 0)."""
     em = _emitter(facts, HOPPER_BWD_SCORE, "sc")
     score = _score_hook(facts.spec, em)
     learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
+    derivatives = [d for _, d in facts.learnable_derivatives]
+    if facts.score_derivative is not None:
+        derivatives.append(facts.score_derivative)
     return {"score": score, "mask": _mask_hook(facts, HOPPER_BWD_MASK), "tile_range": dkdv["tile_range"],
             "learnable": learnable, "dscore": _dscore_hook(facts, em, score, "dsT"),
-            "remask": not _score_is_shifted(facts) or bool(facts.learnable_derivatives)}
+            "remask": not all(_is_constant(d, facts) for d in derivatives)}
 
 
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
