@@ -193,6 +193,30 @@ def test_the_per_call_rule():
     assert not backward(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (72, 136), (128, 128), (256, 256)], ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_family_s_descriptors_pass_tensor_descriptor_s_checks(dims, dtype):
+    # _HopperDescriptor skips TensorDescriptor's checks: every descriptor the forward and the backward
+    # build, of tensors the per-call rule admits (or the family allocates), must pass them.
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    module = attngen.build(SPECS / "causal.attn", target="h200").module
+    D, DV = dims
+    d_pad, dv_pad = module._widths(D, DV)
+    for Q_LEN in (1, 17, 1000):
+        q, k, v = (torch.zeros(2, heads, Q_LEN, width, dtype=dtype) for heads, width in ((8, D), (2, D), (2, DV)))
+        block_m, block_n = module._family_tiles(q, v, "hopper")[:2]
+        bwd_m, bwd_n = module._family_tiles(q, v, "hopper_bwd")[:2]
+        rows = -(-Q_LEN // bwd_m) * bwd_m
+        made = [module._hopper_descriptor(q, block_m // 2, d_pad), module._hopper_descriptor(k, block_n, d_pad),
+                module._hopper_descriptor(v, block_n, dv_pad), module._hopper_descriptor(q, bwd_m, d_pad),
+                module._hopper_descriptor(k, bwd_n, d_pad),
+                module._hopper_descriptor(torch.zeros(2, 8, Q_LEN, D, dtype=torch.float32), bwd_m, d_pad),
+                module._hopper_row_descriptor(torch.zeros(2, 8, rows, dtype=torch.float32), bwd_m)]
+        for descriptor in made:
+            assert isinstance(descriptor, module._HopperDescriptor)
+            TensorDescriptor.__post_init__(descriptor)  # raises AssertionError on a descriptor TMA cannot take
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", CATALOG)

@@ -34,7 +34,7 @@ LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 # Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
 # the line after this one.
 INLINE_MARKER = "# ---- inlined into every generated module from here on ----\n"
-STATIC_FILES = ("shared", "helpers", "host")
+STATIC_FILES = ("shared", "launch", "helpers", "host")
 
 
 @lru_cache(maxsize=1)

@@ -259,6 +259,56 @@ def _tile_widths(D, DV, floor):
     return d, dv
 
 
+# --- host side: launches bound once per specialization (emit/static/launch.py) --------------------
+# Per kernel: {facts of a launch: (compiled kernel, the values of its parameters after the positional
+# arguments)}. A kernel has a handful of keys (its specializations and option sets); past _LAUNCH_KEYS
+# they are dropped and start over.
+_LAUNCHES = {}
+_LAUNCH_KEYS = 256
+
+
+def _launch_fact(arg):
+    """What Triton 3.6 specializes one positional argument on (tests/test_launch.py checks it against
+    the JIT's own binder): an int's == 1 (a constexpr), % 16 and width (i32, i64, u64); a tensor's
+    dtype and 16-byte alignment; a descriptor's dtype, box and layout; a float's and a bool's type; or
+    _UNBOUND for an argument of another kind."""
+    cls = arg.__class__
+    if cls is int:
+        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if arg is None or cls is float or cls is bool:
+        return cls
+    if hasattr(arg, "block_shape") and hasattr(arg, "layout"):  # a TMA descriptor (Gluon's or Triton's)
+        return cls, arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding
+    return _UNBOUND
+
+
+_UNBOUND = object()  # an argument of a kind _launch_fact does not know: that launch always binds anew
+
+
+def _launch(kernel, grid, *args, **options):
+    """kernel[grid](*args, **options): the constexprs and launch options by keyword, the rest
+    positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
+    through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
+    with the same arguments the JIT would pass (every parameter, in the signature's order)."""
+    if INTERPRETING:
+        return kernel[grid](*args, **options)
+    facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    known = _LAUNCHES.setdefault(kernel, {})
+    bound = known.get(facts)
+    if bound is not None:
+        compiled, rest = bound
+        return compiled[grid](*args, *rest)
+    compiled = kernel[grid](*args, **options)
+    if isinstance(compiled, triton.compiler.CompiledKernel) and _UNBOUND not in facts:
+        if len(known) >= _LAUNCH_KEYS:
+            known.clear()
+        parameters = list(kernel.signature.parameters.values())[len(args):]
+        known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default for p in parameters)
+    return compiled
+
+
 # --- scalar and element helpers -------------------------------------------------------------
 # Base-2 softmax (exp2 is one instruction): scores are scaled by log2(e) on the way in and the LSE
 # by ln(2) on the way out. The host reads LOG2E.value, a float, to fold it into qk_scale.
@@ -1927,11 +1977,10 @@ def _build_table(key, sizes, device, tensors):
     k_step, k_points = _table_sampling(TABLE_STEPS["k"], block_n)
     (row_step, row_points), (loop_step, loop_points) = (
         ((q_step, q_points), (k_step, k_points)) if by_query else ((k_step, k_points), (q_step, q_points)))
-    classify[(n_rows, n_cols, g_b * g_h)](state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
-                                          g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n,
-                                          ROW_STEP=row_step, ROW_POINTS=row_points,
-                                          LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4)
-    _table_compact[(g_b * g_h * n_rows,)](state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4)
+    _launch(classify, (n_rows, n_cols, g_b * g_h), state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
+            g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, ROW_STEP=row_step, ROW_POINTS=row_points,
+            LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4)
+    _launch(_table_compact, (g_b * g_h * n_rows,), state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4)
     TABLE_STATS["built"] += 1
     return num, idx
 
@@ -2031,8 +2080,8 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
     table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
+    _launch(
+        _fwd_kernel, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k_strides, *v_strides, *out.stride(),
         *_input_args(tensors), *table_args,
         B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
@@ -2084,8 +2133,8 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None):
     delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
-    _bwd_preprocess[(_cdiv(q_rows, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
+    _launch(
+        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
         lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
         HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
     return delta, lse2
@@ -2133,8 +2182,8 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
                      BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
                      COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype))
     if ONE_LAUNCH_BACKWARD:
-        _bwd_kernel[(n_kv_tiles + n_q_tiles, B * HKV)](*args, PARTS=3, num_warps=max(warps1, warps2),
-                                                      num_stages=max(stages1, stages2), **constants)
+        _launch(_bwd_kernel, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
+                num_stages=max(stages1, stages2), **constants)
     else:
         # Two launches, on two streams on a GPU, so each half gets its own warp count and one's
         # last wave still overlaps the other's.
@@ -2142,8 +2191,9 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _bwd_kernel[(n_kv_tiles, B * HKV)](*args, PARTS=1, num_warps=warps1, num_stages=stages1, **constants)
-        _bwd_kernel[(n_q_tiles, B * HKV)](*args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants)
+            _launch(_bwd_kernel, (n_kv_tiles, B * HKV), *args, PARTS=1, num_warps=warps1, num_stages=stages1,
+                    **constants)
+        _launch(_bwd_kernel, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
@@ -2191,7 +2241,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a691efa6cd9f0fbd"
+MODULE_DIGEST = "3367abee6c1cd990"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2320,8 +2370,10 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     tensors = [inputs[name].contiguous() for name in INPUTS]
     if torch.compiler.is_compiling():
         out, lse = _compiled_attention(q, k, v, tensors, known)
-    else:
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
         out, lse = _Attention.apply(q, k, v, known, *tensors)
+    else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
+        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
     return (out, lse) if return_lse else out
 
 
@@ -2575,8 +2627,8 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
-    _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
-        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
+    _launch(
+        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
         *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
@@ -2584,8 +2636,8 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
-    _decode_combine[(_cdiv(n_rows, block_r),)](part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
-                                               HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
     return out, lse
 
 
@@ -2639,19 +2691,31 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
+class _HopperDescriptor(TensorDescriptor):
+    """A TMA descriptor without TensorDescriptor's checks, which cost ~5 us each on the host and a call
+    builds up to seven: the family builds descriptors only of tensors its per-call rule admitted or that
+    it allocated (16-byte aligned bases, rows of 16-byte multiples, sizes of at least 1), in boxes of its
+    tiles (tests/test_hopper.py runs the checks on them)."""
+
+    def __post_init__(self):
+        pass
+
+
 def _hopper_descriptor(t, rows, width):
     """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
     boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
     clipped there on stores and reductions)."""
     box = [1, rows, width]
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
+    view = t.view(-1, t.shape[-2], t.shape[-1])
+    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
 
 
 def _hopper_row_descriptor(t, rows):
     """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
     one head's `rows` rows."""
     box = [1, rows]
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, _hopper_layout(box, t.dtype))
+    view = t.view(-1, t.shape[-1])
+    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
 
 
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
@@ -2685,12 +2749,11 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
-                                 *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
-                                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
-                                 maxnreg=maxnreg)
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
+                sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+                HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg)
         return out, lse
 
     return run
@@ -2728,8 +2791,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
-    _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
-        *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+    _launch(
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)

@@ -1,10 +1,11 @@
-"""Measures the host time of one Hopper-family forward call (the Python from attn() to the launch), against
-its GPU time, and profiles where the host time goes.
+"""Measures the host time of attngen calls (the Python from attn() to the launches) against their GPU
+time, and profiles where the host time goes, for the Hopper family and the portable one.
 
-    python tools/hopper/host_overhead.py [--out FILE]
+    python tools/hopper/host_overhead.py [--spec FILE] [--shape B,H,N,D] [--backward] [--out FILE]
 
-A small causal problem (B=2, H=16, N=512, D=128, bf16) whose kernel takes a few microseconds: calls are
-issued back to back without synchronizing, so wall time per call is the host's cost when it exceeds the GPU's.
+Calls are issued back to back without synchronizing, so wall time per call is the host's cost when
+it exceeds the GPU's; the GPU's own time is a CUDA graph's replay of the same call. The default, a
+small causal problem (B=2, H=16, N=512, D=128, bf16), takes the GPU a few microseconds.
 """
 
 from __future__ import annotations
@@ -15,50 +16,89 @@ import io
 import json
 import pstats
 import time
+from pathlib import Path
 
 import torch
 
 import attngen
 
+CAUSAL = "attention causal\nmask: causal\n"
+
+
+def inputs_for(attn, N: int) -> dict:
+    """Values for the catalog's inputs: document ids of 512-token documents."""
+    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.INPUTS else {}
+
+
+def graph_time_us(call) -> str:
+    """The GPU's time for one call: the replay of a CUDA graph of it, or why it could not be captured."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+            with torch.cuda.graph(graph, stream=stream):
+                call()
+        torch.cuda.synchronize()
+    except Exception as error:  # a call that synchronizes cannot be captured: report it, time the rest
+        return f"n/a ({type(error).__name__}: {str(error)[:80]})"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return f"{start.elapsed_time(end) / 50 * 1e3:.1f}"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", help="a .attn file (default: causal)")
+    parser.add_argument("--shape", default="2,16,512,128", help="B,H,N,D")
+    parser.add_argument("--backward", action="store_true", help="time forward+backward calls")
     parser.add_argument("--out")
     args = parser.parse_args()
+    B, H, N, D = (int(x) for x in args.shape.split(","))
+    text = Path(args.spec).read_text() if args.spec else CAUSAL
     result = {}
     for name, target in (("hopper", None), ("portable", "a100")):
-        attn = attngen.build("attention causal\nmask: causal\n", target=target) if target else \
-            attngen.build("attention causal\nmask: causal\n")
-        q, k, v = (torch.randn(2, 16, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        with torch.no_grad():
-            for _ in range(20):
-                attn(q, k, v)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(500):
-                attn(q, k, v)
-            torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - t0) / 500 * 1e6
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph_input = attn(q, k, v)
-            del graph_input
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(200):
-                attn(q, k, v)
-            profile.disable()
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(50):
-                attn(q, k, v)
-            end.record()
-            torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
-        result[name] = {"family": attn.forward_family(q, k, v), "wall_us_per_call": wall_us,
-                        "events_us_per_call": start.elapsed_time(end) / 50 * 1e3, "profile": text.getvalue()}
-        print(name, result[name]["family"], f"{wall_us:.1f} us/call wall", flush=True)
-        print(text.getvalue()[:6000], flush=True)
+        attn = attngen.build(text, target=target) if target else attngen.build(text)
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+                   for _ in range(3))
+        inputs = inputs_for(attn, N)
+
+        def call():
+            if args.backward:
+                attn(q, k, v, **inputs).backward(do)
+            else:
+                with torch.no_grad():
+                    attn(q, k, v, **inputs)
+
+        do = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            call()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) / 300 * 1e6
+        graph_us = graph_time_us(call)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(200):
+            call()
+        profile.disable()
+        torch.cuda.synchronize()
+        report = io.StringIO()
+        pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(30)
+        family = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
+        result[name] = {"family": family, "wall_us_per_call": wall_us,
+                        "graph_us_per_call": graph_us, "profile": report.getvalue()}
+        print(name, family, f"{wall_us:.1f} us/call wall, {graph_us} us/call GPU "
+              f"(CUDA graph)", flush=True)
+        print(report.getvalue()[:5000], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

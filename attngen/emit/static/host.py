@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.launch import _launch
 from attngen.emit.static.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _next_power_of_2, _pad,
                                        _tile_widths)
 
@@ -256,11 +257,10 @@ def _build_table(key, sizes, device, tensors):
     k_step, k_points = _table_sampling(TABLE_STEPS["k"], block_n)
     (row_step, row_points), (loop_step, loop_points) = (
         ((q_step, q_points), (k_step, k_points)) if by_query else ((k_step, k_points), (q_step, q_points)))
-    classify[(n_rows, n_cols, g_b * g_h)](state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
-                                          g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n,
-                                          ROW_STEP=row_step, ROW_POINTS=row_points,
-                                          LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4)
-    _table_compact[(g_b * g_h * n_rows,)](state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4)
+    _launch(classify, (n_rows, n_cols, g_b * g_h), state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
+            g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, ROW_STEP=row_step, ROW_POINTS=row_points,
+            LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4)
+    _launch(_table_compact, (g_b * g_h * n_rows,), state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4)
     TABLE_STATS["built"] += 1
     return num, idx
 
@@ -360,8 +360,8 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
     table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
+    _launch(
+        _fwd_kernel, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
         *q.stride(), *k_strides, *v_strides, *out.stride(),
         *_input_args(tensors), *table_args,
         B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
@@ -413,8 +413,8 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None):
     delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
-    _bwd_preprocess[(_cdiv(q_rows, pre_m), B * H)](
-        out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
+    _launch(
+        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
         lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
         HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
     return delta, lse2
@@ -462,8 +462,8 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
                      BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
                      COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype))
     if ONE_LAUNCH_BACKWARD:
-        _bwd_kernel[(n_kv_tiles + n_q_tiles, B * HKV)](*args, PARTS=3, num_warps=max(warps1, warps2),
-                                                      num_stages=max(stages1, stages2), **constants)
+        _launch(_bwd_kernel, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
+                num_stages=max(stages1, stages2), **constants)
     else:
         # Two launches, on two streams on a GPU, so each half gets its own warp count and one's
         # last wave still overlaps the other's.
@@ -471,8 +471,9 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _bwd_kernel[(n_kv_tiles, B * HKV)](*args, PARTS=1, num_warps=warps1, num_stages=stages1, **constants)
-        _bwd_kernel[(n_q_tiles, B * HKV)](*args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants)
+            _launch(_bwd_kernel, (n_kv_tiles, B * HKV), *args, PARTS=1, num_warps=warps1, num_stages=stages1,
+                    **constants)
+        _launch(_bwd_kernel, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
@@ -649,8 +650,10 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     tensors = [inputs[name].contiguous() for name in INPUTS]
     if torch.compiler.is_compiling():
         out, lse = _compiled_attention(q, k, v, tensors, known)
-    else:
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
         out, lse = _Attention.apply(q, k, v, known, *tensors)
+    else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
+        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
     return (out, lse) if return_lse else out
 
 

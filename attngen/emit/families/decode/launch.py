@@ -3,6 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.launch import _launch
 from attngen.emit.static.shared import _cdiv, _next_power_of_2
 
 # ---- inlined into every generated module from here on ----
@@ -108,8 +109,8 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
-    _decode_fwd_kernel[(splits, B * HKV, row_blocks)](
-        q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
+    _launch(
+        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
         *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
@@ -117,6 +118,6 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
-    _decode_combine[(_cdiv(n_rows, block_r),)](part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
-                                               HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
     return out, lse

@@ -3,6 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.launch import _launch
 from attngen.emit.static.shared import _cdiv
 
 # ---- inlined into every generated module from here on ----
@@ -57,19 +58,31 @@ def _hopper_launch_config(block_m, pingpong):
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
 
 
+class _HopperDescriptor(TensorDescriptor):
+    """A TMA descriptor without TensorDescriptor's checks, which cost ~5 us each on the host and a call
+    builds up to seven: the family builds descriptors only of tensors its per-call rule admitted or that
+    it allocated (16-byte aligned bases, rows of 16-byte multiples, sizes of at least 1), in boxes of its
+    tiles (tests/test_hopper.py runs the checks on them)."""
+
+    def __post_init__(self):
+        pass
+
+
 def _hopper_descriptor(t, rows, width):
     """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
     boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
     clipped there on stores and reductions)."""
     box = [1, rows, width]
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), box, _hopper_layout(box, t.dtype))
+    view = t.view(-1, t.shape[-2], t.shape[-1])
+    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
 
 
 def _hopper_row_descriptor(t, rows):
     """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
     one head's `rows` rows."""
     box = [1, rows]
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, _hopper_layout(box, t.dtype))
+    view = t.view(-1, t.shape[-1])
+    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
 
 
 # The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
@@ -103,12 +116,11 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _hopper_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale, sm_scale * LOG2E.value,
-                                 *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
-                                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
-                                 maxnreg=maxnreg)
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
+                sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+                HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg)
         return out, lse
 
     return run
@@ -146,8 +158,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
-    _hopper_bwd_kernel[(_cdiv(KV_LEN, block_n), B * HKV)](
-        *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
+    _launch(
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
         *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
         HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)

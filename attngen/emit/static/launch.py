@@ -1,0 +1,64 @@
+"""Kernel launches bound once per specialization: the host cost of a repeated call.
+
+Triton's JIT binds every launch anew: it specializes each argument (a native call per argument, which
+for a TMA descriptor formats its layout as a string), builds a cache key from that and the options,
+and only then finds the compiled kernel. On the H200's host that is ~20 us of a ~45 us launch, and a
+short call makes one to four launches. `_launch` keeps, per launch site's kernel, the compiled kernel
+for each set of facts Triton specializes on, and launches it directly when the facts recur.
+"""
+
+import torch
+import triton.compiler
+
+from attngen.emit.static.shared import INTERPRETING
+
+# ---- inlined into every generated module from here on ----
+
+# --- host side: launches bound once per specialization (emit/static/launch.py) --------------------
+# Per kernel: {facts of a launch: (compiled kernel, the values of its parameters after the positional
+# arguments)}. A kernel has a handful of keys (its specializations and option sets); past _LAUNCH_KEYS
+# they are dropped and start over.
+_LAUNCHES = {}
+_LAUNCH_KEYS = 256
+
+
+def _launch_fact(arg):
+    """What Triton 3.6 specializes one positional argument on (tests/test_launch.py checks it against
+    the JIT's own binder): an int's == 1 (a constexpr), % 16 and width (i32, i64, u64); a tensor's
+    dtype and 16-byte alignment; a descriptor's dtype, box and layout; a float's and a bool's type; or
+    _UNBOUND for an argument of another kind."""
+    cls = arg.__class__
+    if cls is int:
+        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if arg is None or cls is float or cls is bool:
+        return cls
+    if hasattr(arg, "block_shape") and hasattr(arg, "layout"):  # a TMA descriptor (Gluon's or Triton's)
+        return cls, arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding
+    return _UNBOUND
+
+
+_UNBOUND = object()  # an argument of a kind _launch_fact does not know: that launch always binds anew
+
+
+def _launch(kernel, grid, *args, **options):
+    """kernel[grid](*args, **options): the constexprs and launch options by keyword, the rest
+    positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
+    through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
+    with the same arguments the JIT would pass (every parameter, in the signature's order)."""
+    if INTERPRETING:
+        return kernel[grid](*args, **options)
+    facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    known = _LAUNCHES.setdefault(kernel, {})
+    bound = known.get(facts)
+    if bound is not None:
+        compiled, rest = bound
+        return compiled[grid](*args, *rest)
+    compiled = kernel[grid](*args, **options)
+    if isinstance(compiled, triton.compiler.CompiledKernel) and _UNBOUND not in facts:
+        if len(known) >= _LAUNCH_KEYS:
+            known.clear()
+        parameters = list(kernel.signature.parameters.values())[len(args):]
+        known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default for p in parameters)
+    return compiled

@@ -1,0 +1,207 @@
+"""Launches bound once per specialization (emit/static/launch.py): the facts a launch is keyed by decide
+Triton's specialization (checked against the JIT's own binder, on the CPU), a repeated launch reuses
+the compiled kernel with the arguments the JIT would pass, and on a GPU the kernels reached that way
+still match the reference."""
+
+import inspect
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+import attngen
+from attngen import testing
+from attngen.emit.static import launch
+
+
+def _one_argument(x):
+    pass
+
+
+# The JIT's binder of a one-argument kernel (JITFunction itself: under TRITON_INTERPRET, triton.jit
+# would give the interpreter's function, which has none).
+_KERNEL = JITFunction(_one_argument)
+_BINDER = create_function_from_signature(_KERNEL.signature, _KERNEL.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+
+def _specialization(arg):
+    """How Triton 3.6's JIT specializes `arg` as a kernel's argument, for an sm_90 target."""
+    return _BINDER(arg)[1][0]
+
+
+_EDGES = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 16, 2**32, 2**63 - 16,
+          2**63 - 1, 2**63, 2**64 - 16, -2**63]
+ints = st.one_of(st.sampled_from(_EDGES), st.integers(-2**63, 2**64 - 1), st.integers(-64, 64).map(lambda n: n * 16))
+tensors = st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8]),
+                    st.integers(0, 40)).map(lambda d: torch.zeros(64, dtype=d[0])[d[1]:])
+
+
+def _descriptor(dtype, box, offset):
+    t = torch.zeros(4 * 64 * 128 + 64, dtype=dtype)[offset:offset + 4 * 64 * 128].view(4, 64, 128)
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, element))
+
+
+descriptors = st.builds(_descriptor, st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+                        st.sampled_from([[1, 64, 128], [1, 128, 64], [1, 64, 64]]), st.sampled_from([0, 64]))
+arguments = st.one_of(ints, tensors, descriptors, st.floats(allow_nan=True), st.booleans(), st.none())
+
+
+@settings(max_examples=400, deadline=None)
+@given(arguments, arguments)
+def test_equal_facts_mean_equal_specializations(a, b):
+    assert launch._launch_fact(a) is not launch._UNBOUND
+    if launch._launch_fact(a) == launch._launch_fact(b):
+        assert _specialization(a) == _specialization(b)
+
+
+def test_the_facts_tell_apart_what_triton_tells_apart():
+    # The converse is not needed for correctness (a finer key only binds more often), but the facts
+    # are meant to be exactly Triton's: one key per specialization for these values.
+    values = [*_EDGES, torch.zeros(8), torch.zeros(8)[1:], torch.zeros(8, dtype=torch.bfloat16), 0.5, True, None]
+    by_fact = {}
+    for value in values:
+        by_fact.setdefault(launch._launch_fact(value), set()).add(str(_specialization(value)))
+    assert all(len(specs) == 1 for specs in by_fact.values())
+    assert len(by_fact) == len({str(_specialization(v)) for v in values})
+
+
+class _Compiled(triton.compiler.CompiledKernel):
+    """A compiled kernel that records its launches."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _Kernel:
+    """A JIT function's surface as _launch uses it: signature, and kernel[grid](...) binding anew."""
+
+    def __init__(self, fn):
+        self.signature = inspect.signature(fn)
+        self.bindings = []
+        self.compiled = {}
+
+    def __getitem__(self, grid):
+        def bind(*args, **options):
+            self.bindings.append((grid, args, options))
+            key = tuple(launch._launch_fact(a) for a in args) + tuple(options.items())
+            return self.compiled.setdefault(key, _Compiled())
+        return bind
+
+
+def _signature(X, n, s, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+@pytest.fixture
+def compiled_launches(monkeypatch):
+    monkeypatch.setattr(launch, "INTERPRETING", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+
+
+def test_a_repeated_launch_reuses_the_compiled_kernel(compiled_launches):
+    kernel = _Kernel(_signature)
+    x = torch.zeros(64)
+    first = launch._launch(kernel, (4, 2), x, 32, 0.5, BLOCK=64, num_warps=4)
+    assert len(kernel.bindings) == 1 and first.launches == []
+    # Another length with the same facts (% 16, not 1), another scale, another aligned buffer: no binding.
+    y = torch.ones(128)
+    launch._launch(kernel, (8, 2), y, 48, 0.25, BLOCK=64, num_warps=4)
+    assert len(kernel.bindings) == 1
+    grid, args = first.launches[0]
+    # Every parameter in the signature's order: the keywords and the defaults after the positional ones.
+    assert grid == (8, 2) and args[0] is y and args[1:] == (48, 0.25, 64, False)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "length 1", "length not % 16", "dtype", "constexpr", "option",
+                                    "int64", "device"])
+def test_a_launch_with_other_facts_binds_anew(compiled_launches, monkeypatch, change):
+    kernel = _Kernel(_signature)
+    x = torch.zeros(64)
+    launch._launch(kernel, (1,), x, 32, 0.5, BLOCK=64, num_warps=4)
+    args, options = [x, 32, 0.5], dict(BLOCK=64, num_warps=4)
+    if change == "misaligned":
+        args[0] = x[1:]
+    elif change == "length 1":
+        args[1] = 1
+    elif change == "length not % 16":
+        args[1] = 33
+    elif change == "dtype":
+        args[0] = x.to(torch.float16)
+    elif change == "constexpr":
+        options["BLOCK"] = 128
+    elif change == "option":
+        options["num_warps"] = 8
+    elif change == "int64":
+        args[1] = 2**32
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    launch._launch(kernel, (1,), *args, **options)
+    assert len(kernel.bindings) == 2
+    launch._launch(kernel, (1,), *args, **options)
+    assert len(kernel.bindings) == 2  # and that key is kept too
+
+
+def test_arguments_of_unknown_kinds_always_bind(compiled_launches):
+    kernel = _Kernel(_signature)
+    for _ in range(3):
+        launch._launch(kernel, (1,), torch.zeros(4), "32", 0.5, BLOCK=64)
+    assert len(kernel.bindings) == 3
+
+
+def test_the_keys_kept_are_bounded(compiled_launches, monkeypatch):
+    monkeypatch.setattr(launch, "_LAUNCH_KEYS", 4)
+    kernel = _Kernel(_signature)
+    for block in range(10):
+        launch._launch(kernel, (1,), torch.zeros(4), 32, 0.5, BLOCK=block)
+    assert len(launch._LAUNCHES[kernel]) <= 4
+
+
+def test_the_interpreter_binds_every_launch(monkeypatch):
+    monkeypatch.setattr(launch, "INTERPRETING", True)
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+    kernel = _Kernel(_signature)
+    for _ in range(2):
+        launch._launch(kernel, (1,), torch.zeros(4), 32, 0.5, BLOCK=64)
+    assert len(kernel.bindings) == 2 and launch._LAUNCHES == {}
+
+
+def test_inference_calls_make_no_autograd_node(monkeypatch):
+    attn = attngen.build("attention causal\nmask: causal\n", target="interpreter")
+    q, k, v = testing.random_qkv(1, 2, 2, 20, 20, 16, 16, torch.float32, seed=1)
+    q.requires_grad_()
+    with_node = attn(q, k, v)
+    assert with_node.grad_fn is not None
+    monkeypatch.setattr(attn.module, "_Attention", None)  # any use of the autograd node now fails
+    with torch.no_grad():
+        without = attn(q, k, v)
+    assert without.grad_fn is None
+    torch.testing.assert_close(without, with_node.detach(), rtol=0, atol=0)
+    assert attn(q.detach(), k, v).grad_fn is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("target", [None, "a100"], ids=["planned", "portable"])
+def test_bound_launches_match_the_reference_on_gpu(target):
+    # Two calls whose sizes differ but whose facts agree (lengths of equal residues mod 16, none 1): the
+    # second reuses the first's compiled kernels with its own arguments, forward and backward.
+    attn = attngen.build("attention causal_bound\nmask: causal\n", target=target)
+    module = attn.module
+    for q_len in (300, 172):
+        q, k, v = testing.random_qkv(2, 4, 2, q_len, q_len + 21, 128, 128, torch.bfloat16, device="cuda", seed=q_len)
+        testing.check_against_reference(attn.spec, attn, q, k, v)
+    kernels = [kernel for kernel in module._LAUNCHES if module._LAUNCHES[kernel]]
+    assert kernels and all(len(keys) == 1 for keys in module._LAUNCHES.values())
