@@ -121,8 +121,11 @@ def test_a_repeated_launch_reuses_the_compiled_kernel(compiled_launches):
     launch._launch(kernel, (8, 2), y, 48, 0.25, BLOCK=64, num_warps=4)
     assert len(kernel.bindings) == 1
     grid, args = first.launches[0]
-    # Every parameter in the signature's order: the keywords and the defaults after the positional ones.
-    assert grid == (8, 2) and args[0] is y and args[1:] == (48, 0.25, 64, False)
+    # A 3-D grid; every parameter in the signature's order: the keywords and the defaults after the
+    # positional ones.
+    assert grid == (8, 2, 1) and args[0] is y and args[1:] == (48, 0.25, 64, False)
+    launch._launch(kernel, (5,), y, 48, 0.25, BLOCK=64, num_warps=4)
+    assert first.launches[1][0] == (5, 1, 1)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "length 1", "length not % 16", "dtype", "constexpr", "option",
@@ -179,8 +182,9 @@ def test_the_interpreter_binds_every_launch(monkeypatch):
 
 
 def test_inference_calls_make_no_autograd_node(monkeypatch):
-    attn = attngen.build("attention causal\nmask: causal\n", target="interpreter")
-    q, k, v = testing.random_qkv(1, 2, 2, 20, 20, 16, 16, torch.float32, seed=1)
+    attn = attngen.build("attention causal\nmask: causal\n")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = testing.random_qkv(1, 2, 2, 20, 20, 16, 16, torch.float32, device=device, seed=1)
     q.requires_grad_()
     with_node = attn(q, k, v)
     assert with_node.grad_fn is not None

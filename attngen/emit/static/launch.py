@@ -54,7 +54,7 @@ def _launch(kernel, grid, *args, **options):
     bound = known.get(facts)
     if bound is not None:
         compiled, rest = bound
-        return compiled[grid](*args, *rest)
+        return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
     compiled = kernel[grid](*args, **options)
     if isinstance(compiled, triton.compiler.CompiledKernel) and _UNBOUND not in facts:
         if len(known) >= _LAUNCH_KEYS:
