@@ -125,6 +125,9 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
     # Triton compiles for sm_90 without a GPU; its interpreter must be off, so tools/compile_sm90.py runs
     # each module in a child process. The PTX must hold what the family exists for.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The child imports the attngen this test imported (a checkout beside an editable install of
+    # another one would otherwise compile that one's kernels).
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(attngen.__file__).parent.parent), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(SPECS.parent / "tools" / "compile_sm90.py"), "--family", "hopper",
                           "--json"], capture_output=True, text=True, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
