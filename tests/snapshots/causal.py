@@ -2071,9 +2071,10 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None):
     lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
     _launch(
-        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
-        lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
+        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
+        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta, *out.stride(), *do.stride(),
+        H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+        BASE2_LSE=lse is not None)
     return delta, lse2
 
 
@@ -2178,7 +2179,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "48e186032834ceae"
+MODULE_DIGEST = "62035fda7c4a13a7"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2565,8 +2566,9 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
     _launch(
-        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
-        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
+        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
+        *q.stride(), *k_strides, *v_strides, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
+        *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
@@ -2729,10 +2731,10 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _launch(
-        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
-        *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
-        HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
+        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)

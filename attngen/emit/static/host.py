@@ -414,9 +414,10 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None):
     lse2 = torch.empty_like(delta) if lse is not None else None
     pre_m = 64
     _launch(
-        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta, lse if lse is not None else delta, delta,
-        lse2 if lse2 is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
-        HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None)
+        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
+        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta, *out.stride(), *do.stride(),
+        H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+        BASE2_LSE=lse is not None)
     return delta, lse2
 
 

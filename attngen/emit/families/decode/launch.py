@@ -110,8 +110,9 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
     part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
     cache_args, cache_flags = _cache_launch(cache, part_lse)
     _launch(
-        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value, *q.stride(), *k_strides, *v_strides,
-        *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args, *page_args,
+        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
+        *q.stride(), *k_strides, *v_strides, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
+        *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)

@@ -159,10 +159,10 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _launch(
-        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value, *_input_args(tensors),
-        *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D, HEAD_DIM_V=DV,
-        HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
+        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
