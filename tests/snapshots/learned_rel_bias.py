@@ -778,13 +778,17 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1)
         glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
         ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
-        tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
-                      mask=glo0 <= ghi0, sem="relaxed")
-        tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
-                      mask=glo0 < ghi0, sem="relaxed")
-        gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
-        if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
-            tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
+        if glo0 >= ghi0:
+            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
+                          sem="relaxed")
+        else:
+            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
+                          sem="relaxed")
+            tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
+                          sem="relaxed")
+            gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
+            if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
+                tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
         # d score'/d score = 1: ds is already the gradient of the raw score
         if MASKED:
             ds = tl.where(allowed, ds, 0.0)
@@ -1452,13 +1456,17 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1)
         glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
         ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
-        tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
-                      mask=glo0 <= ghi0, sem="relaxed")
-        tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
-                      mask=glo0 < ghi0, sem="relaxed")
-        gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
-        if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
-            tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
+        if glo0 >= ghi0:
+            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
+                          sem="relaxed")
+        else:
+            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
+                          sem="relaxed")
+            tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
+                          sem="relaxed")
+            gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
+            if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
+                tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
         # d score'/d score = 1: dsT is already the gradient of the raw score
         dsT = dsT.to(dtype)
         dk_tok = warpgroup_mma(gl.convert_layout(dsT, gl.DotOperandLayout(0, dk_layout, 2)), q_smem, dk,
@@ -2240,7 +2248,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a57d507d7c4f2d63"
+MODULE_DIGEST = "c70aed995ca5c00a"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
