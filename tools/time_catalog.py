@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(B=2, H=16, HKV=16, Q_LEN=8192, KV_LEN=8192, D=128, DV=128)
 
 
-def time_catalog(only: list[str] | None, warm_only: bool = False) -> dict[str, dict[str, float]]:
+def time_catalog(only: list[str] | None, warm_only: bool = False,
+                 head_dim: int = SHAPE["D"]) -> dict[str, dict[str, float]]:
     import torch
     from triton.testing import do_bench
 
@@ -30,7 +31,7 @@ def time_catalog(only: list[str] | None, warm_only: bool = False) -> dict[str, d
         if only and path.stem not in only:
             continue
         attn = attngen.build(str(path))
-        s = SHAPE
+        s = dict(SHAPE, D=head_dim, DV=head_dim)
         q, k, v = (torch.randn(s["B"], h, n, s["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for h, n in ((s["H"], s["Q_LEN"]), (s["HKV"], s["KV_LEN"]), (s["HKV"], s["KV_LEN"])))
         inputs = testing.random_inputs(attn.spec, s["B"], s["H"], s["HKV"], s["Q_LEN"], s["KV_LEN"], device="cuda")
@@ -69,15 +70,18 @@ def main() -> None:
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
     parser.add_argument("--warm", action="store_true", help="only compile and run each spec once")
+    parser.add_argument("--head-dim", type=int, default=SHAPE["D"], help="D and DV of q, k and v")
     args = parser.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     import attngen
     if args.warm:
-        time_catalog(args.only, warm_only=True)
+        time_catalog(args.only, warm_only=True, head_dim=args.head_dim)
         return
-    result = {"label": args.label, "attngen": attngen.__file__, "shape": SHAPE, "times": time_catalog(args.only)}
+    shape = dict(SHAPE, D=args.head_dim, DV=args.head_dim)
+    result = {"label": args.label, "attngen": attngen.__file__, "shape": shape,
+              "times": time_catalog(args.only, head_dim=args.head_dim)}
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
