@@ -37,9 +37,9 @@ def _mirror_serves(q, k, v, HKV, KV_LEN, cached):
     return q.shape[2] == 1
 
 
-def _mirror_forward(q, k, v, tensors, table, cache=None, page_table=None):
+def _mirror_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
     MIRROR_CALLS.append(tuple(q.shape))
-    return _portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table)
+    return _portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table, plan=plan)
 """
 
 

@@ -1,9 +1,11 @@
 """Launches bound once per specialization (emit/static/launch.py): the facts a launch is keyed by decide
 Triton's specialization (checked against the JIT's own binder, on the CPU), a repeated launch reuses
 the compiled kernel with the arguments the JIT would pass, and on a GPU the kernels reached that way
-still match the reference."""
+still match the reference. Call plans (host.py's _CallPlan): a call whose tensors' facts recur skips
+the checks and the family's rule, and never lets past a call the checks would stop."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import attngen
 from attngen import testing
 from attngen.emit.static import launch
+
+SPECS = Path(__file__).parent.parent / "specs"
 
 
 def _one_argument(x):
@@ -209,3 +213,108 @@ def test_bound_launches_match_the_reference_on_gpu(target):
         testing.check_against_reference(attn.spec, attn, q, k, v)
     kernels = [kernel for kernel in module._LAUNCHES if module._LAUNCHES[kernel]]
     assert kernels and all(len(keys) == 1 for keys in module._LAUNCHES.values())
+
+
+# --- call plans -------------------------------------------------------------------------------------
+
+def _counting_checks(monkeypatch, module):
+    calls = []
+    check = module._check
+    monkeypatch.setattr(module, "_check", lambda *args: calls.append(1) or check(*args))
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    return calls
+
+
+def test_a_call_with_the_facts_of_an_earlier_one_reuses_its_plan(monkeypatch):
+    attn = attngen.build(SPECS / "document_causal.attn")
+    checks = _counting_checks(monkeypatch, attn.module)
+    q, k, v = testing.random_qkv(1, 2, 2, 40, 40, 16, 16, torch.float32, seed=1)
+    doc = torch.arange(40, dtype=torch.int32) // 16
+    first = attn(q, k, v, doc=doc)
+    # New tensors (other values, other storage) of the same facts: no second check, the same answer for
+    # the same values.
+    again = attn(q.clone(), k.clone(), v.clone(), doc=doc.clone())
+    assert len(checks) == 1 and len(attn.module._CALL_PLANS) == 1
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"doc": doc})
+
+
+@pytest.mark.parametrize("change", ["dtype", "length", "head dim", "input shape", "input dtype", "missing input",
+                                    "extra input", "not a tensor", "strides"])
+def test_a_call_whose_facts_differ_is_checked_again(monkeypatch, change):
+    # After a good call has made a plan, calls that differ from it in any fact the checks read are
+    # checked in full: the bad ones fail with the checks' own errors.
+    attn = attngen.build(SPECS / "document_causal.attn")
+    checks = _counting_checks(monkeypatch, attn.module)
+    q, k, v = testing.random_qkv(1, 2, 2, 40, 40, 16, 16, torch.float32, seed=2)
+    inputs = {"doc": torch.zeros(40, dtype=torch.int32)}
+    attn(q, k, v, **inputs)
+    bad = {"dtype": "must share a dtype", "head dim": "head_dim", "input shape": "must have shape",
+           "input dtype": "must have dtype", "missing input": "missing input", "extra input": "unknown input",
+           "not a tensor": "must be a torch.Tensor"}
+    if change == "dtype":
+        k = k.to(torch.float16)
+    elif change == "length":
+        q = q[:, :, :33]
+    elif change == "head dim":
+        k = torch.cat([k, k], dim=-1)
+    elif change == "input shape":
+        inputs["doc"] = torch.zeros(41, dtype=torch.int32)
+    elif change == "input dtype":
+        inputs["doc"] = inputs["doc"].to(torch.int64)
+    elif change == "missing input":
+        inputs = {}
+    elif change == "extra input":
+        inputs["other"] = torch.zeros(40)
+    elif change == "not a tensor":
+        inputs["doc"] = [0] * 40
+    else:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    if change in bad:
+        with pytest.raises(ValueError, match=bad[change]):
+            attn(q, k, v, **inputs)
+    else:
+        attn(q, k, v, **inputs)
+    assert len(checks) == 2
+
+
+def test_tensor_subclasses_are_checked_every_call(monkeypatch):
+    class Tagged(torch.Tensor):
+        pass
+
+    attn = attngen.build("attention causal\nmask: causal\n")
+    checks = _counting_checks(monkeypatch, attn.module)
+    q, k, v = (t.as_subclass(Tagged) for t in testing.random_qkv(1, 2, 2, 24, 24, 16, 16, torch.float32, seed=3))
+    for _ in range(2):
+        attn(q, k, v)
+    assert len(checks) == 2 and not attn.module._CALL_PLANS
+
+
+def test_the_plans_kept_are_bounded(monkeypatch):
+    attn = attngen.build("attention causal\nmask: causal\n")
+    _counting_checks(monkeypatch, attn.module)
+    monkeypatch.setattr(attn.module, "_CALL_PLAN_KEYS", 3)
+    for n in range(17, 27):
+        attn(*testing.random_qkv(1, 1, 1, n, n, 16, 16, torch.float32, seed=n))
+    assert 1 <= len(attn.module._CALL_PLANS) <= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", sorted(path.stem for path in SPECS.glob("*.attn")))
+@pytest.mark.parametrize("target", [None, "a100"], ids=["planned", "portable"])
+def test_planned_launches_see_the_facts_they_were_bound_with_on_gpu(name, target, monkeypatch):
+    # Every launch a plan binds recomputes its arguments' facts (_VERIFY_BINDS) and fails on a difference:
+    # calls of new tensors, values and lengths of the same facts, forward (inference and training, whose
+    # tables and launches the plan binds) and backward, each against float64.
+    attn = attngen.build(SPECS / f"{name}.attn", target=target)
+    monkeypatch.setattr(attn.module, "_VERIFY_BINDS", True)
+    monkeypatch.setattr(attn.module, "_CALL_PLANS", {})
+    for seed, (q_len, kv_len) in enumerate([(300, 321), (300, 321), (332, 353)]):
+        q, k, v = testing.random_qkv(2, 4, 2, q_len, kv_len, 128, 128, torch.bfloat16, device="cuda", seed=seed)
+        inputs = testing.random_inputs(attn.spec, 2, 4, 2, q_len, kv_len, device="cuda")
+        with torch.no_grad():
+            attn(q, k, v, **inputs)
+        testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    plans = list(attn.module._CALL_PLANS.values())
+    assert len(plans) == 2 and all(plan.launches for plan in plans)

@@ -56,7 +56,7 @@ def static_code(name: str) -> str:
 def family_launch_code(family: str) -> str:
     """The host code of a kernel family beside the portable one (emit/families/`family`/launch.py,
     after its INLINE_MARKER line): its per-call rule `_<family>_serves(q, k, v, HKV, KV_LEN, cached)` and its
-    launch `_<family>_forward(q, k, v, tensors, table, cache=None, page_table=None)` -> (out, lse)."""
+    launch `_<family>_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None)` -> (out, lse)."""
     return _inlined(resources.files("attngen.emit").joinpath(f"families/{family}/launch.py").read_text(), family)
 
 

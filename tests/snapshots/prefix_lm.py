@@ -285,26 +285,53 @@ def _launch_fact(arg):
 _UNBOUND = object()  # an argument of a kind _launch_fact does not know: that launch always binds anew
 
 
-def _launch(kernel, grid, *args, **options):
+def _launch(kernel, grid, *args, bind=None, **options):
     """kernel[grid](*args, **options): the constexprs and launch options by keyword, the rest
     positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
     through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
-    with the same arguments the JIT would pass (every parameter, in the signature's order)."""
+    with the same arguments the JIT would pass (every parameter, in the signature's order).
+    `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
+    site decide every argument's facts, the plan keeps the site's compiled kernel in `launches` and its
+    later calls skip _launch_fact too."""
     if INTERPRETING:
         return kernel[grid](*args, **options)
+    if bind is not None:
+        bound = bind[0].get(bind[1])
+        if bound is not None:
+            compiled, rest, facts = bound
+            if _VERIFY_BINDS:
+                _verify_bind(kernel, args, options, facts)
+            return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
     facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
     known = _LAUNCHES.setdefault(kernel, {})
     bound = known.get(facts)
-    if bound is not None:
-        compiled, rest = bound
-        return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
-    compiled = kernel[grid](*args, **options)
-    if isinstance(compiled, triton.compiler.CompiledKernel) and _UNBOUND not in facts:
+    if bound is None:
+        compiled = kernel[grid](*args, **options)
+        if not isinstance(compiled, triton.compiler.CompiledKernel) or _UNBOUND in facts:
+            return compiled
         if len(known) >= _LAUNCH_KEYS:
             known.clear()
         parameters = list(kernel.signature.parameters.values())[len(args):]
-        known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default for p in parameters)
+        bound = known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default
+                                               for p in parameters)
+    else:
+        bound[0][(*grid, 1, 1)[:3]](*args, *bound[1])
+        compiled = bound[0]
+    if bind is not None:
+        bind[0][bind[1]] = (*bound, facts)
     return compiled
+
+
+# Tests set this: every launch a plan binds then recomputes its facts and fails if they differ from
+# those the site was bound with (a site whose arguments the plan does not decide).
+_VERIFY_BINDS = False
+
+
+def _verify_bind(kernel, args, options, facts):
+    now = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    if now != facts:
+        raise AssertionError(f"{getattr(kernel, '__name__', kernel)}: a call plan's bound launch saw other "
+                             f"argument facts than it was bound with")
 
 
 # --- scalar and element helpers -------------------------------------------------------------
@@ -1766,6 +1793,58 @@ def _check(q, k, v, inputs):
     return B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3]
 
 
+# --- call plans: what a call's facts decide, worked out once per set of facts ---------------------
+# A short call's host time is Python: the checks, the families' per-call rules, the launches' argument
+# facts. All of them read only what _call_facts collects of the call's tensors, so a call whose facts
+# recur reuses the first one's decisions: it passed the same checks, goes to the same family, and the
+# launch sites it binds (_plan_site) take arguments of the same facts.
+class _CallPlan:
+    """The decisions of calls with one set of facts: their sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) after
+    the checks passed, the forward's (family, launch) once chosen, and the launches bound by site."""
+
+    __slots__ = ("sizes", "family", "launches")
+
+    def __init__(self, sizes):
+        self.sizes, self.family, self.launches = sizes, None, {}
+
+
+_CALL_PLANS = {}
+_CALL_PLAN_KEYS = 256  # then they are dropped and start over, as _LAUNCHES's keys are
+
+
+def _call_facts(q, k, v, inputs):
+    """Everything the checks, the per-call rules and the bound launch sites read of a call's tensors:
+    the inputs' names, the current device, and each tensor's dtype, device, shape, strides and 16-byte
+    alignment; None when one of them is not a plain tensor or parameter (a subclass may answer these
+    differently from call to call: such calls are checked in full every time)."""
+    tensors = (q, k, v, *inputs.values())
+    for t in tensors:
+        if t.__class__ is not torch.Tensor and t.__class__ is not torch.nn.Parameter:
+            return None
+    return (tuple(inputs), torch.cuda.current_device() if q.is_cuda else None,
+            *[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _call_plan(q, k, v, inputs):
+    """The _CallPlan of a call of these tensors: a new one after _check passes, unless a call with the
+    same facts made one already."""
+    facts = _call_facts(q, k, v, inputs)
+    plan = _CALL_PLANS.get(facts) if facts is not None else None
+    if plan is None:
+        plan = _CallPlan(_check(q, k, v, inputs))
+        if facts is not None:
+            if len(_CALL_PLANS) >= _CALL_PLAN_KEYS:
+                _CALL_PLANS.clear()
+            _CALL_PLANS[facts] = plan
+    return plan
+
+
+def _plan_site(plan, *site):
+    """_launch's `bind` for a launch site of a call with this plan (None: none, the launch binds by its facts).
+    `site` names the site and anything of the call besides the plan's facts that its arguments depend on."""
+    return None if plan is None else (plan.launches, site)
+
+
 def _check_tensors(q, k, v):
     """q, k and v: 4-D tensors of one float dtype on one device, unit stride along the head dim."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1948,9 +2027,9 @@ def _resolve(kernels, q, v, known, build):
     return result
 
 
-def _builder(sizes, device, tensors):
-    """build(key) for _resolve in eager calls: runs the two table kernels."""
-    return lambda key: _build_table(key, sizes, device, tensors)
+def _builder(sizes, device, tensors, plan=None):
+    """build(key) for _resolve in eager calls: runs the two table kernels (bound in `plan`, if given)."""
+    return lambda key: _build_table(key, sizes, device, tensors, plan)
 
 
 def _checked_tables(tables, q, v, sizes):
@@ -1972,9 +2051,9 @@ def _built_for(q, v):
     return f"q dtype {q.dtype}, D={q.shape[-1]}, DV={v.shape[-1]}"
 
 
-def _build_table(key, sizes, device, tensors):
+def _build_table(key, sizes, device, tensors, plan=None):
     """(counts, indices) of the tile table `key` (_table_key) of these mask inputs; () when the
-    kernels follow no table."""
+    kernels follow no table. `plan`: the call's _CallPlan, which binds the two launches."""
     if not TILE_TABLE:
         return ()
     by_query, block_m, block_n = key
@@ -1989,8 +2068,9 @@ def _build_table(key, sizes, device, tensors):
         ((q_step, q_points), (k_step, k_points)) if by_query else ((k_step, k_points), (q_step, q_points)))
     _launch(classify, (n_rows, n_cols, g_b * g_h), state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
             g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, ROW_STEP=row_step, ROW_POINTS=row_points,
-            LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4)
-    _launch(_table_compact, (g_b * g_h * n_rows,), state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4)
+            LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4, bind=_plan_site(plan, "classify", key))
+    _launch(_table_compact, (g_b * g_h * n_rows,), state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4,
+            bind=_plan_site(plan, "compact", key))
     TABLE_STATS["built"] += 1
     return num, idx
 
@@ -2009,12 +2089,13 @@ def _sizes(q, k):
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None):
+def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None):
     """Runs the forward pass with the first family whose per-call rule admits this call
     (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
     (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
     `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's;
-    `family` the call's (name, launch) when the caller has it already (_forward_family).
+    `family` the call's (name, launch) when the caller has it already (_forward_family); `plan` the
+    call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables).
     Counting visits (visit_counts) follows the portable tiles."""
     cached = cache is not None or page_table is not None
     if visits is not None:
@@ -2023,8 +2104,8 @@ def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None,
         family = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)
     name, launch = family
     if launch is not None:
-        return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table)
-    return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table)
+        return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan)
+    return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan)
 
 
 def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
@@ -2037,13 +2118,21 @@ def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
                 ("portable", None))
 
 
-def _forward_with_tables(q, k, v, tensors, known, build):
+def _forward_with_tables(q, k, v, tensors, known, build, plan=None):
     """A training or inference call's forward (no cache), with the tile table of the family that runs
     it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
-    decides which table to build and which kernel follows it."""
-    family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
+    decides which table to build and which kernel follows it; a call's _CallPlan remembers it, and
+    binds the launches of calls without the user's tables."""
+    if plan is None:
+        family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
+    else:
+        if plan.family is None:
+            plan.family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
+        family = plan.family
     kernels = _forward_tables(family[0])
-    return _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, build))), family=family)
+    plan = None if known else plan  # the user's tables are tensors the plan's facts do not cover
+    return _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, build))), family=family,
+                    plan=plan)
 
 
 def _forward_tables(name):
@@ -2076,9 +2165,9 @@ def _cache_launch(cache, placeholder):
     return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
-def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None):
+def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None):
     """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-    `cache`, `page_table` as for _forward."""
+    `cache`, `page_table` and `plan` as for _forward."""
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     sm_scale = softmax_scale(D)
@@ -2097,7 +2186,8 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
         B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
+        bind=_plan_site(plan, "forward", bool(table)))
     return out, lse
 
 
@@ -2226,10 +2316,11 @@ class _Attention(torch.autograd.Function):
     """Eager calls: the kernels behind one autograd node, reached without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, q, k, v, known, *tensors):
+    def forward(ctx, q, k, v, known, plan, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        out, lse = _forward_with_tables(q, k, v, tensors, known, ctx.build)
+        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors, plan),
+                                        plan)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -2241,7 +2332,7 @@ class _Attention(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(out)
         dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build)
-        return (dq, dk, dv, None, *input_grads)
+        return (dq, dk, dv, None, None, *input_grads)
 
 
 # --- torch.compile: the kernels as custom operators ------------------------------------------------
@@ -2252,7 +2343,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "7d8e527c2c3eb3a2"
+MODULE_DIGEST = "f722039eb57a9850"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2367,7 +2458,12 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     if page_table is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
         return (out, lse) if return_lse else out
-    B, H, HKV, Q_LEN, KV_LEN, _, _ = _check(q, k, v, inputs)
+    if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
+        plan, sizes = None, _check(q, k, v, inputs)
+    else:
+        plan = _call_plan(q, k, v, inputs)
+        sizes = plan.sizes
+    B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
     if kv_len is not None or q_offset is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
         return (out, lse) if return_lse else out
@@ -2382,9 +2478,10 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     if torch.compiler.is_compiling():
         out, lse = _compiled_attention(q, k, v, tensors, known)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-        out, lse = _Attention.apply(q, k, v, known, *tensors)
+        out, lse = _Attention.apply(q, k, v, known, plan, *tensors)
     else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
-        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
+        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors, plan),
+                                        plan)
     return (out, lse) if return_lse else out
 
 
@@ -2620,11 +2717,11 @@ def _decode_splits(n_tiles, programs, device):
     return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
 
 
-def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
+def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
     """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
     tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
-    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
-    as the portable forward does."""
+    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
+    cache). Returns out and the natural-log LSE, as the portable forward does."""
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
@@ -2643,13 +2740,14 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
         *q.stride(), *k_strides, *v_strides, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
         *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
+        bind=_plan_site(plan, "decode"))
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
     _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
-            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
     return out, lse
 
 
@@ -2743,10 +2841,10 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one."""
+    the call's tile table for these tiles, () without one; `plan` the call's _CallPlan."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
@@ -2765,18 +2863,19 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg)
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
     return run
 
 
-def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
+def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
-    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one. Returns out
-    and the natural-log LSE, as the portable forward does; the backward kernels are the portable family's."""
+    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
+    call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
 
 
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):

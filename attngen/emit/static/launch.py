@@ -42,23 +42,50 @@ def _launch_fact(arg):
 _UNBOUND = object()  # an argument of a kind _launch_fact does not know: that launch always binds anew
 
 
-def _launch(kernel, grid, *args, **options):
+def _launch(kernel, grid, *args, bind=None, **options):
     """kernel[grid](*args, **options): the constexprs and launch options by keyword, the rest
     positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
     through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
-    with the same arguments the JIT would pass (every parameter, in the signature's order)."""
+    with the same arguments the JIT would pass (every parameter, in the signature's order).
+    `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
+    site decide every argument's facts, the plan keeps the site's compiled kernel in `launches` and its
+    later calls skip _launch_fact too."""
     if INTERPRETING:
         return kernel[grid](*args, **options)
+    if bind is not None:
+        bound = bind[0].get(bind[1])
+        if bound is not None:
+            compiled, rest, facts = bound
+            if _VERIFY_BINDS:
+                _verify_bind(kernel, args, options, facts)
+            return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
     facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
     known = _LAUNCHES.setdefault(kernel, {})
     bound = known.get(facts)
-    if bound is not None:
-        compiled, rest = bound
-        return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
-    compiled = kernel[grid](*args, **options)
-    if isinstance(compiled, triton.compiler.CompiledKernel) and _UNBOUND not in facts:
+    if bound is None:
+        compiled = kernel[grid](*args, **options)
+        if not isinstance(compiled, triton.compiler.CompiledKernel) or _UNBOUND in facts:
+            return compiled
         if len(known) >= _LAUNCH_KEYS:
             known.clear()
         parameters = list(kernel.signature.parameters.values())[len(args):]
-        known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default for p in parameters)
+        bound = known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default
+                                               for p in parameters)
+    else:
+        bound[0][(*grid, 1, 1)[:3]](*args, *bound[1])
+        compiled = bound[0]
+    if bind is not None:
+        bind[0][bind[1]] = (*bound, facts)
     return compiled
+
+
+# Tests set this: every launch a plan binds then recomputes its facts and fails if they differ from
+# those the site was bound with (a site whose arguments the plan does not decide).
+_VERIFY_BINDS = False
+
+
+def _verify_bind(kernel, args, options, facts):
+    now = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    if now != facts:
+        raise AssertionError(f"{getattr(kernel, '__name__', kernel)}: a call plan's bound launch saw other "
+                             f"argument facts than it was bound with")

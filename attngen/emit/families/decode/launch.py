@@ -91,11 +91,11 @@ def _decode_splits(n_tiles, programs, device):
     return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
 
 
-def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
+def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
     """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
     tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
-    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)). Returns out and the natural-log LSE,
-    as the portable forward does."""
+    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
+    cache). Returns out and the natural-log LSE, as the portable forward does."""
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
@@ -114,11 +114,12 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None):
         *q.stride(), *k_strides, *v_strides, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
         *page_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
+        bind=_plan_site(plan, "decode"))
     out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
     _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
-            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4)
+            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
     return out, lse

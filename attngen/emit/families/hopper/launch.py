@@ -98,10 +98,10 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one."""
+    the call's tile table for these tiles, () without one; `plan` the call's _CallPlan."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
@@ -120,18 +120,19 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg)
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
     return run
 
 
-def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None):
+def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
-    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one. Returns out
-    and the natural-log LSE, as the portable forward does; the backward kernels are the portable family's."""
+    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
+    call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages)()
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
 
 
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
