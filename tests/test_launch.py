@@ -318,3 +318,13 @@ def test_planned_launches_see_the_facts_they_were_bound_with_on_gpu(name, target
         testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
     plans = list(attn.module._CALL_PLANS.values())
     assert len(plans) == 2 and all(plan.launches for plan in plans)
+    # dO of other facts (a stride-0 expansion from .sum(), a dense one of the same values) gets
+    # backward plans of its own, on the same call plan, with the same gradients.
+    grads = []
+    for loss in (lambda out: out.sum(), lambda out: (out * torch.ones_like(out)).sum()):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        loss(attn(q, k, v, **inputs)).backward()
+        grads.append([q.grad, k.grad, v.grad])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert len(plans[-1].backwards) >= 2

@@ -1800,12 +1800,14 @@ def _check(q, k, v, inputs):
 # launch sites it binds (_plan_site) take arguments of the same facts.
 class _CallPlan:
     """The decisions of calls with one set of facts: their sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) after
-    the checks passed, the forward's (family, launch) once chosen, and the launches bound by site."""
+    the checks passed, the forward's (family, launch) and the backward's (family, name, launch) once
+    chosen, the launches bound by site, and the plans of their backwards by the facts of dO and dLSE
+    (_backward_plan)."""
 
-    __slots__ = ("sizes", "family", "launches")
+    __slots__ = ("sizes", "family", "backward_family", "launches", "backwards")
 
     def __init__(self, sizes):
-        self.sizes, self.family, self.launches = sizes, None, {}
+        self.sizes, self.family, self.backward_family, self.launches, self.backwards = sizes, None, None, {}, {}
 
 
 _CALL_PLANS = {}
@@ -1837,6 +1839,24 @@ def _call_plan(q, k, v, inputs):
                 _CALL_PLANS.clear()
             _CALL_PLANS[facts] = plan
     return plan
+
+
+def _backward_plan(plan, do, dlse):
+    """The plan of a backward of a call of `plan` with this dO and dLSE: their facts (dtype, strides,
+    16-byte alignment; their shapes are out's and LSE's) decide the backward launches' arguments beside
+    the call's. None without a plan, or for a tensor subclass."""
+    if plan is None:
+        return None
+    upstream = (do, dlse) if dlse is not None else (do,)
+    if any(t.__class__ is not torch.Tensor for t in upstream):
+        return None
+    facts = tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in upstream)
+    backward = plan.backwards.get(facts)
+    if backward is None:
+        if len(plan.backwards) >= 16:
+            plan.backwards.clear()
+        backward = plan.backwards[facts] = _CallPlan(plan.sizes)
+    return backward
 
 
 def _plan_site(plan, *site):
@@ -2202,17 +2222,26 @@ def _side_stream(device):
     return _SIDE_STREAMS[device]
 
 
-def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build):
+def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build, plan=None):
     """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
     portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
-    tiles agree) or build(key). Returns dq, dk, dv and one gradient per input (None for inputs that are
-    not learnable)."""
-    _, name, launch = _backward_family(q, k, v)
+    tiles agree) or build(key). `plan`: the call's _CallPlan (None with the user's tables), which keeps
+    the family and binds the launches. Returns dq, dk, dv and one gradient per input (None for inputs
+    that are not learnable)."""
+    if plan is None:
+        family = _backward_family(q, k, v)
+    else:
+        if plan.backward_family is None:
+            plan.backward_family = _backward_family(q, k, v)
+        family = plan.backward_family
+    _, name, launch = family
     kernels = ([1, 2] if launch is None else [name]) if TILE_TABLE else []
     tables = dict(zip(kernels, _resolve(kernels, q, v, known, build)))
+    plan = _backward_plan(plan, do, dlse)
     if launch is not None:
-        return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()))
-    return _portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())))
+        return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan)
+    return _portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())),
+                              plan=plan)
 
 
 def _backward_family(q, k, v):
@@ -2222,11 +2251,12 @@ def _backward_family(q, k, v):
                 ("portable", "portable", None))
 
 
-def _row_terms(out, do, dlse, lse=None, q_rows=None):
+def _row_terms(out, do, dlse, lse=None, q_rows=None, plan=None):
     """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
     (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
     rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array."""
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `plan`: the
+    backward's (_backward_plan)."""
     B, H, Q_LEN, DV = out.shape
     dlse = dlse.contiguous() if dlse is not None else None
     q_rows = q_rows or Q_LEN
@@ -2237,7 +2267,7 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None):
         _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
         lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta, *out.stride(), *do.stride(),
         H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
-        BASE2_LSE=lse is not None)
+        BASE2_LSE=lse is not None, bind=_plan_site(plan, "row terms"))
     return delta, lse2
 
 
@@ -2252,9 +2282,10 @@ def _in_input_dtypes(grads, tensors):
     return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
 
 
-def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None):
-    """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables. Returns
-    dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None):
+    """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
+    backward's (_backward_plan; never with visits). Returns dq, dk, dv and one gradient per input (None
+    for inputs that are not learnable)."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = softmax_scale(D)
@@ -2263,7 +2294,8 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
     # dense). contiguous() copies only when needed (an expansion is not contiguous).
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta, _ = _row_terms(out, do, dlse)
+    delta, _ = _row_terms(out, do, dlse, plan=plan)
+    tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -2284,7 +2316,7 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
                      COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype))
     if ONE_LAUNCH_BACKWARD:
         _launch(_bwd_kernel, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
-                num_stages=max(stages1, stages2), **constants)
+                num_stages=max(stages1, stages2), **constants, bind=_plan_site(plan, "backward", 3, tabled))
     else:
         # Two launches, on two streams on a GPU, so each half gets its own warp count and one's
         # last wave still overlaps the other's.
@@ -2293,8 +2325,9 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
             side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _launch(_bwd_kernel, (n_kv_tiles, B * HKV), *args, PARTS=1, num_warps=warps1, num_stages=stages1,
-                    **constants)
-        _launch(_bwd_kernel, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants)
+                    **constants, bind=_plan_site(plan, "backward", 1, tabled))
+        _launch(_bwd_kernel, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants,
+                bind=_plan_site(plan, "backward", 2, tabled))
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
@@ -2318,9 +2351,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, known, plan, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
-        ctx.build = _builder(_sizes(q, k), q.device, tensors)
-        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors, plan),
-                                        plan)
+        ctx.plan = None if known else plan  # the user's tables: tensors the plan's facts do not cover
+        ctx.build = _builder(_sizes(q, k), q.device, tensors, plan)
+        out, lse = _forward_with_tables(q, k, v, tensors, known, ctx.build, plan)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
@@ -2331,7 +2364,8 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(out)
-        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build)
+        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build,
+                                                        ctx.plan)
         return (dq, dk, dv, None, None, *input_grads)
 
 
@@ -2343,7 +2377,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "ecc54652bf3ade06"
+MODULE_DIGEST = "48a19ce74f838665"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2878,10 +2912,11 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
 
 
-def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
-    (_table_key(q, v, "hopper_bwd")), () for a mask without tables. Returns dq, dk, dv and one gradient
-    per input (None for inputs that are not learnable), as the portable backward does."""
+    (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
+    (_backward_plan). Returns dq, dk, dv and one gradient per input (None for inputs that are not
+    learnable), as the portable backward does."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
@@ -2889,7 +2924,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
@@ -2906,7 +2941,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg,
+        bind=_plan_site(plan, "hopper backward", bool(table)))
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)

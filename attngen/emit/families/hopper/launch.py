@@ -135,10 +135,11 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
 
 
-def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
-    (_table_key(q, v, "hopper_bwd")), () for a mask without tables. Returns dq, dk, dv and one gradient
-    per input (None for inputs that are not learnable), as the portable backward does."""
+    (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
+    (_backward_plan). Returns dq, dk, dv and one gradient per input (None for inputs that are not
+    learnable), as the portable backward does."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
@@ -146,7 +147,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
@@ -163,7 +164,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table):
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg)
+        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg,
+        bind=_plan_site(plan, "hopper backward", bool(table)))
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
