@@ -299,6 +299,69 @@ def test_the_plans_kept_are_bounded(monkeypatch):
     assert 1 <= len(attn.module._CALL_PLANS) <= 3
 
 
+def _recorded_launches(monkeypatch, module):
+    """Runs the module's launches through _launch as on a GPU (bound, plans included), but into fake
+    kernels that record instead of running: each kernel's _Kernel, keyed by the real one."""
+    fakes = {}
+    launch_for_real = module._launch
+
+    def recorded(kernel, grid, *args, **options):
+        fake = fakes.setdefault(kernel, _Kernel(kernel.fn))
+        module.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
+        try:
+            return launch_for_real(fake, grid, *args, **options)
+        finally:
+            module.INTERPRETING = True
+
+    monkeypatch.setattr(module, "_launch", recorded)
+    monkeypatch.setattr(module, "_LAUNCHES", {})
+    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    monkeypatch.setattr(module, "_VERIFY_BINDS", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return fakes
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in SPECS.glob("*.attn")))
+def test_every_site_a_plan_binds_sees_the_facts_it_was_bound_with(monkeypatch, name):
+    # The portable family's and the decode family's sites, the table builds and the backward's, on the
+    # CPU: calls of new tensors and values of the same facts, with dO of two layouts (a stride-0
+    # expansion and a dense tensor), reach every bound site again, and _VERIFY_BINDS recomputes the
+    # arguments' facts there (the GPU test does the same for the Hopper family's sites, results included).
+    attn = attngen.build(SPECS / f"{name}.attn", target="a100")
+    fakes = _recorded_launches(monkeypatch, attn.module)
+    verified = []
+    verify = attn.module._verify_bind
+    monkeypatch.setattr(attn.module, "_verify_bind", lambda *args: verified.append(args[0]) or verify(*args))
+    for q_len in (1, 1, 40, 40):  # the decode family's calls, then the portable family's
+        q, k, v = testing.random_qkv(2, 4, 2, q_len, 48, 64, 64, torch.float32, seed=q_len)
+        inputs = testing.random_inputs(attn.spec, 2, 4, 2, q_len, 48)
+        for loss in (lambda out: out.sum(), lambda out: (out * torch.ones_like(out)).sum()):
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            loss(attn(q, k, v, **inputs)).backward()
+        with torch.no_grad():
+            attn(q, k, v, **inputs)
+    plans = list(attn.module._CALL_PLANS.values())
+    assert len(plans) == 2 and all(plan.launches and len(plan.backwards) == 2 for plan in plans)
+    # Every kernel bound once per set of facts, and every kernel relaunched through a plan's site.
+    assert fakes and all(len(fake.bindings) == len(fake.compiled) for fake in fakes.values())
+    assert set(verified) == set(fakes.values())
+
+
+def test_a_site_that_misses_a_fact_of_its_arguments_fails_the_check(monkeypatch):
+    # The check above can fail: sites named without what tells them apart (the compaction of the
+    # forward's tile table, 5 key tiles a row here, and of the backward's, 1 query tile a row) reuse
+    # each other's bindings.
+    attn = attngen.build(SPECS / "document_causal.attn", target="a100")
+    _recorded_launches(monkeypatch, attn.module)
+    monkeypatch.setattr(attn.module, "_plan_site", lambda plan, *site: None if plan is None else
+                        (plan.launches, site[0]))
+    q, k, v = (t.requires_grad_() for t in testing.random_qkv(2, 4, 2, 40, 300, 64, 64, torch.float32, seed=5))
+    doc = torch.zeros(300, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="other argument facts"):
+        for _ in range(2):
+            attn(q, k, v, doc=doc).sum().backward()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", sorted(path.stem for path in SPECS.glob("*.attn")))

@@ -291,12 +291,12 @@ def _launch(kernel, grid, *args, bind=None, **options):
     through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
     with the same arguments the JIT would pass (every parameter, in the signature's order).
     `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
-    site decide every argument's facts, the plan keeps the site's compiled kernel in `launches` and its
-    later calls skip _launch_fact too."""
+    site decide every argument's facts, the plan keeps the compiled kernel in `launches` under the kernel
+    and the site, and its later calls skip _launch_fact too."""
     if INTERPRETING:
         return kernel[grid](*args, **options)
     if bind is not None:
-        bound = bind[0].get(bind[1])
+        bound = bind[0].get((kernel, bind[1]))
         if bound is not None:
             compiled, rest, facts = bound
             if _VERIFY_BINDS:
@@ -318,7 +318,7 @@ def _launch(kernel, grid, *args, bind=None, **options):
         bound[0][(*grid, 1, 1)[:3]](*args, *bound[1])
         compiled = bound[0]
     if bind is not None:
-        bind[0][bind[1]] = (*bound, facts)
+        bind[0][kernel, bind[1]] = (*bound, facts)
     return compiled
 
 
@@ -1861,7 +1861,8 @@ def _backward_plan(plan, do, dlse):
 
 def _plan_site(plan, *site):
     """_launch's `bind` for a launch site of a call with this plan (None: none, the launch binds by its facts).
-    `site` names the site and anything of the call besides the plan's facts that its arguments depend on."""
+    `site` tells apart the launches of one kernel in a call: it names the site and anything of the call
+    besides the plan's facts that its arguments depend on."""
     return None if plan is None else (plan.launches, site)
 
 
@@ -2377,7 +2378,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "48a19ce74f838665"
+MODULE_DIGEST = "afc3d762c7eee4f5"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):

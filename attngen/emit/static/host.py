@@ -104,7 +104,8 @@ def _backward_plan(plan, do, dlse):
 
 def _plan_site(plan, *site):
     """_launch's `bind` for a launch site of a call with this plan (None: none, the launch binds by its facts).
-    `site` names the site and anything of the call besides the plan's facts that its arguments depend on."""
+    `site` tells apart the launches of one kernel in a call: it names the site and anything of the call
+    besides the plan's facts that its arguments depend on."""
     return None if plan is None else (plan.launches, site)
 
 

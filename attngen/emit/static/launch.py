@@ -48,12 +48,12 @@ def _launch(kernel, grid, *args, bind=None, **options):
     through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
     with the same arguments the JIT would pass (every parameter, in the signature's order).
     `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
-    site decide every argument's facts, the plan keeps the site's compiled kernel in `launches` and its
-    later calls skip _launch_fact too."""
+    site decide every argument's facts, the plan keeps the compiled kernel in `launches` under the kernel
+    and the site, and its later calls skip _launch_fact too."""
     if INTERPRETING:
         return kernel[grid](*args, **options)
     if bind is not None:
-        bound = bind[0].get(bind[1])
+        bound = bind[0].get((kernel, bind[1]))
         if bound is not None:
             compiled, rest, facts = bound
             if _VERIFY_BINDS:
@@ -75,7 +75,7 @@ def _launch(kernel, grid, *args, bind=None, **options):
         bound[0][(*grid, 1, 1)[:3]](*args, *bound[1])
         compiled = bound[0]
     if bind is not None:
-        bind[0][bind[1]] = (*bound, facts)
+        bind[0][kernel, bind[1]] = (*bound, facts)
     return compiled
 
 
