@@ -95,6 +95,7 @@ def test_arguments_are_checked_by_name():
         (dict(slopes=torch.ones(3, device=DEVICE)), "input 'slopes' must have shape (4)"),
         (dict(slopes=slopes.half()), "input 'slopes' must have dtype torch.float32"),
         (dict(slopes=[1.0] * 4), "input 'slopes' must be a torch.Tensor"),
+        (dict(slopes=slopes.to_sparse()), "input 'slopes' must be a dense tensor f32[H], got a torch.sparse_coo one"),
     ]
     for inputs, message in cases:
         with pytest.raises(ValueError, match=None) as err:
@@ -108,6 +109,8 @@ def test_arguments_are_checked_by_name():
         attn(q, k[..., :8], v, slopes=slopes)
     with pytest.raises(ValueError, match="4 dims"):
         attn(q[0], k, v, slopes=slopes)
+    with pytest.raises(ValueError, match="q must be a dense tensor, got a torch.sparse_coo one"):
+        attn(q.to_sparse(), k, v, slopes=slopes)
 
 
 @pytest.mark.gpu

@@ -1817,11 +1817,13 @@ _CALL_PLAN_KEYS = 256  # then they are dropped and start over, as _LAUNCHES's ke
 def _call_facts(q, k, v, inputs):
     """Everything the checks, the per-call rules and the bound launch sites read of a call's tensors:
     the inputs' names, the current device, and each tensor's dtype, device, shape, strides and 16-byte
-    alignment; None when one of them is not a plain tensor or parameter (a subclass may answer these
-    differently from call to call: such calls are checked in full every time)."""
+    alignment; None when one of them is not a plain dense tensor or parameter (a subclass may answer
+    these differently from call to call: such calls are checked in full every time)."""
     tensors = (q, k, v, *inputs.values())
     for t in tensors:
         if t.__class__ is not torch.Tensor and t.__class__ is not torch.nn.Parameter:
+            return None
+        if t.layout != torch.strided or t.is_nested:  # no strides to key on: _check refuses them
             return None
     return (tuple(inputs), torch.cuda.current_device() if q.is_cuda else None,
             *[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors])
@@ -1871,6 +1873,8 @@ def _check_tensors(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            _fail(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
         if t.dim() != 4:
             _fail(f"{name} must have 4 dims (B, heads, length, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
@@ -1911,6 +1915,9 @@ def _check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, DV, inputs, device):
         t = inputs[name]
         if not isinstance(t, torch.Tensor):
             _fail(f"input '{name}' must be a torch.Tensor {_declared(name)}, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            _fail(f"input '{name}' must be a dense tensor {_declared(name)}, got a "
+                  f"{'nested' if t.is_nested else t.layout} one")
         if t.dtype != _INPUT_DTYPES[dtype]:
             _fail(f"input '{name}' must have dtype {_INPUT_DTYPES[dtype]} ({_declared(name)}), got {t.dtype}")
         if t.device != device:
@@ -2378,7 +2385,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "474a5b4064418f7e"
+MODULE_DIGEST = "cfd88e50bbd04e11"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
