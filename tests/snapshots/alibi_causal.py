@@ -305,7 +305,7 @@ def _launch(kernel, grid, *args, bind=None, **options):
             if _VERIFY_BINDS:
                 _verify_bind(kernel, args, options, facts)
             return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
-    facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    facts = _launch_facts(args, options)
     known = _LAUNCHES.setdefault(kernel, {})
     bound = known.get(facts)
     if bound is None:
@@ -330,9 +330,13 @@ def _launch(kernel, grid, *args, bind=None, **options):
 _VERIFY_BINDS = False
 
 
+def _launch_facts(args, options):
+    """The key of a launch: the device, each positional argument's _launch_fact and the keywords."""
+    return (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+
+
 def _verify_bind(kernel, args, options, facts):
-    now = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
-    if now != facts:
+    if _launch_facts(args, options) != facts:
         raise AssertionError(f"{getattr(kernel, '__name__', kernel)}: a call plan's bound launch saw other "
                              f"argument facts than it was bound with")
 
@@ -1784,14 +1788,15 @@ def _check(q, k, v, inputs):
 # launch sites it binds (_plan_site) take arguments of the same facts.
 class _CallPlan:
     """The decisions of calls with one set of facts: their sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) after
-    the checks passed, the forward's (family, launch) and the backward's (family, name, launch) once
-    chosen, the launches bound by site, and the plans of their backwards by the facts of dO and dLSE
+    the checks passed, the forward's (family, launch) and the backward's (family, name, launch), the
+    launches bound by site, and the plans of their backwards by the facts of dO and dLSE
     (_backward_plan)."""
 
     __slots__ = ("sizes", "family", "backward_family", "launches", "backwards")
 
-    def __init__(self, sizes):
-        self.sizes, self.family, self.backward_family, self.launches, self.backwards = sizes, None, None, {}, {}
+    def __init__(self, sizes, family, backward_family):
+        self.sizes, self.family, self.backward_family = sizes, family, backward_family
+        self.launches, self.backwards = {}, {}
 
 
 _CALL_PLANS = {}
@@ -1819,7 +1824,9 @@ def _call_plan(q, k, v, inputs):
     facts = _call_facts(q, k, v, inputs)
     plan = _CALL_PLANS.get(facts) if facts is not None else None
     if plan is None:
-        plan = _CallPlan(_check(q, k, v, inputs))
+        sizes = _check(q, k, v, inputs)
+        # Both families once per facts, whether the call then runs a backward (or is a cache call) or not.
+        plan = _CallPlan(sizes, _forward_family(q, k, v, sizes[2], sizes[4], False), _backward_family(q, k, v))
         if facts is not None:
             if len(_CALL_PLANS) >= _CALL_PLAN_KEYS:
                 _CALL_PLANS.clear()
@@ -1841,7 +1848,7 @@ def _backward_plan(plan, do, dlse):
     if backward is None:
         if len(plan.backwards) >= 16:
             plan.backwards.clear()
-        backward = plan.backwards[facts] = _CallPlan(plan.sizes)
+        backward = plan.backwards[facts] = _CallPlan(plan.sizes, plan.family, plan.backward_family)
     return backward
 
 
@@ -2133,16 +2140,10 @@ def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
 def _forward_with_tables(q, k, v, tensors, known, build, plan=None):
     """A training or inference call's forward (no cache), with the tile table of the family that runs
     it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
-    decides which table to build and which kernel follows it; a call's _CallPlan remembers it, and
-    binds the launches of calls without the user's tables."""
-    if plan is None:
-        family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
-    else:
-        if plan.family is None:
-            plan.family = _forward_family(q, k, v, k.shape[1], k.shape[2], False)
-        family = plan.family
+    decides which table to build and which kernel follows it; a call's _CallPlan has it, and binds the
+    launches."""
+    family = plan.family if plan is not None else _forward_family(q, k, v, k.shape[1], k.shape[2], False)
     kernels = _forward_tables(family[0])
-    plan = None if known else plan  # the user's tables are tensors the plan's facts do not cover
     return _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, build))), family=family,
                     plan=plan)
 
@@ -2217,16 +2218,9 @@ def _side_stream(device):
 def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build, plan=None):
     """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
     portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
-    tiles agree) or build(key). `plan`: the call's _CallPlan (None with the user's tables), which keeps
-    the family and binds the launches. Returns dq, dk, dv and one gradient per input (None for inputs
-    that are not learnable)."""
-    if plan is None:
-        family = _backward_family(q, k, v)
-    else:
-        if plan.backward_family is None:
-            plan.backward_family = _backward_family(q, k, v)
-        family = plan.backward_family
-    _, name, launch = family
+    tiles agree) or build(key). `plan`: the call's _CallPlan, which has the family and binds the
+    launches. Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+    _, name, launch = plan.backward_family if plan is not None else _backward_family(q, k, v)
     kernels = ([1, 2] if launch is None else [name]) if TILE_TABLE else []
     tables = dict(zip(kernels, _resolve(kernels, q, v, known, build)))
     plan = _backward_plan(plan, do, dlse)
@@ -2343,7 +2337,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, known, plan, *tensors):
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
-        ctx.plan = None if known else plan  # the user's tables: tensors the plan's facts do not cover
+        ctx.plan = plan
         ctx.build = _builder(_sizes(q, k), q.device, tensors, plan)
         out, lse = _forward_with_tables(q, k, v, tensors, known, ctx.build, plan)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
@@ -2369,7 +2363,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "3a2f4e51482e8fe9"
+MODULE_DIGEST = "68b1893cd7ea7955"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2500,6 +2494,8 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
                       f"get no gradient: declare it `input {name}: {_declared(name)} learnable`, or pass it "
                       f"detached")
     known = {} if tile_tables is None else _checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
+    if known:
+        plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
     tensors = [inputs[name].contiguous() for name in INPUTS]
     if torch.compiler.is_compiling():
         out, lse = _compiled_attention(q, k, v, tensors, known)

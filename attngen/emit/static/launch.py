@@ -59,7 +59,7 @@ def _launch(kernel, grid, *args, bind=None, **options):
             if _VERIFY_BINDS:
                 _verify_bind(kernel, args, options, facts)
             return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
-    facts = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+    facts = _launch_facts(args, options)
     known = _LAUNCHES.setdefault(kernel, {})
     bound = known.get(facts)
     if bound is None:
@@ -84,8 +84,12 @@ def _launch(kernel, grid, *args, bind=None, **options):
 _VERIFY_BINDS = False
 
 
+def _launch_facts(args, options):
+    """The key of a launch: the device, each positional argument's _launch_fact and the keywords."""
+    return (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
+
+
 def _verify_bind(kernel, args, options, facts):
-    now = (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
-    if now != facts:
+    if _launch_facts(args, options) != facts:
         raise AssertionError(f"{getattr(kernel, '__name__', kernel)}: a call plan's bound launch saw other "
                              f"argument facts than it was bound with")
