@@ -109,7 +109,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
             Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
-        sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
+        sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
+                                                        "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
@@ -182,7 +183,8 @@ def main() -> None:
                 continue
             kernels = results[path.stem] = json.loads(run.stdout.strip().splitlines()[-1])
             if not args.json:
-                print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines" for k, v in kernels.items()))
+                print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines, {v['shared']} B shared"
+                                                   for k, v in kernels.items()))
     if args.json:
         print(json.dumps(results))
     sys.exit(1 if failed else 0)

@@ -113,8 +113,10 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
 # Above this width dK and dV (2 * d fp32 a key row) no longer fit the registers of 128-key tiles: the
 # tiles hold 64 keys, and their two warpgroups split the head dims' columns (SPLIT_D).
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
-# Shared memory a CTA may hold on sm_90 (227 KiB), less a margin for barriers and the LSE/delta rows.
-HOPPER_SHARED_BYTES = 227 * 1024 - 2048
+# Shared memory a CTA may hold on sm_90 (227 KiB); the tiles' budget leaves a margin for barriers, the
+# LSE/delta rows and reductions' scratch (1-1.3 KB in the compiled kernels: tools/compile_sm90.py).
+SM90_SHARED_BYTES = 227 * 1024
+HOPPER_SHARED_BYTES = SM90_SHARED_BYTES - 2048
 
 
 def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: int, dv: int) -> int:
