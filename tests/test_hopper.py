@@ -119,6 +119,13 @@ def test_explain_names_the_family_and_its_tiles():
     assert "kernel families: decode, hopper, portable" in text
     assert "hopper: 128x128 tiles, two 4-warp consumer warpgroups" in text
     assert "hopper backward: 64 queries x 128 keys" in text
+    # Above head dim 128 the backward's tiles are 64 x 64, with two Q/dO stages only where they fit.
+    wide = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=256, head_dim_v=256,
+                       dtype="bf16", target="h200").text
+    assert "hopper backward: 64 queries x 64 keys" in wide and "1 Q/dO stage," in wide
+    narrower_v = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=256, head_dim_v=128,
+                             dtype="bf16", target="h200").text
+    assert "hopper backward: 64 queries x 64 keys" in narrower_v and "2 Q/dO stages" in narrower_v
 
 
 def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
@@ -142,7 +149,22 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
         backward = kernels["_hopper_bwd_kernel"]
         for instruction in ("wgmma", "tma", "setmaxnreg"):
             assert backward[instruction], f"{spec}: no {instruction} in the Hopper backward's PTX"
+        for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):  # else the launch fails: out of resources
+            shared = kernels[kernel]["shared"]
+            assert shared <= families.SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
+    # Head dim 256: the backward's split layout (SPLIT_D), for a plain mask, a learnable table and a softcap.
+    wide = ["causal", "learned_rel_bias", "gemma2_local"]
+    run = subprocess.run([sys.executable, str(SPECS.parent / "tools" / "compile_sm90.py"), "--family", "hopper",
+                          "--head-dim", "256", "--only", *wide, "--json"], capture_output=True, text=True, env=env,
+                         timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(wide)
+    for spec, kernels in results.items():
+        for instruction in ("wgmma", "tma", "setmaxnreg"):
+            assert kernels["_hopper_bwd_kernel"][instruction], f"{spec}: no {instruction} in the D=256 backward"
+        assert kernels["_hopper_bwd_kernel"]["shared"] <= families.SM90_SHARED_BYTES, spec
 
 
 class _Tensor:
@@ -187,11 +209,13 @@ def test_the_per_call_rule():
     long = _Tensor(1, 1, 2**31 - 128, 128)
     assert not serves(long, long, long, 1, 2**31 - 128, False)
     assert not serves(_Tensor(1, 1, 16, 128), long, long, 1, 2**31 - 128, False)  # the keys' rows count too
-    # The backward: the forward's rule, with head dims up to 128 (dK and dV live in registers).
+    # The backward: the forward's rule, every head dim included (above 128 on tiles of its own).
     backward = module._hopper_backward_serves
     assert backward(q, k, k) and backward(_Tensor(2, 8, 1000, 80), _Tensor(2, 2, 1000, 80), _Tensor(2, 2, 1000, 128))
     wide = _Tensor(2, 2, 1000, 136)
-    assert not backward(_Tensor(2, 8, 1000, 136), wide, k) and not backward(q, k, wide)
+    assert backward(_Tensor(2, 8, 1000, 136), wide, k) and backward(q, k, wide)
+    assert backward(_Tensor(2, 8, 1000, 256), _Tensor(2, 2, 1000, 256), _Tensor(2, 2, 1000, 256))
+    assert not backward(_Tensor(2, 8, 1000, 264), _Tensor(2, 2, 1000, 264), k)
     assert not backward(q, _Tensor(2, 2, 1000, 128, contiguous=False), k)
     assert not backward(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3)
 
@@ -241,8 +265,23 @@ def test_hopper_family_matches_the_reference_on_gpu(name, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", CATALOG)
+def test_hopper_wide_backward_runs_every_catalog_spec_on_gpu(name):
+    # Above head dim 128 the backward's warpgroups split the head dims and pass P^T and dS^T through
+    # shared memory: every spec's score, mask, derivative and learnable gradients must hold on that layout.
+    attn = attngen.build(SPECS / f"{name}.attn")
+    q, k, v = testing.random_qkv(1, 4, 2, 257, 700, 256, 256, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, 1, 4, 2, 257, 700, device="cuda")
+    assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", ["causal", "gemma2_local", "document_causal"])
-@pytest.mark.parametrize("dims", [(64, 64), (96, 96), (80, 128), (128, 64), (256, 256), (192, 128)],
+@pytest.mark.parametrize("dims", [(64, 64), (96, 96), (80, 128), (128, 64), (256, 256), (192, 128), (136, 200),
+                                  (128, 256)],
                          ids=lambda d: f"D{d[0]}-DV{d[1]}")
 def test_hopper_head_dims_on_gpu(name, dims):
     D, DV = dims
@@ -250,7 +289,7 @@ def test_hopper_head_dims_on_gpu(name, dims):
     q, k, v = testing.random_qkv(2, 4, 2, 333, 333, D, DV, torch.bfloat16, device="cuda")
     inputs = testing.random_inputs(attn.spec, 2, 4, 2, 333, 333, device="cuda")
     assert attn.forward_family(q, k, v, **inputs) == "hopper"
-    assert attn.backward_family(q, k, v, **inputs) == ("hopper" if max(D, DV) <= 128 else "portable")
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 

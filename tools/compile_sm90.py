@@ -85,7 +85,9 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                              tiles))
         if family == "hopper_bwd":
             launches.append(("_hopper_bwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                                                        FOLLOW_TABLE=bool(module.TILE_TABLE)), tiles))
+                                                        FOLLOW_TABLE=bool(module.TILE_TABLE),
+                                                        SPLIT_D=module._hopper_backward_config(*tiles[1:3])[2]),
+                             tiles))
     if module.TILE_TABLE:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
@@ -98,7 +100,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.INPUTS)) for p in fn.params}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
-            compiled = _compile_hopper(module, fn, signature, constexprs, constants, target)
+            compiled = _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
         else:
             compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
                                       options=dict(num_warps=tiles[2], num_stages=tiles[3]))
@@ -107,14 +109,15 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
             Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
-        sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "wgmma": "wgmma" in ptx,
+        sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
+                                                        "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
 
 
-def _compile_hopper(module, fn, signature, constexprs, constants, target):
+def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target):
     """The Hopper family's Gluon forward or backward, typed as a bf16 launch of its host code would type
     it: TMA descriptors of the tiles' boxes (the forward's pingpong variant has half-height query boxes;
     the backward reduces dQ into fp32)."""
@@ -138,7 +141,7 @@ def _compile_hopper(module, fn, signature, constexprs, constants, target):
                  "do_desc": [1, block_m, dv]}
         signature = {**signature, "dq_desc": descriptor([1, block_m, d], "fp32"),
                      "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
-        num_warps, maxnreg = module._hopper_launch_config(block_n, False)
+        num_warps, maxnreg, _ = module._hopper_backward_config(block_n, tiles[2])
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,
                           options=dict(num_warps=num_warps, maxnreg=maxnreg))
@@ -180,7 +183,8 @@ def main() -> None:
                 continue
             kernels = results[path.stem] = json.loads(run.stdout.strip().splitlines()[-1])
             if not args.json:
-                print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines" for k, v in kernels.items()))
+                print(f"{path.stem}: " + ", ".join(f"{k} {v['ptx_lines']} PTX lines, {v['shared']} B shared"
+                                                   for k, v in kernels.items()))
     if args.json:
         print(json.dumps(results))
     sys.exit(1 if failed else 0)

@@ -15,7 +15,7 @@ from attngen.analysis import Analysis, integers
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
-from attngen.plan.families import DECODE_MAX_ROWS, FAMILIES, HOPPER_BACKWARD_MAX_HEAD_DIM, PORTABLE
+from attngen.plan.families import DECODE_MAX_ROWS, FAMILIES, PORTABLE
 from attngen.version import __version__
 
 # What the preamble in module.py.jinja defines (the spec's facts) and what the kernel templates define
@@ -145,7 +145,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
-        decode_max_rows=DECODE_MAX_ROWS, hopper_backward_max_head_dim=HOPPER_BACKWARD_MAX_HEAD_DIM,
+        decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )
     return _with_digest(_environment().get_template("module.py.jinja").render(**context))

@@ -110,20 +110,34 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
             f"shared memory at 16 bits)")
 
 
-# The widest head dims the Hopper backward takes: dK and dV live in registers, 2 * D fp32 a key row.
-HOPPER_BACKWARD_MAX_HEAD_DIM = 128
+# Above this width dK and dV (2 * d fp32 a key row) no longer fit the registers of 128-key tiles: the
+# tiles hold 64 keys, and their two warpgroups split the head dims' columns (SPLIT_D).
+HOPPER_BACKWARD_SPLIT_ABOVE = 128
+# Shared memory a CTA may hold on sm_90 (227 KiB); the tiles' budget leaves a margin for barriers, the
+# LSE/delta rows and reductions' scratch (1-1.3 KB in the compiled kernels: tools/compile_sm90.py).
+SM90_SHARED_BYTES = 227 * 1024
+HOPPER_SHARED_BYTES = SM90_SHARED_BYTES - 2048
+
+
+def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: int, dv: int) -> int:
+    # K and V; STAGES of Q and dO; dS^T (and P^T) at 16 bits; dQ's fp32 staging box.
+    return (block_n * (d + dv) + stages * block_m * (d + dv) + block_n * block_m) * 2 + block_m * d * 4
 
 
 def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
-    tiles = (64, 128, 8, 2)
-    if max(d, dv) > HOPPER_BACKWARD_MAX_HEAD_DIM:
-        return tiles, (f"hopper backward: head dims above {HOPPER_BACKWARD_MAX_HEAD_DIM} go to the portable "
-                       f"backward (dK and dV would not fit the registers)")
-    # K and V; two stages of Q and dO; dS^T at 16 bits; dQ's fp32 staging box.
-    shared_bytes = (128 * (d + dv) + 2 * 64 * (d + dv) + 128 * 64) * 2 + 64 * d * 4
-    return tiles, (f"hopper backward: 64 queries x 128 keys (FA3's D=128 tile), two consumer warpgroups holding dK "
-                   f"and dV in registers, 2 Q/dO stages, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of shared "
-                   f"memory)")
+    if max(d, dv) <= HOPPER_BACKWARD_SPLIT_ABOVE:
+        shared_bytes = _hopper_backward_shared_bytes(64, 128, 2, d, dv)
+        return (64, 128, 8, 2), (
+            f"hopper backward: 64 queries x 128 keys (FA3's D=128 tile), two consumer warpgroups holding dK and dV "
+            f"in registers, 2 Q/dO stages, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of shared memory)")
+    # FA3's sm_90 tiles at head dim 256: 64 x 64, one stage where two do not fit.
+    stages = 2 if _hopper_backward_shared_bytes(64, 64, 2, d, dv) <= HOPPER_SHARED_BYTES else 1
+    shared_bytes = _hopper_backward_shared_bytes(64, 64, stages, d, dv)
+    return (64, 64, 8, stages), (
+        f"hopper backward: 64 queries x 64 keys (FA3's D=256 tile), two consumer warpgroups side by side, each "
+        f"holding half the head dims of dK and dV in registers, P^T and dS^T shared through shared memory, "
+        f"{stages} Q/dO stage{'s' if stages > 1 else ''}, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of "
+        f"shared memory)")
 
 
 HOPPER = Family(
@@ -135,9 +149,8 @@ HOPPER = Family(
               "ranges and tables"),
     problem=_hopper_problem,
     kernels=KERNELS,
-    per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256 "
-              f"(the backward: to {HOPPER_BACKWARD_MAX_HEAD_DIM}), contiguous 16-byte-aligned q, k, v, Q_LEN and "
-              "KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
+    per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256, "
+              "contiguous 16-byte-aligned q, k, v, Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
     tiles=_hopper_tiles,
     backward_tiles=_hopper_backward_tiles,
     follows_tables=True,

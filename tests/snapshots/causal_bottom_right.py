@@ -141,9 +141,9 @@ FAMILY_TILES = {
     (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
     (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
     (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
     (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
@@ -156,9 +156,9 @@ FAMILY_TILES = {
     (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
     (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
     (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
     (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
@@ -171,9 +171,9 @@ FAMILY_TILES = {
     (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
     (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
@@ -186,24 +186,24 @@ FAMILY_TILES = {
     (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
     (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
 }
 
 
@@ -947,8 +947,6 @@ from triton._C.libtriton import ir as _triton_ir  # noqa: E402
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = True
-# The widest head dims the backward takes: dK and dV stay in its consumer's registers (plan.families).
-HOPPER_BACKWARD_MAX_HEAD_DIM = 128
 
 
 @triton.jit
@@ -1417,15 +1415,18 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                       H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
-                      FOLLOW_TABLE: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr):
+                      FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, dk_layout: tl.constexpr,
+                      dv_layout: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
-    NUM_WARPS: gl.constexpr = BLOCK_N // 16
-    WARPGROUPS: gl.constexpr = NUM_WARPS // 4
-    # One 16-key slab per warp, as in dK/dV's layouts: P^T, dS^T and the dK/dV accumulators share rows,
-    # so the accumulator to A-operand conversions stay in registers.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
+    # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
+    # and the dK/dV accumulators share rows. Unsplit, the accumulator to A-operand conversions stay in
+    # registers; SPLIT_D's warpgroups each hold half the columns, so P^T and dS^T go through ds_smem.
+    ROW_WARPS: gl.constexpr = BLOCK_N // 16
+    COL_WARPS: gl.constexpr = 2 if SPLIT_D else 1
+    WARPGROUPS: gl.constexpr = ROW_WARPS * COL_WARPS // 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
+                                                       instr_shape=[16, BLOCK_M // COL_WARPS, 16])
     # dQ_i has BLOCK_M (64) rows, one warpgroup's M: the warpgroups split its columns instead.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
                                                         instr_shape=[16, HEAD_DIM_PAD // WARPGROUPS, 16])
@@ -1458,8 +1459,16 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
             mk2 = mk1 >= offs_n[:, None]
             allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
             pT = gl.where(allowed, pT, 0.0)
-        dv_tok = warpgroup_mma(gl.convert_layout(pT.to(dtype), gl.DotOperandLayout(0, dv_layout, 2)), do_smem, dv,
-                               is_async=True)
+        if SPLIT_D:
+            # Each warpgroup has half of P^T's columns and needs all of them: through shared memory. The
+            # previous step's readers of ds_smem retired before the partition-wide barrier of its `empty`.
+            ds_smem.store(pT.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv_tok = warpgroup_mma(ds_smem, do_smem, dv, is_async=True)
+        else:
+            dv_tok = warpgroup_mma(gl.convert_layout(pT.to(dtype), gl.DotOperandLayout(0, dv_layout, 2)), do_smem,
+                                   dv, is_async=True)
         # dV is waited for here with dP^T: that frees P^T's operand registers before dS^T is built.
         dpT, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, dv_tok, v_smem, do_smem))
         delta = delta_bufs.index(stage).load(col_layout)
@@ -1467,12 +1476,19 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         # no learnable inputs
         # d score'/d score = 1: dsT is already the gradient of the raw score
         dsT = dsT.to(dtype)
-        dk_tok = warpgroup_mma(gl.convert_layout(dsT, gl.DotOperandLayout(0, dk_layout, 2)), q_smem, dk,
-                               is_async=True)
-        # The previous step's dQ wgmma, the only reader of ds_smem, retired at that step's last wait, and
-        # the partition-wide bar.sync of its `empty` arrive ordered every warp after it.
-        ds_smem.store(dsT)
-        fence_async_shared()
+        if SPLIT_D:
+            gl.thread_barrier()  # both warpgroups' dV wgmmas have read P^T (each waited for its own)
+            ds_smem.store(dsT)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk_tok = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
+        else:
+            dk_tok = warpgroup_mma(gl.convert_layout(dsT, gl.DotOperandLayout(0, dk_layout, 2)), q_smem, dk,
+                                   is_async=True)
+            # The previous step's dQ wgmma, the only reader of ds_smem, retired at that step's last wait, and
+            # the partition-wide bar.sync of its `empty` arrive ordered every warp after it.
+            ds_smem.store(dsT)
+            fence_async_shared()
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
         mbarrier.arrive(empty.index(stage), count=1)
@@ -1493,13 +1509,16 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                          empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN,
                          KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
-    # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows).
-    NUM_WARPS: gl.constexpr = BLOCK_N // 16
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM_V_PAD, 16])
+                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr):
+    # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
+    # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
+    # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
+    ROW_WARPS: gl.constexpr = BLOCK_N // 16
+    COL_WARPS: gl.constexpr = 2 if SPLIT_D else 1
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
+                                                        instr_shape=[16, HEAD_DIM_PAD // COL_WARPS, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
+                                                        instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
@@ -1521,13 +1540,14 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
                                       KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                      BLOCK_N, STAGES, True, FOLLOW_TABLE, dk_layout, dv_layout)
+                                      BLOCK_N, STAGES, True, FOLLOW_TABLE, SPLIT_D, dk_layout, dv_layout)
         t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                       k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
                                       n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                                       full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
                                       Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, dk_layout, dv_layout)
+                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, dk_layout,
+                                      dv_layout)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     kv_bh = off_b * HKV + off_hkv
@@ -1541,7 +1561,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, sm_scale,
                        qk_scale, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                        HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       SPLIT_D: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
@@ -1558,7 +1579,8 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_PAD], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
-    # dS^T (BLOCK_N, BLOCK_M): stored from registers each step, read transposed as dQ's A operand.
+    # dS^T (BLOCK_N, BLOCK_M): stored from registers each step, read transposed as dQ's A operand (and
+    # with SPLIT_D, P^T first, then dS^T, as dV's and dK's A operands).
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout)
     # dQ_i's fp32 staging box for the reduce-add (the descriptor's layout, rank 2).
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM_PAD],
@@ -1576,7 +1598,7 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale,
                                  qk_scale, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
+                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
@@ -2336,7 +2358,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "d18a1683e5deea86"
+MODULE_DIGEST = "b62646dc9cdbf647"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2780,9 +2802,8 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
 
 def _hopper_backward_serves(q, k, v):
     """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
-    whose forward it could serve, with head dims up to HOPPER_BACKWARD_MAX_HEAD_DIM."""
-    return (max(q.shape[-1], v.shape[-1]) <= HOPPER_BACKWARD_MAX_HEAD_DIM
-            and _hopper_serves(q, k, v, k.shape[1], k.shape[2], False))
+    whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config)."""
+    return _hopper_serves(q, k, v, k.shape[1], k.shape[2], False)
 
 
 def _hopper_launch_config(block_m, pingpong):
@@ -2794,6 +2815,13 @@ def _hopper_launch_config(block_m, pingpong):
     # moves the producer down to HOPPER_PRODUCER_REGS and the consumers up to what is left.
     total_threads = (num_warps + _cdiv(worker_warps, 4) * 4) * 32
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
+
+
+def _hopper_backward_config(block_n, warps):
+    """(num_warps, maxnreg, SPLIT_D) of a backward launch of `warps` consumer warps over key tiles of block_n:
+    one consumer partition, a 16-key slab a warp; where the warps outnumber the tile's slabs (64-key tiles,
+    head dims above 128), two warpgroups side by side split the head dims' columns (SPLIT_D)."""
+    return (*_hopper_launch_config(16 * warps, False), 16 * warps > block_n)
 
 
 class _HopperDescriptor(TensorDescriptor):
@@ -2883,7 +2911,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    block_m, block_n, warps, stages = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
@@ -2892,7 +2920,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grads = _input_grads(tensors, q.device)
-    num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
+    num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                    _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
@@ -2902,7 +2930,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg,
+        STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass

@@ -42,9 +42,8 @@ def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
 
 def _hopper_backward_serves(q, k, v):
     """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
-    whose forward it could serve, with head dims up to HOPPER_BACKWARD_MAX_HEAD_DIM."""
-    return (max(q.shape[-1], v.shape[-1]) <= HOPPER_BACKWARD_MAX_HEAD_DIM
-            and _hopper_serves(q, k, v, k.shape[1], k.shape[2], False))
+    whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config)."""
+    return _hopper_serves(q, k, v, k.shape[1], k.shape[2], False)
 
 
 def _hopper_launch_config(block_m, pingpong):
@@ -56,6 +55,13 @@ def _hopper_launch_config(block_m, pingpong):
     # moves the producer down to HOPPER_PRODUCER_REGS and the consumers up to what is left.
     total_threads = (num_warps + _cdiv(worker_warps, 4) * 4) * 32
     return num_warps, min(256, (65536 // total_threads) // 8 * 8)
+
+
+def _hopper_backward_config(block_n, warps):
+    """(num_warps, maxnreg, SPLIT_D) of a backward launch of `warps` consumer warps over key tiles of block_n:
+    one consumer partition, a 16-key slab a warp; where the warps outnumber the tile's slabs (64-key tiles,
+    head dims above 128), two warpgroups side by side split the head dims' columns (SPLIT_D)."""
+    return (*_hopper_launch_config(16 * warps, False), 16 * warps > block_n)
 
 
 class _HopperDescriptor(TensorDescriptor):
@@ -145,7 +151,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, _, stages = _family_tiles(q, v, "hopper_bwd")
+    block_m, block_n, warps, stages = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
@@ -154,7 +160,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grads = _input_grads(tensors, q.device)
-    num_warps, maxnreg = _hopper_launch_config(block_n, False)  # one consumer of block_n / 16 warps
+    num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                    _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
@@ -164,7 +170,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), num_warps=num_warps, maxnreg=maxnreg,
+        STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
     dq = torch.empty_like(q)
     torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
