@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attngen
 from attngen.analysis import analyze
@@ -66,3 +67,72 @@ def test_score_and_mask_hooks_carry_their_spec_line():
     context = kernel_context(analyze(attngen.parse_spec((ROOT / "specs" / "alibi_causal.attn").read_text())))
     assert str(context["fwd"]["score"]).startswith("# score: score + slopes[h] * (k - q)\n")
     assert str(context["fwd"]["mask"]).startswith("# mask: q >= k\n")
+
+
+# Int index expressions of q and k for the tile intervals (`TritonEmitter.interval`): the ops it follows,
+# and one it does not (%).
+_INDEX_LEAVES = st.sampled_from(["q", "k", "h", "3", "-5", "64", "q - k", "k - q"])
+
+
+def _index_texts(depth: int) -> st.SearchStrategy[str]:
+    if depth == 0:
+        return _INDEX_LEAVES
+    sub = _index_texts(depth - 1)
+    const = st.sampled_from(["2", "7", "128", "-3"])
+    return st.one_of(
+        _INDEX_LEAVES,
+        st.tuples(sub, st.sampled_from(["+", "-"]), sub).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+        st.tuples(const, sub).map(lambda t: f"({t[0]} * {t[1]})"),
+        st.tuples(sub, st.sampled_from(["2", "7", "64"])).map(lambda t: f"({t[0]} // {t[1]})"),
+        st.tuples(sub, st.sampled_from(["5", "64"])).map(lambda t: f"({t[0]} % {t[1]})"),
+        st.tuples(st.sampled_from(["min", "max"]), sub, sub).map(lambda t: f"{t[0]}({t[1]}, {t[2]})"),
+        st.tuples(sub, const, st.sampled_from(["130", "200"])).map(lambda t: f"clamp({t[0]}, {t[1]}, {t[2]})"),
+        sub.map(lambda t: f"abs({t})"),
+        sub.map(lambda t: f"-{t}"),
+        st.tuples(sub, sub).map(lambda t: f"where(q > k, {t[0]}, {t[1]})"),
+    )
+
+
+class _ScalarTl:
+    """The tl calls of the intervals' scalar code, on Python ints."""
+    int64 = None
+    cast = staticmethod(lambda x, dtype: int(x))
+    minimum = staticmethod(min)
+    maximum = staticmethod(max)
+    where = staticmethod(lambda c, a, b: a if c else b)
+    abs = staticmethod(abs)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_index_texts(3), q0=st.integers(0, 400), k0=st.integers(0, 400),
+       rows=st.sampled_from([1, 16, 64]), cols=st.sampled_from([1, 16, 64]))
+def test_tile_intervals_bound_every_element_and_a_point_is_exact(text, q0, k0, rows, cols):
+    from attngen import ir
+    from attngen.analysis.integers import fits, postorder
+    from attngen.analysis.intervals import I32_RANGE, TileBox, value
+    from attngen.emit.expressions import Spelling, TritonEmitter
+    from attngen.emit.fold import fold
+
+    spec = attngen.parse_spec(f"attention t\ninput t: f32[H, 1]\nscore: score + t[h, {text}]")
+    facts = analyze(spec)
+    index = spec.score.right.index[1]
+    spelling = Spelling(names={"q": "q", "k": "k", "h": "off_h", "score": "s"},
+                        dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")}, zeros="0.0",
+                        corners=("q_first", "q_last", "k_first", "k_last"))
+    em = TritonEmitter(spelling, facts.params, {"t": spec.inputs[0]}, "x", facts.ranges)
+    bounds = em.interval(index)
+    if bounds is None:  # only for what it does not follow: %, or an int the analysis cannot bound within int32
+        nodes = list(postorder(fold(index, facts.params)))
+        assert any(isinstance(n, ir.Binary) and n.op == "mod" for n in nodes) or not all(
+            fits(facts.ranges.value(n), I32_RANGE) for n in nodes if facts.ranges.is_int(n)), text
+        return
+    scope = {"tl": _ScalarTl, "_floordiv": lambda a, b: a // b, "_floormod": lambda a, b: a % b,
+             "off_h": 2, "q_first": q0, "q_last": q0 + rows - 1,
+             "k_first": k0, "k_last": k0 + cols - 1}
+    exec("\n".join(em.lines), scope)
+    lo, hi = (scope[b] if b in scope else eval(b, scope) for b in bounds)
+    sizes = {"B": 1, "H": 4, "HKV": 4, "Q_LEN": 1024, "KV_LEN": 1024, "D": 64}
+    for q in range(q0, q0 + rows):
+        for k in range(k0, k0 + cols):
+            v = value(index, TileBox(q=(q, q), k=(k, k), params={}, sizes=sizes, uniform={"h": (2, 2)}))
+            assert v.lo == v.hi and lo <= v.lo <= hi, (text, q, k, v, lo, hi)

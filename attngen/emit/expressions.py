@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.analysis.integers import Ranges
+from attngen.analysis.integers import Ranges, fits, postorder
 from attngen.analysis.intervals import I32_RANGE, I64_RANGE
 from attngen.emit.fold import fold
 from attngen.frontend.printer import literal
@@ -15,6 +16,11 @@ _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<"
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
              "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}
+
+
+def indented(lines: list[str]) -> list[str]:
+    """Statements (each maybe of several lines) one block deeper."""
+    return [textwrap.indent(line, "    ") for line in lines]
 
 
 def int64(code: str) -> str:
@@ -34,6 +40,11 @@ class Spelling:
     zeros: str
     tanh: str = "_tanh"
     rows: str = "m"
+    # Scalar code of the tile's first and last q and k, where the kernel has them (q_first, q_last,
+    # k_first, k_last, padding rows included), and the names that code reads: an input read at one
+    # entry over the whole tile is then loaded once (`TritonEmitter.interval`).
+    corners: tuple[str, str, str, str] | None = None
+    corner_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,13 +63,31 @@ class TritonEmitter:
     shapes: dict = field(default_factory=dict)
     wide: set = field(default_factory=set)
     statements: dict = field(default_factory=dict)  # (code, dims, wide) -> the name that holds it
+    taken: int = 0  # statements `local` took out of `lines`: names stay unique
+
+    def _name(self) -> str:
+        return f"{self.prefix}{len(self.lines) + self.taken}"
+
+    def local(self, emit):
+        """(emit(), the statements it added): taken out of `lines` and forgotten, for a branch of their own
+        (a later use emits them again)."""
+        mark, memo, statements = len(self.lines), set(self.memo), set(self.statements)
+        result = emit()
+        lines = self.lines[mark:]
+        del self.lines[mark:]
+        self.taken += len(lines)
+        for key in set(self.memo) - memo:
+            del self.memo[key]
+        for key in set(self.statements) - statements:
+            del self.statements[key]
+        return result, lines
 
     def _temp(self, code: str, dims: frozenset, wide: bool = False) -> str:
         # Statements are pure, so one that was emitted before is reused, as `memo` reuses subtrees
         # (the bounds of a tile cast the same index to int64 for several spans).
         if (code, dims, wide) in self.statements:
             return self.statements[code, dims, wide]
-        name = f"{self.prefix}{len(self.lines)}"
+        name = self._name()
         self.statements[code, dims, wide] = name
         self.lines.append(f"{name} = {code}")
         self.shapes[name] = dims
@@ -136,19 +165,135 @@ class TritonEmitter:
         return self._call(e)
 
     def _load(self, e: ir.Load) -> str:
-        decl = self.inputs[e.input]
-        indices = [self._spell(i) for i in e.index]
-        dims = frozenset().union(*(self.dims_of(i) for i in indices)) if indices else frozenset()
-        offset = " + ".join(f"({i}) * stride_{e.input}_{n}" for n, i in enumerate(indices)) or "0"
+        wide = self.inputs[e.input].dtype == "i64"
+        point = self.point(e.index) if self.varies_on_tile(e.index) else None
+        if point is None:
+            indices = [self._spell(i) for i in e.index]
+            dims = frozenset().union(*(self.dims_of(i) for i in indices)) if indices else frozenset()
+            return self._temp(self._load_code(e.input, indices), dims, wide)
+        # A tile whose every element reads one entry (a clamped relative position far from the diagonal)
+        # loads it once and broadcasts it; the others gather, their indices computed in that branch only.
+        is_point, entry = point
+        indices, index_lines = self.local(lambda: [self._spell(i) for i in e.index])
+        name = self._name()
+        self.lines.append("\n".join([
+            f"if {is_point}:", f"    {name}_entry = {self._load_code(e.input, entry)}",
+            f"    {name} = tl.where({self.spelling.zeros} == 0.0, {name}_entry, {name}_entry)",
+            "else:", *indented(index_lines), f"    {name} = {self._load_code(e.input, indices)}"]))
+        self.shapes[name] = frozenset("mn")
+        if wide:
+            self.wide.add(name)
+        return name
+
+    def varies_on_tile(self, index: tuple[ir.Expr, ...]) -> bool:
+        """Whether a load's index varies along both tile axes (a gather an element, not a row or column)."""
+        dims = {d for i in index for n in postorder(fold(i, self.params)) if isinstance(n, (ir.Var, ir.Size))
+                for d in self.spelling.dims.get(n.name, ())}
+        return dims == {"m", "n"}
+
+    def _load_code(self, input_name: str, indices: list[str]) -> str:
+        offset = " + ".join(f"({i}) * stride_{input_name}_{n}" for n, i in enumerate(indices)) or "0"
         # Masked: padding rows/columns of a tile, and out-of-range user indices, never read memory.
-        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{e.input}_{n})" for n, i in enumerate(indices))
+        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{input_name}_{n})" for n, i in enumerate(indices))
         mask = f", mask={bounds}, other=0" if bounds else ""
-        code = f"tl.load({e.input}_ptr + {offset}{mask})"
-        if decl.dtype == "bool":
-            code = f"({code} != 0)"
-        elif decl.dtype in ("f16", "bf16"):
-            code = f"{code}.to(tl.float32)"
-        return self._temp(code, dims, decl.dtype == "i64")
+        code = f"tl.load({input_name}_ptr + {offset}{mask})"
+        dtype = self.inputs[input_name].dtype
+        if dtype == "bool":
+            return f"({code} != 0)"
+        if dtype in ("f16", "bf16"):
+            return f"{code}.to(tl.float32)"
+        return code
+
+    def point(self, index: tuple[ir.Expr, ...]) -> tuple[str, list[str]] | None:
+        """For a load's index over the tile: (a scalar condition that holds when every element of the tile
+        has the same index, the scalar index then), or None where `interval` cannot follow an index."""
+        intervals = [self.interval(i) for i in index]
+        if not intervals or None in intervals:
+            return None
+        varying = [f"({lo} == {hi})" for lo, hi in intervals if lo != hi]
+        return " & ".join(varying) or "True", [lo for lo, _ in intervals]
+
+    def interval(self, e: ir.Expr) -> tuple[str, str] | None:
+        """Scalar int64 names of bounds on the values int `e` takes over the tile: interval arithmetic
+        from the tile's corners (`spelling.corners`), exact ops only, so when the bounds are equal every
+        element has that value. None where the kernel has no corners, or `e` holds an op this does not
+        follow (float math, whose rounding need not be monotone; mod; products of two varying terms) or a
+        value the analysis did not bound within int32 (so sums of bounds cannot wrap int64)."""
+        if self.spelling.corners is None:
+            return None
+        return self._interval(fold(e, self.params))
+
+    def _interval(self, e: ir.Expr) -> tuple[str, str] | None:
+        key = ("interval", e)
+        if key not in self.memo:
+            self.memo[key] = self._interval_of(e)
+        return self.memo[key]
+
+    def _uniform(self, e: ir.Expr) -> bool:
+        """Whether `e` is one value over the tile: it reads no score and no index that varies on it."""
+        return not any(isinstance(n, ir.Score) or (isinstance(n, (ir.Var, ir.Size)) and self.spelling.dims.get(n.name))
+                       for n in postorder(e))
+
+    def _interval_of(self, e: ir.Expr) -> tuple[str, str] | None:
+        if not self.ranges.is_int(e) or not fits(self.ranges.value(e), I32_RANGE):
+            return None
+        scalar = frozenset()
+        if isinstance(e, ir.Const):
+            code = self._int_literal(int(e.value))
+            return code, code
+        if self._uniform(e):
+            code = self._spell(e)
+            if self.dims_of(code):
+                return None
+            code = self._temp(int64(code), scalar, True)
+            return code, code
+        if isinstance(e, ir.Var) and e.name in ("q", "k"):
+            first, last = self.spelling.corners[:2] if e.name == "q" else self.spelling.corners[2:]
+            return self._temp(int64(first), scalar, True), self._temp(int64(last), scalar, True)
+        # A `where` is bounded by its branches, whatever its condition.
+        children = e.args[1:] if isinstance(e, ir.Call) and e.fn == "where" else ir.children(e)
+        args = [self._interval(c) for c in children]
+        if not args or None in args:
+            return None
+
+        def op(code: str) -> str:
+            return self._temp(code, scalar, True)
+
+        if isinstance(e, ir.Unary) and e.op == "neg":
+            (lo, hi), = args
+            return op(f"-{hi}"), op(f"-{lo}")
+        if isinstance(e, ir.Binary) and e.op in ("add", "sub"):
+            (alo, ahi), (blo, bhi) = args
+            if e.op == "add":
+                return op(f"{alo} + {blo}"), op(f"{ahi} + {bhi}")
+            return op(f"{alo} - {bhi}"), op(f"{ahi} - {blo}")
+        if isinstance(e, ir.Binary) and e.op == "mul":
+            for factor, (lo, hi) in ((e.left, args[1]), (e.right, args[0])):
+                if isinstance(factor, ir.Const):
+                    c = self._int_literal(int(factor.value))
+                    return (op(f"{c} * {lo}"), op(f"{c} * {hi}")) if factor.value >= 0 else \
+                        (op(f"{c} * {hi}"), op(f"{c} * {lo}"))
+            return None
+        if isinstance(e, ir.Binary) and e.op == "floordiv" and isinstance(e.right, ir.Const) and e.right.value > 0:
+            (lo, hi), (c, _) = args
+            return op(f"_floordiv({lo}, {c})"), op(f"_floordiv({hi}, {c})")
+        if isinstance(e, ir.Call) and e.fn in ("min", "max", "clamp", "where", "abs", "floor", "ceil"):
+            if e.fn in ("floor", "ceil"):  # of an int: the int itself
+                return args[0]
+            if e.fn == "abs":
+                (lo, hi), = args
+                return (op(f"tl.where({lo} >= 0, {lo}, tl.where({hi} <= 0, -{hi}, 0))"),
+                        op(f"tl.maximum(-{lo}, {hi})"))
+            if e.fn == "where":
+                (alo, ahi), (blo, bhi) = args
+                return op(f"tl.minimum({alo}, {blo})"), op(f"tl.maximum({ahi}, {bhi})")
+            (lo, hi) = args[0]
+            steps = {"min": [("tl.minimum", 1)], "max": [("tl.maximum", 1)],
+                     "clamp": [("tl.maximum", 1), ("tl.minimum", 2)]}[e.fn]
+            for fn, n in steps:  # monotone in every argument
+                lo, hi = op(f"{fn}({lo}, {args[n][0]})"), op(f"{fn}({hi}, {args[n][1]})")
+            return lo, hi
+        return None
 
     def _binary(self, e: ir.Binary) -> str:
         if e.op == "pow" and self.ranges.is_int(e):

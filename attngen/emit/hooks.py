@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from attngen import ir
 from attngen.analysis import Analysis
-from attngen.emit.expressions import Spelling, TritonEmitter
+from attngen.emit.expressions import Spelling, TritonEmitter, indented
 from attngen.emit.fold import fold
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
@@ -44,13 +44,16 @@ DECODE_ROWS = Spelling(
 HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
                        zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)")
 HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
-                        tanh="_tanh_approx")
+                        tanh="_tanh_approx", corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
+                        corner_names=("off_m", "start_n"))
 # Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
 # the scores with the forward's tanh, so P is the one the forward's LSE normalised.
 HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
                            zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n")
 HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
-                            tanh="_tanh_approx", rows="n")
+                            tanh="_tanh_approx", rows="n",
+                            corners=("start_m", "start_m + BLOCK_M - 1", "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
+                            corner_names=("start_m", "start_n"))
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
@@ -120,7 +123,8 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
     if spelling is DECODE_ROWS:
         return DECODE_ELEMENT_NAMES
-    return FORWARD_ELEMENT_NAMES if spelling in (FORWARD_ROWS, HOPPER_MASK, HOPPER_SCORE) else ELEMENT_NAMES
+    names = FORWARD_ELEMENT_NAMES if spelling in (FORWARD_ROWS, HOPPER_MASK, HOPPER_SCORE) else ELEMENT_NAMES
+    return (*names, *spelling.corner_names)
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
@@ -131,7 +135,8 @@ def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
                     "s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor")
     start = len(em.lines)
     result = em.emit_full(spec.score)
-    temporaries = [line.split(" = ", 1)[0] for line in em.lines[start:]]
+    # What each statement leaves defined (a branch's own temporaries stay inside it).
+    temporaries = [name for line in em.lines[start:] for name in sorted(_flow(ast.parse(line).body, set())[1])]
     return Hook("score", inputs, ("s2",), "\n".join(["s = qk * sm_scale", *em.lines[start:], f"s2 = {result} * LOG2E"]),
                 source=f"score: {expr_to_source(spec.score)}", shared=("s", *temporaries))
 
@@ -164,7 +169,7 @@ def _is_constant(e: ir.Expr, facts: Analysis) -> bool:
 
 def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> Hook:
     """Turns `var`, the gradient w.r.t. the modified score, into the gradient w.r.t. the raw score."""
-    inputs = (var, *score.shared, *ELEMENT_NAMES)
+    inputs = (var, *score.shared, *_element_names(em.spelling))
     if _score_is_shifted(facts):
         return Hook("dscore", inputs, (), f"# d score'/d score = 1: {var} is already the gradient of the raw score")
     start = len(em.lines)
@@ -174,7 +179,7 @@ def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> H
 
 
 def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str = "ds") -> Hook:
-    return Hook("learnable", (var, "allowed", "MASKED", *score.shared, *ELEMENT_NAMES), (),
+    return Hook("learnable", (var, "allowed", "MASKED", *score.shared, *_element_names(em.spelling)), (),
                 _learnable_code(facts, em, var))
 
 
@@ -188,10 +193,13 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
     for n, (load, derivative) in enumerate(facts.learnable_derivatives):
         start = len(em.lines)
         d = em.emit(derivative)
-        indices = [em.emit(i) for i in load.index]
+        # A tile at one entry (a clamped relative position, most tiles): its sum, in one atomic; the
+        # others scatter, their addresses computed in that branch only.
+        point = em.point(load.index) if em.varies_on_tile(load.index) else None
+        indices, index_lines = em.local(lambda: [em.emit(i) for i in load.index]) if point else \
+            ([em.emit(i) for i in load.index], [])
         dims = frozenset().union(*(em.dims_of(i) for i in indices)) if indices else frozenset()
-        offset = " + ".join(f"({i}) * stride_{load.input}_{j}" for j, i in enumerate(indices)) or "0"
-        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{load.input}_{j})" for j, i in enumerate(indices))
+        offset, bounds = _address(load.input, indices)
         contribution = f"g{n}"
         lines += em.lines[start:]
         lines.append(f"{contribution} = {var} * {d}")
@@ -200,6 +208,15 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             lines.append("if MASKED:")
             lines.append(f"    {contribution} = tl.where(allowed, {contribution}, 0.0)")
         # Reduce along the axes the index does not vary on: one atomic per distinct address.
+        if point:
+            is_point, entry = point
+            entry_offset, entry_bounds = _address(load.input, entry)
+            lines += [f"if {is_point}:",
+                      f"    tl.atomic_add({load.input}_grad + {entry_offset}, tl.sum(tl.sum({contribution}, 1), 0), "
+                      f"mask={entry_bounds}, sem=\"relaxed\")",
+                      "else:", *indented(index_lines),
+                      *indented(_scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n))]
+            continue
         if dims == frozenset("mn"):
             lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
             continue
@@ -212,6 +229,12 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
         # default, acq_rel, orders every atomic against the program's other memory operations).
         lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
     return "\n".join(lines) if lines else "# no learnable inputs"
+
+
+def _address(input_name: str, indices: list[str]) -> tuple[str, str]:
+    """The offset of an input's entry at `indices` and the condition that they lie within its sizes."""
+    offset = " + ".join(f"({i}) * stride_{input_name}_{j}" for j, i in enumerate(indices)) or "0"
+    return offset, " & ".join(f"({i} >= 0) & ({i} < size_{input_name}_{j})" for j, i in enumerate(indices))
 
 
 def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:

@@ -166,11 +166,11 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "DEFER_SCALE", "WG", "NUM_CONSUMERS")),
         "hopper_loop": sig("_hopper_consumer_loop", (
             "o", "p", "m_i", "l_i", "i_lo", "i_hi", "q_smem", "k_bufs", "v_bufs", "k_ready", "k_empty", "v_ready",
-            "v_empty", "sched", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS, *inputs),
+            "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS, *inputs),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
              "o_layout", "p_layout", "WG", "NUM_CONSUMERS")),
         "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "offs_m", "pos_m", *_HOOK_ARGS, *inputs),
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout")),
         # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)

@@ -48,6 +48,8 @@ INPUT_MENU: dict[str, tuple[str, list[str], list[str]]] = {
     "table": ("f32[H, 17] learnable", [], ["table[h, clamp(q - k, -8, 8) + 8]"]),
     "gate": ("f32[] learnable", [], ["score * gate"]),
     "shift": ("f16[3] learnable", [], ["shift[(q + k) % 3]"]),
+    # T5-style buckets: most tiles far from the diagonal read one entry (the Hopper family's point loads).
+    "bucket": ("f32[H, 9] learnable", [], ["bucket[h, min(abs(q - k) // 16, 8)]"]),
 }
 AFFINE_ATOMS = ["causal", "causal_bottom_right", "q - k < w", "k - q <= w", "q // c == k // c",
                 "k >= q - 2 * w", "q >= 3", "k < KV_LEN - 2", "h < 1", "(q + 1) // c >= k // c"]

@@ -1008,8 +1008,8 @@ def _hopper_box(buffer, desc):
 
 
 @gluon.jit
-def _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                         HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
+                         B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
                          s_layout: tl.constexpr):
@@ -1061,9 +1061,9 @@ def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 @gluon.jit
 def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, sched, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at,
-                          gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                          HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                          v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
+                          gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv,
+                          B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                           HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                           FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, dtype: tl.constexpr,
@@ -1092,10 +1092,10 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(stage), count=1)
 
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
-                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
-                                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                                      BLOCK_N, MASKED, DEFER_SCALE, s_layout)
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
+                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                                                      HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                                      BLOCK_M, BLOCK_N, MASKED, DEFER_SCALE, s_layout)
         p_next = gl.convert_layout(p_f32.to(dtype), p_layout)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
@@ -1150,14 +1150,14 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
-                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
-                                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                                      BLOCK_N, True, DEFER_SCALE, s_layout)
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
+                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                                                      HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                                      BLOCK_M, BLOCK_N, True, DEFER_SCALE, s_layout)
         p = gl.convert_layout(p_f32.to(dtype), p_layout)
 
         o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, q_smem, k_bufs, v_bufs, k_ready,
-                                               k_empty, v_ready, v_empty, sched, offs_m, pos_m, s_zero,
+                                               k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero,
                                                masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                                                full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
                                                H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
@@ -1165,8 +1165,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
                                                DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
                                                NUM_CONSUMERS)
         o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, q_smem, k_bufs,
-                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, offs_m, pos_m,
-                                               s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m, offs_m,
+                                               pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
                                                full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
                                                off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
                                                HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
@@ -2358,7 +2358,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "b62646dc9cdbf647"
+MODULE_DIGEST = "dd94e7f3772da6ae"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):

@@ -1027,8 +1027,8 @@ def _hopper_box(buffer, desc):
 
 
 @gluon.jit
-def _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                         HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
+def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
+                         B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
                          size_table_1, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
@@ -1038,12 +1038,29 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scal
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     # score: score + table[h, clamp(q - k, -128, 128) + 128]
     s = qk * sm_scale
-    sc0 = pos_m[:, None] - offs_n[None, :]
-    sc1 = tl.minimum(tl.maximum(sc0, -128), 128)
-    sc2 = sc1 + 128
-    sc3 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc2) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1), other=0)
-    sc4 = s + sc3
-    s2 = sc4 * LOG2E
+    sc0 = tl.cast(off_h, tl.int64)
+    sc1 = tl.cast(off_m, tl.int64)
+    sc2 = tl.cast(off_m + BLOCK_M - 1, tl.int64)
+    sc3 = tl.cast(start_n, tl.int64)
+    sc4 = tl.cast(start_n + BLOCK_N - 1, tl.int64)
+    sc5 = sc1 - sc4
+    sc6 = sc2 - sc3
+    sc7 = tl.maximum(sc5, -128)
+    sc8 = tl.maximum(sc6, -128)
+    sc9 = tl.minimum(sc7, 128)
+    sc10 = tl.minimum(sc8, 128)
+    sc11 = sc9 + 128
+    sc12 = sc10 + 128
+    if (sc11 == sc12):
+        sc16_entry = tl.load(table_ptr + (sc0) * stride_table_0 + (sc11) * stride_table_1, mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), other=0)
+        sc16 = tl.where(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout) == 0.0, sc16_entry, sc16_entry)
+    else:
+        sc13 = pos_m[:, None] - offs_n[None, :]
+        sc14 = tl.minimum(tl.maximum(sc13, -128), 128)
+        sc15 = sc14 + 128
+        sc16 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc15) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc15 >= 0) & (sc15 < size_table_1), other=0)
+    sc17 = s + sc16
+    s2 = sc17 * LOG2E
     if MASKED:
         allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
         s2 = gl.where(allowed, s2, float("-inf"))
@@ -1079,9 +1096,9 @@ def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 @gluon.jit
 def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, sched, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at,
-                          gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                          HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
+                          v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
+                          gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv,
+                          B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
                           size_table_1, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                           HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
@@ -1111,8 +1128,8 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(stage), count=1)
 
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
-                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
+                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
                                                       table_ptr, stride_table_0, stride_table_1, size_table_0,
                                                       size_table_1, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
                                                       HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, MASKED, DEFER_SCALE,
@@ -1172,8 +1189,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, offs_m, pos_m, sm_scale, qk_scale,
-                                                      off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
+                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
                                                       table_ptr, stride_table_0, stride_table_1, size_table_0,
                                                       size_table_1, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
                                                       HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, DEFER_SCALE,
@@ -1181,7 +1198,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
         p = gl.convert_layout(p_f32.to(dtype), p_layout)
 
         o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, q_smem, k_bufs, v_bufs, k_ready,
-                                               k_empty, v_ready, v_empty, sched, offs_m, pos_m, s_zero,
+                                               k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero,
                                                masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                                                full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
                                                H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1,
@@ -1190,8 +1207,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
                                                DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
                                                NUM_CONSUMERS)
         o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, q_smem, k_bufs,
-                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, offs_m, pos_m,
-                                               s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
+                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m, offs_m,
+                                               pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
                                                full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
                                                off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
                                                stride_table_1, size_table_0, size_table_1, HEAD_DIM, HEAD_DIM_V,
@@ -1467,12 +1484,29 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         # score: score + table[h, clamp(q - k, -128, 128) + 128]
         s = qk * sm_scale
-        sc0 = offs_m[None, :] - offs_n[:, None]
-        sc1 = tl.minimum(tl.maximum(sc0, -128), 128)
-        sc2 = sc1 + 128
-        sc3 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc2) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1), other=0)
-        sc4 = s + sc3
-        s2 = sc4 * LOG2E
+        sc0 = tl.cast(off_h, tl.int64)
+        sc1 = tl.cast(start_m, tl.int64)
+        sc2 = tl.cast(start_m + BLOCK_M - 1, tl.int64)
+        sc3 = tl.cast(start_n * BLOCK_N, tl.int64)
+        sc4 = tl.cast(start_n * BLOCK_N + BLOCK_N - 1, tl.int64)
+        sc5 = sc1 - sc4
+        sc6 = sc2 - sc3
+        sc7 = tl.maximum(sc5, -128)
+        sc8 = tl.maximum(sc6, -128)
+        sc9 = tl.minimum(sc7, 128)
+        sc10 = tl.minimum(sc8, 128)
+        sc11 = sc9 + 128
+        sc12 = sc10 + 128
+        if (sc11 == sc12):
+            sc16_entry = tl.load(table_ptr + (sc0) * stride_table_0 + (sc11) * stride_table_1, mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), other=0)
+            sc16 = tl.where(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout) == 0.0, sc16_entry, sc16_entry)
+        else:
+            sc13 = offs_m[None, :] - offs_n[:, None]
+            sc14 = tl.minimum(tl.maximum(sc13, -128), 128)
+            sc15 = sc14 + 128
+            sc16 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc15) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc15 >= 0) & (sc15 < size_table_1), other=0)
+        sc17 = s + sc16
+        s2 = sc17 * LOG2E
         pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
         if MASKED:
             allowed = (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
@@ -1492,21 +1526,27 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         delta = delta_bufs.index(stage).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
         g0 = dsT * 1.0
-        gaddr0 = (off_h) * stride_table_0 + (sc2) * stride_table_1
-        gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1)
-        glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
-        ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
-        if glo0 >= ghi0:
-            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
-                          sem="relaxed")
+        if (sc11 == sc12):
+            tl.atomic_add(table_grad + (sc0) * stride_table_0 + (sc11) * stride_table_1, tl.sum(tl.sum(g0, 1), 0), mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), sem="relaxed")
         else:
-            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
-                          sem="relaxed")
-            tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
-                          sem="relaxed")
-            gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
-            if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
-                tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
+            sc18 = offs_m[None, :] - offs_n[:, None]
+            sc19 = tl.minimum(tl.maximum(sc18, -128), 128)
+            sc20 = sc19 + 128
+            gaddr0 = (off_h) * stride_table_0 + (sc20) * stride_table_1
+            gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc20 >= 0) & (sc20 < size_table_1)
+            glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
+            ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
+            if glo0 >= ghi0:
+                tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
+                              sem="relaxed")
+            else:
+                tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
+                              sem="relaxed")
+                tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
+                              sem="relaxed")
+                gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
+                if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
+                    tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
         # d score'/d score = 1: dsT is already the gradient of the raw score
         dsT = dsT.to(dtype)
         if SPLIT_D:
@@ -2397,7 +2437,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "48b72167c4ea9245"
+MODULE_DIGEST = "d2151bdcd8124a9b"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
