@@ -243,25 +243,27 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
     An index that varies over the tile may still take few values on it: a clamped relative position
     puts most tiles wholly at the clamp (one address) and the tiles on the band's edge partly so.
     Atomics on one address serialize in L2, which made a T5-style bias's backward 17x slower than
-    FlexAttention's. So the tile's smallest and largest addresses get their sums in one atomic each,
-    and only the addresses strictly between them go out per element (if there are any).
+    FlexAttention's. So one reduction takes the tile's smallest and largest addresses and its sum (a
+    tile-wide reduction crosses warps through shared memory: one crossing for the three): a tile at one
+    address adds its sum there; otherwise the smallest and largest addresses get their sums in one
+    atomic each (one more reduction), and only the addresses strictly between them go out per element.
     """
-    a, ok, lo, hi, mid = (f"{x}{n}" for x in ("gaddr", "gok", "glo", "ghi", "gmid"))
+    a, ok, lo, hi, total, at_lo, at_hi, mid = (f"{x}{n}" for x in ("gaddr", "gok", "glo", "ghi", "gsum", "gatlo",
+                                                                 "gathi", "gmid"))
     return [
         f"{a} = {offset}",
         f"{ok} = {bounds}",
-        f"{lo} = tl.min(tl.min(tl.where({ok}, {a}, 2147483647), 1), 0)",
-        f"{hi} = tl.max(tl.max(tl.where({ok}, {a}, -1), 1), 0)",
-        # Most tiles lie wholly at one address (or none): one sum, where the general case takes three
-        # reductions more (a tile-wide reduction crosses warps through shared memory).
+        f"{lo}, {hi}, {total} = tl.reduce((tl.where({ok}, {a}, 2147483647), tl.where({ok}, {a}, -1),",
+        f"                                 tl.where({ok}, {value}, 0.0)), 1, _min_max_sum)",
+        f"{lo}, {hi}, {total} = tl.reduce(({lo}, {hi}, {total}), 0, _min_max_sum)",
         f"if {lo} >= {hi}:",
-        f"    tl.atomic_add({ptr} + {lo}, tl.sum(tl.sum(tl.where({ok}, {value}, 0.0), 1), 0), mask={lo} == {hi},",
-        f"                  sem=\"relaxed\")",
+        f"    tl.atomic_add({ptr} + {lo}, {total}, mask={lo} == {hi}, sem=\"relaxed\")",
         "else:",
-        f"    tl.atomic_add({ptr} + {lo}, tl.sum(tl.sum(tl.where({ok} & ({a} == {lo}), {value}, 0.0), 1), 0),",
-        f"                  sem=\"relaxed\")",
-        f"    tl.atomic_add({ptr} + {hi}, tl.sum(tl.sum(tl.where({ok} & ({a} == {hi}), {value}, 0.0), 1), 0),",
-        f"                  sem=\"relaxed\")",
+        f"    {at_lo}, {at_hi} = tl.reduce((tl.where({ok} & ({a} == {lo}), {value}, 0.0),",
+        f"                                   tl.where({ok} & ({a} == {hi}), {value}, 0.0)), 1, _sum_pair)",
+        f"    {at_lo}, {at_hi} = tl.reduce(({at_lo}, {at_hi}), 0, _sum_pair)",
+        f"    tl.atomic_add({ptr} + {lo}, {at_lo}, sem=\"relaxed\")",
+        f"    tl.atomic_add({ptr} + {hi}, {at_hi}, sem=\"relaxed\")",
         f"    {mid} = {ok} & ({a} != {lo}) & ({a} != {hi})",
         f"    if tl.max(tl.max({mid}.to(tl.int32), 1), 0) > 0:",
         f"        tl.atomic_add({ptr} + {a}, {value}, mask={mid}, sem=\"relaxed\")",

@@ -435,6 +435,17 @@ def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _min_max_sum(lo_a, hi_a, sum_a, lo_b, hi_b, sum_b):
+    # _scatter_tile's one reduction of a gradient tile: its smallest and largest address and its sum.
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b), sum_a + sum_b
+
+
+@triton.jit
+def _sum_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _index_bound(x, n):
     # A loop bound clamped to [0, n], as int32: bounds are computed in int64 (exactly: see
     # attngen.integers), and the loops' tile counters must keep one type (a clamp first keeps the
@@ -807,16 +818,17 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         g0 = ds * 1.0
         gaddr0 = (off_h) * stride_table_0 + (sc2) * stride_table_1
         gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1)
-        glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
-        ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
+        glo0, ghi0, gsum0 = tl.reduce((tl.where(gok0, gaddr0, 2147483647), tl.where(gok0, gaddr0, -1),
+                                         tl.where(gok0, g0, 0.0)), 1, _min_max_sum)
+        glo0, ghi0, gsum0 = tl.reduce((glo0, ghi0, gsum0), 0, _min_max_sum)
         if glo0 >= ghi0:
-            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
-                          sem="relaxed")
+            tl.atomic_add(table_grad + glo0, gsum0, mask=glo0 == ghi0, sem="relaxed")
         else:
-            tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
-                          sem="relaxed")
-            tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
-                          sem="relaxed")
+            gatlo0, gathi0 = tl.reduce((tl.where(gok0 & (gaddr0 == glo0), g0, 0.0),
+                                           tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0)), 1, _sum_pair)
+            gatlo0, gathi0 = tl.reduce((gatlo0, gathi0), 0, _sum_pair)
+            tl.atomic_add(table_grad + glo0, gatlo0, sem="relaxed")
+            tl.atomic_add(table_grad + ghi0, gathi0, sem="relaxed")
             gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
             if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
                 tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
@@ -1534,16 +1546,17 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
             sc20 = sc19 + 128
             gaddr0 = (off_h) * stride_table_0 + (sc20) * stride_table_1
             gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc20 >= 0) & (sc20 < size_table_1)
-            glo0 = tl.min(tl.min(tl.where(gok0, gaddr0, 2147483647), 1), 0)
-            ghi0 = tl.max(tl.max(tl.where(gok0, gaddr0, -1), 1), 0)
+            glo0, ghi0, gsum0 = tl.reduce((tl.where(gok0, gaddr0, 2147483647), tl.where(gok0, gaddr0, -1),
+                                             tl.where(gok0, g0, 0.0)), 1, _min_max_sum)
+            glo0, ghi0, gsum0 = tl.reduce((glo0, ghi0, gsum0), 0, _min_max_sum)
             if glo0 >= ghi0:
-                tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0, g0, 0.0), 1), 0), mask=glo0 == ghi0,
-                              sem="relaxed")
+                tl.atomic_add(table_grad + glo0, gsum0, mask=glo0 == ghi0, sem="relaxed")
             else:
-                tl.atomic_add(table_grad + glo0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == glo0), g0, 0.0), 1), 0),
-                              sem="relaxed")
-                tl.atomic_add(table_grad + ghi0, tl.sum(tl.sum(tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0), 1), 0),
-                              sem="relaxed")
+                gatlo0, gathi0 = tl.reduce((tl.where(gok0 & (gaddr0 == glo0), g0, 0.0),
+                                               tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0)), 1, _sum_pair)
+                gatlo0, gathi0 = tl.reduce((gatlo0, gathi0), 0, _sum_pair)
+                tl.atomic_add(table_grad + glo0, gatlo0, sem="relaxed")
+                tl.atomic_add(table_grad + ghi0, gathi0, sem="relaxed")
                 gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
                 if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
                     tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
@@ -2437,7 +2450,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "d2151bdcd8124a9b"
+MODULE_DIGEST = "1610d54001b5fbb9"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):

@@ -103,6 +103,17 @@ def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _min_max_sum(lo_a, hi_a, sum_a, lo_b, hi_b, sum_b):
+    # _scatter_tile's one reduction of a gradient tile: its smallest and largest address and its sum.
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b), sum_a + sum_b
+
+
+@triton.jit
+def _sum_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _index_bound(x, n):
     # A loop bound clamped to [0, n], as int32: bounds are computed in int64 (exactly: see
     # attngen.integers), and the loops' tile counters must keep one type (a clamp first keeps the
