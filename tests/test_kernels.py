@@ -68,18 +68,23 @@ def test_score_functions_and_their_gradients():
 
 
 def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address():
-    # A clamp of +-4 on 16- and 32-wide tiles: most tiles lie wholly at a clamp (one atomic for the tile),
-    # tiles on the band's edge mix both clamps and the band, and `grid` varies along both axes at once.
+    # A clamp of +-4 on 16- and 32-wide tiles: most tiles lie wholly at a clamp (one load and one atomic for
+    # the tile), tiles on the band's edge mix both clamps and the band, `bucket` saturates (abs, //, min) far
+    # from the diagonal, and `grid` varies along both axes at once (no tile is at one entry).
     spec = """
     attention narrow_rel_bias
     input table: f32[H, 9] learnable
+    input bucket: f32[H, 6] learnable
     input grid: f32[3, 5] learnable
-    score: score + table[h, clamp(q - k, -4, 4) + 4] + grid[q % 3, k % 5]
+    score: score + table[h, clamp(q - k, -4, 4) + 4] + bucket[h, min(abs(q - k) // 8, 5)] + grid[q % 3, k % 5]
     mask: k <= q + 40
     """
     attn = attngen.build(spec)
     source = attn.path.read_text()
-    assert "glo0" in source and "glo1" in source  # the per-tile reduction is what runs
+    assert "glo0" in source and "glo2" in source  # the per-tile reduction runs where tiles are not points
+    # Point loads in the forward, dQ and dK/dV kernels: the table's and the bucket's, not the grid's.
+    assert source.count("_entry = tl.load(table_ptr") == 3 and source.count("_entry = tl.load(bucket_ptr") == 3
+    assert "_entry = tl.load(grid_ptr" not in source
     q, k, v = testing.random_qkv(1, 2, 1, 100, 90, 16, 16, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, 1, 2, 1, 100, 90, device=DEVICE)
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)

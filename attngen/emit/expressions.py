@@ -23,6 +23,12 @@ def indented(lines: list[str]) -> list[str]:
     return [textwrap.indent(line, "    ") for line in lines]
 
 
+def address(input_name: str, indices: list[str]) -> tuple[str, str]:
+    """The offset of an input's entry at `indices` (codes) and the condition that they lie within its sizes."""
+    offset = " + ".join(f"({i}) * stride_{input_name}_{n}" for n, i in enumerate(indices)) or "0"
+    return offset, " & ".join(f"({i} >= 0) & ({i} < size_{input_name}_{n})" for n, i in enumerate(indices))
+
+
 def int64(code: str) -> str:
     """`code` (a literal, constexpr, scalar or tensor) as int64. tl.cast takes all of them; a literal
     at or above 2**31 becomes int64 through it too (alone Triton types 2**31..2**32-1 as uint32)."""
@@ -192,9 +198,8 @@ class TritonEmitter:
         return dims == {"m", "n"}
 
     def _load_code(self, input_name: str, indices: list[str]) -> str:
-        offset = " + ".join(f"({i}) * stride_{input_name}_{n}" for n, i in enumerate(indices)) or "0"
+        offset, bounds = address(input_name, indices)
         # Masked: padding rows/columns of a tile, and out-of-range user indices, never read memory.
-        bounds = " & ".join(f"({i} >= 0) & ({i} < size_{input_name}_{n})" for n, i in enumerate(indices))
         mask = f", mask={bounds}, other=0" if bounds else ""
         code = f"tl.load({input_name}_ptr + {offset}{mask})"
         dtype = self.inputs[input_name].dtype

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attngen import ir
 from attngen.analysis import Analysis
-from attngen.emit.expressions import Spelling, TritonEmitter, indented
+from attngen.emit.expressions import Spelling, TritonEmitter, address, indented
 from attngen.emit.fold import fold
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
@@ -123,7 +123,7 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
     if spelling is DECODE_ROWS:
         return DECODE_ELEMENT_NAMES
-    names = FORWARD_ELEMENT_NAMES if spelling in (FORWARD_ROWS, HOPPER_MASK, HOPPER_SCORE) else ELEMENT_NAMES
+    names = FORWARD_ELEMENT_NAMES if spelling.names["q"] == FORWARD_ROWS.names["q"] else ELEMENT_NAMES
     return (*names, *spelling.corner_names)
 
 
@@ -199,7 +199,7 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
         indices, index_lines = em.local(lambda: [em.emit(i) for i in load.index]) if point else \
             ([em.emit(i) for i in load.index], [])
         dims = frozenset().union(*(em.dims_of(i) for i in indices)) if indices else frozenset()
-        offset, bounds = _address(load.input, indices)
+        offset, bounds = address(load.input, indices)
         contribution = f"g{n}"
         lines += em.lines[start:]
         lines.append(f"{contribution} = {var} * {d}")
@@ -210,7 +210,7 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
         # Reduce along the axes the index does not vary on: one atomic per distinct address.
         if point:
             is_point, entry = point
-            entry_offset, entry_bounds = _address(load.input, entry)
+            entry_offset, entry_bounds = address(load.input, entry)
             lines += [f"if {is_point}:",
                       f"    tl.atomic_add({load.input}_grad + {entry_offset}, tl.sum(tl.sum({contribution}, 1), 0), "
                       f"mask={entry_bounds}, sem=\"relaxed\")",
@@ -229,12 +229,6 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
         # default, acq_rel, orders every atomic against the program's other memory operations).
         lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
     return "\n".join(lines) if lines else "# no learnable inputs"
-
-
-def _address(input_name: str, indices: list[str]) -> tuple[str, str]:
-    """The offset of an input's entry at `indices` and the condition that they lie within its sizes."""
-    offset = " + ".join(f"({i}) * stride_{input_name}_{j}" for j, i in enumerate(indices)) or "0"
-    return offset, " & ".join(f"({i} >= 0) & ({i} < size_{input_name}_{j})" for j, i in enumerate(indices))
 
 
 def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:
@@ -362,8 +356,14 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
+# The portable kernels' tile corners (q_first, k_first: the tile's first query position and key), for the
+# score's point loads; their masks keep the plain spellings (the table kernels share them).
+PORTABLE_CORNERS = dict(corners=("q_first", "q_first + BLOCK_M - 1", "k_first", "k_first + BLOCK_N - 1"),
+                        corner_names=("q_first", "k_first"))
+
+
 def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
-    em = _emitter(facts, spelling, "sc")
+    em = _emitter(facts, replace(spelling, **PORTABLE_CORNERS), "sc")
     score = _score_hook(facts.spec, em)
     offset = "q_off" if spelling is FORWARD_ROWS else ""
     hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop, offset)}
