@@ -2,11 +2,14 @@
 # The Hopper family (issue 13) on the GPU, in parts chosen on the command line, each under its own time
 # limit; logs and JSON go to $OUT (or ./device-out).
 #
-#     bash tools/gpu_hopper_session.sh [tests] [suite] [fuzz] [targets] [catalog]
+#     bash tools/gpu_hopper_session.sh [tests] [suite] [kernels] [fuzz] [targets] [catalog]
 #
 # tests: tests/test_hopper.py's GPU tests (every catalog spec through the family's forward and backward
 #   against float64, head dims, empty rows, tables, torch.compile);
 # suite: every GPU-marked test of the suite (the Hopper family serves their bf16/fp16 calls now);
+# kernels: tests/test_kernels.py and tests/test_grad.py whole, on the GPU (they run on any device, so they
+#   carry no gpu mark and `-m gpu` leaves them out; their fp32 cases run the portable family), KERNELS_K
+#   (a pytest -k expression) narrows them;
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
 #   (default 280), four shards side by side, seeds FUZZ_SEED_BASE + 1..4 (default 0);
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
@@ -32,6 +35,10 @@ for part in ${*:-tests targets}; do
       timeout $(( ${SUITE_SECONDS:-420} - $(date +%s) + T1 )) python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu \
         tests/ --ignore=tests/test_launch.py --ignore=tests/test_hopper.py >> "$OUT/suite.log" 2>&1
       echo "pytest exit $?" >> "$OUT/suite.log"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/suite.log" | head -30 ;;
+    kernels)
+      timeout ${KERNELS_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_grad.py \
+        ${KERNELS_K:+-k "$KERNELS_K"} > "$OUT/kernels.log" 2>&1
+      echo "pytest exit $?" >> "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/kernels.log" | head -30 ;;
     fuzz)
       for shard in 1 2 3 4; do
         timeout ${FUZZ_SECONDS:-280} python3 tools/fuzz_device.py --hopper --examples 1000 \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from attngen import ir
 from attngen.analysis import Analysis
@@ -356,14 +356,8 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
-# The portable kernels' tile corners (q_first, k_first: the tile's first query position and key), for the
-# score's point loads; their masks keep the plain spellings (the table kernels share them).
-PORTABLE_CORNERS = dict(corners=("q_first", "q_first + BLOCK_M - 1", "k_first", "k_first + BLOCK_N - 1"),
-                        corner_names=("q_first", "k_first"))
-
-
 def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
-    em = _emitter(facts, replace(spelling, **PORTABLE_CORNERS), "sc")
+    em = _emitter(facts, spelling, "sc")
     score = _score_hook(facts.spec, em)
     offset = "q_off" if spelling is FORWARD_ROWS else ""
     hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop, offset)}
