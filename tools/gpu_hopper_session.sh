@@ -36,9 +36,10 @@ for part in ${*:-tests targets}; do
         tests/ --ignore=tests/test_launch.py --ignore=tests/test_hopper.py >> "$OUT/suite.log" 2>&1
       echo "pytest exit $?" >> "$OUT/suite.log"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/suite.log" | head -30 ;;
     kernels)
-      timeout ${KERNELS_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_grad.py \
-        ${KERNELS_K:+-k "$KERNELS_K"} > "$OUT/kernels.log" 2>&1
-      echo "pytest exit $?" >> "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/kernels.log" | head -30 ;;
+      timeout ${KERNELS_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py \
+        tests/test_grad.py ${KERNELS_K:+-k "$KERNELS_K"} > "$OUT/kernels.log" 2>&1
+      echo "pytest exit $?" >> "$OUT/kernels.log"
+      grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/kernels.log" | head -30 ;;
     fuzz)
       for shard in 1 2 3 4; do
         timeout ${FUZZ_SECONDS:-280} python3 tools/fuzz_device.py --hopper --examples 1000 \

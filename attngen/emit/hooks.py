@@ -43,8 +43,11 @@ DECODE_ROWS = Spelling(
 # error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
 HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
                        zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)")
+# Their score hooks know the tile's corners (the consumer's first row off_m, the key tile's start_n), for
+# point loads.
 HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
-                        tanh="_tanh_approx", corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
+                        tanh="_tanh_approx",
+                        corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
                         corner_names=("off_m", "start_n"))
 # Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
 # the scores with the forward's tanh, so P is the one the forward's LSE normalised.
@@ -52,7 +55,8 @@ HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
                            zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n")
 HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
                             tanh="_tanh_approx", rows="n",
-                            corners=("start_m", "start_m + BLOCK_M - 1", "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
+                            corners=("start_m", "start_m + BLOCK_M - 1",
+                                     "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
                             corner_names=("start_m", "start_n"))
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
