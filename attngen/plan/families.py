@@ -113,10 +113,9 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
 # Above this width dK and dV (2 * d fp32 a key row) no longer fit the registers of 128-key tiles: the
 # tiles hold 64 keys, and their two warpgroups split the head dims' columns (SPLIT_D).
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
-# Shared memory a CTA may hold on sm_90 (227 KiB); the tiles' budget leaves a margin for barriers, the
+# What the backward's tiles leave of the target's shared memory per block (227 KiB on sm_90) for barriers, the
 # LSE/delta rows and reductions' scratch (1-1.3 KB in the compiled kernels: tools/compile_sm90.py).
-SM90_SHARED_BYTES = 227 * 1024
-HOPPER_SHARED_BYTES = SM90_SHARED_BYTES - 2048
+HOPPER_SHARED_MARGIN = 2048
 
 
 def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: int, dv: int) -> int:
@@ -131,7 +130,8 @@ def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple
             f"hopper backward: 64 queries x 128 keys (FA3's D=128 tile), two consumer warpgroups holding dK and dV "
             f"in registers, 2 Q/dO stages, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of shared memory)")
     # FA3's sm_90 tiles at head dim 256: 64 x 64, one stage where two do not fit.
-    stages = 2 if _hopper_backward_shared_bytes(64, 64, 2, d, dv) <= HOPPER_SHARED_BYTES else 1
+    budget = target.smem_per_block - HOPPER_SHARED_MARGIN
+    stages = 2 if _hopper_backward_shared_bytes(64, 64, 2, d, dv) <= budget else 1
     shared_bytes = _hopper_backward_shared_bytes(64, 64, stages, d, dv)
     return (64, 64, 8, stages), (
         f"hopper backward: 64 queries x 64 keys (FA3's D=256 tile), two consumer warpgroups side by side, each "
