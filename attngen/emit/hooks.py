@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attngen import ir
 from attngen.analysis import Analysis
@@ -360,8 +360,18 @@ def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
 
 
+# The portable kernels' tile corners, for the score's point loads: the row block's first query position or
+# key (q_first, k_first: parameters of the inner loops) and the loop's tile start (start_n, start_m). Their
+# masks keep the plain spellings, which the tile-table kernels share.
+PORTABLE_CORNERS = {
+    "k": dict(corners=("q_first", "q_first + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
+              corner_names=("q_first", "start_n")),
+    "q": dict(corners=("start_m", "start_m + BLOCK_M - 1", "k_first", "k_first + BLOCK_N - 1"),
+              corner_names=("start_m", "k_first"))}
+
+
 def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
-    em = _emitter(facts, spelling, "sc")
+    em = _emitter(facts, replace(spelling, **PORTABLE_CORNERS[loop]), "sc")
     score = _score_hook(facts.spec, em)
     offset = "q_off" if spelling is FORWARD_ROWS else ""
     hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop, offset)}

@@ -118,8 +118,9 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # table does not describe) and in every call of a spec without tables.
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
-            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"), (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
+            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_first", "offs_d", "offs_dv", "sm_scale",
+            "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
+            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
             "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE),
@@ -127,16 +128,16 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
              *PAGING)),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
-            "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs), _INNER_CONSTANTS),
+            "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
+            "qk_scale", *POSITIONS, *SIZES, *inputs), _INNER_CONSTANTS),
         "dkdv_program": sig("_bwd_dkdv_program", (
             "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits"), _PROGRAM_CONSTANTS),
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
-            "stride_vk", *TILE_LOOP, "offs_m", "offs_d", "offs_dv", "sm_scale", "qk_scale", *POSITIONS,
-            *SIZES, *inputs, *grads), _INNER_CONSTANTS),
+            "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
+            *POSITIONS, *SIZES, *inputs, *grads), _INNER_CONSTANTS),
         "dq_program": sig("_bwd_dq_program", (
             "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),

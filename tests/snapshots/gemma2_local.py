@@ -501,8 +501,8 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # ranges (masks the analysis bounds) or from a tile table's lists (FOLLOW_TABLE).
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
-               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, offs_d, offs_dv, sm_scale,
-               qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, pages, NUM_PAGES,
+               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_first, offs_d, offs_dv,
+               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, pages, NUM_PAGES,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
@@ -513,13 +513,14 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+        # The next tile's start, read now so a table's index load overlaps this tile's work (start_n stays
+        # this tile's: the score's point loads bound its index from it).
+        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
         if PAGED:
             # Key n is slot n % PAGE_SIZE of page pages[n // PAGE_SIZE]; the next tile's page numbers
             # are read now, so their load overlaps this tile's (the K and V loads depend on them).
             page = tl.minimum(tl.maximum(next_page, 0), NUM_PAGES - 1).to(tl.int64)
-            next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
+            next_page = _page_numbers(pages, next_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
             key_rows = page * stride_kz + (offs_n % PAGE_SIZE) * stride_kn
             value_rows = page * stride_vz + (offs_n % PAGE_SIZE) * stride_vn
         else:
@@ -552,6 +553,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
                        MASKED, HEAD_DIM_V != HEAD_DIM_V_PAD)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_ij
+        start_n = next_n
     return acc, l_i, m_i
 
 
@@ -612,18 +614,19 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
+    q_first = start_m * BLOCK_M + q_off
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, masked_tiles, masked_lo, masked_hi, gap_at, gap, visits,
-                               offs_m, pos_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                               HKV, Q_LEN, KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION,
-                               FOLLOW_TABLE, PAGED, PAGE_SIZE)
+                               offs_m, pos_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                               off_hkv, B, H, HKV, Q_LEN, KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V,
+                               HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                               DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
-                               offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                               KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                               BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED,
-                               PAGE_SIZE)
+                               q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                               Q_LEN, KV_LEN, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION,
+                               FOLLOW_TABLE, PAGED, PAGE_SIZE)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
     has_keys = l_i > 0.0
@@ -679,8 +682,8 @@ def _base2_lse(Lse, row, offs, n):
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk, stride_dom,
-                    stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, offs_d, offs_dv, sm_scale,
-                    qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
+                    stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, k_first, offs_d, offs_dv,
+                    sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -690,7 +693,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         _count_visit(visits, start_m, BLOCK_M, MASKED, COUNT_VISITS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
+        next_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
         qT = _load_tile(Q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qk,
                         offs_m[None, :] < Q_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         do = _load_tile(DO_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok,
@@ -724,6 +727,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         if MASKED:
             dsT = tl.where(allowed, dsT, 0.0)
         dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT_PRECISION)
+        start_m = next_m
     return dk, dv
 
 
@@ -742,6 +746,7 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
     off_hkv = off_bhkv % HKV
     group = H // HKV
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_first = start_n * BLOCK_N
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
@@ -777,14 +782,14 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         full_tiles, full_lo, full_hi = 0, t1, t2
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                                 visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                                 H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                 BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
+                                 visits, offs_n, k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, full_tiles, full_lo, full_hi, 0, 0, visits, offs_n,
-                                 offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                 KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
-                                 False, COUNT_VISITS, DOT_PRECISION)
+                                 k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                 BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
     ok_k = (offs_n[:, None] < KV_LEN) & (offs_d[None, :] < HEAD_DIM)
     ok_v = (offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(DK + off_b.to(tl.int64) * stride_dkz + off_hkv.to(tl.int64) * stride_dkh
@@ -798,8 +803,8 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles,
-                  j_lo, j_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
-                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  j_lo, j_hi, gap_at, gap, visits, offs_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b,
+                  off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
@@ -808,7 +813,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
+        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
         kT = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
                         offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         vT = _load_tile(V_head + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vk,
@@ -840,6 +845,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         if MASKED:
             ds = tl.where(allowed, ds, 0.0)
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT_PRECISION)
+        start_n = next_n
     return dq
 
 
@@ -858,6 +864,7 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     off_hkv = off_h // (H // HKV)
     row = off_bh.to(tl.int64) * Q_LEN
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_first = start_m * BLOCK_M
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     q = _load_tile(Q + off_b.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
@@ -889,14 +896,14 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv,
-                       sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
+                       masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, q_first, offs_d,
+                       offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
                        HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
                        DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                       off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                       HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
+                       full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, q_first, offs_d, offs_dv, sm_scale,
+                       qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
+                       HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
@@ -2402,7 +2409,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "2a8b39a29d5664a2"
+MODULE_DIGEST = "f43c6ede7be869b8"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):

@@ -499,8 +499,8 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # ranges (masks the analysis bounds) or from a tile table's lists (FOLLOW_TABLE).
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
-               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, offs_d, offs_dv, sm_scale,
-               qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
+               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_first, offs_d, offs_dv,
+               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
                stride_table_1, size_table_0, size_table_1, pages, NUM_PAGES, HEAD_DIM: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
@@ -512,13 +512,14 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
+        # The next tile's start, read now so a table's index load overlaps this tile's work (start_n stays
+        # this tile's: the score's point loads bound its index from it).
+        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
         if PAGED:
             # Key n is slot n % PAGE_SIZE of page pages[n // PAGE_SIZE]; the next tile's page numbers
             # are read now, so their load overlaps this tile's (the K and V loads depend on them).
             page = tl.minimum(tl.maximum(next_page, 0), NUM_PAGES - 1).to(tl.int64)
-            next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
+            next_page = _page_numbers(pages, next_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
             key_rows = page * stride_kz + (offs_n % PAGE_SIZE) * stride_kn
             value_rows = page * stride_vz + (offs_n % PAGE_SIZE) * stride_vn
         else:
@@ -530,12 +531,29 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
         qk = _dot(q, k, DOT_PRECISION)
         # score: score + table[h, clamp(q - k, -128, 128) + 128]
         s = qk * sm_scale
-        sc0 = pos_m[:, None] - offs_n[None, :]
-        sc1 = tl.minimum(tl.maximum(sc0, -128), 128)
-        sc2 = sc1 + 128
-        sc3 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc2) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1), other=0)
-        sc4 = s + sc3
-        s2 = sc4 * LOG2E
+        sc0 = tl.cast(off_h, tl.int64)
+        sc1 = tl.cast(q_first, tl.int64)
+        sc2 = tl.cast(q_first + BLOCK_M - 1, tl.int64)
+        sc3 = tl.cast(start_n, tl.int64)
+        sc4 = tl.cast(start_n + BLOCK_N - 1, tl.int64)
+        sc5 = sc1 - sc4
+        sc6 = sc2 - sc3
+        sc7 = tl.maximum(sc5, -128)
+        sc8 = tl.maximum(sc6, -128)
+        sc9 = tl.minimum(sc7, 128)
+        sc10 = tl.minimum(sc8, 128)
+        sc11 = sc9 + 128
+        sc12 = sc10 + 128
+        if (sc11 == sc12):
+            sc16_entry = tl.load(table_ptr + (sc0) * stride_table_0 + (sc11) * stride_table_1, mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), other=0)
+            sc16 = tl.where(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) == 0.0, sc16_entry, sc16_entry)
+        else:
+            sc13 = pos_m[:, None] - offs_n[None, :]
+            sc14 = tl.minimum(tl.maximum(sc13, -128), 128)
+            sc15 = sc14 + 128
+            sc16 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc15) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc15 >= 0) & (sc15 < size_table_1), other=0)
+        sc17 = s + sc16
+        s2 = sc17 * LOG2E
         if MASKED:
             allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
             s2 = tl.where(allowed, s2, float("-inf"))
@@ -550,6 +568,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
                        MASKED, HEAD_DIM_V != HEAD_DIM_V_PAD)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_ij
+        start_n = next_n
     return acc, l_i, m_i
 
 
@@ -605,19 +624,21 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
+    q_first = start_m * BLOCK_M + q_off
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, masked_tiles, masked_lo, masked_hi, gap_at, gap, visits,
-                               offs_m, pos_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                               HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
-                               size_table_1, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                               offs_m, pos_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                               off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1,
+                               size_table_0, size_table_1, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
                                HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION,
                                FOLLOW_TABLE, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
-                               offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                               KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0, size_table_1,
-                               pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                               BLOCK_N, False, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
+                               q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                               Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
+                               size_table_1, pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION,
+                               FOLLOW_TABLE, PAGED, PAGE_SIZE)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
     has_keys = l_i > 0.0
@@ -673,9 +694,9 @@ def _base2_lse(Lse, row, offs, n):
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk, stride_dom,
-                    stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, offs_d, offs_dv, sm_scale,
-                    qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
-                    stride_table_1, size_table_0, size_table_1, HEAD_DIM: tl.constexpr,
+                    stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, k_first, offs_d, offs_dv,
+                    sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr,
+                    stride_table_0, stride_table_1, size_table_0, size_table_1, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -685,7 +706,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         _count_visit(visits, start_m, BLOCK_M, MASKED, COUNT_VISITS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
+        next_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
         qT = _load_tile(Q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qk,
                         offs_m[None, :] < Q_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         do = _load_tile(DO_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok,
@@ -695,12 +716,29 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         qk = _dot(k, qT, DOT_PRECISION)
         # score: score + table[h, clamp(q - k, -128, 128) + 128]
         s = qk * sm_scale
-        sc0 = offs_m[None, :] - offs_n[:, None]
-        sc1 = tl.minimum(tl.maximum(sc0, -128), 128)
-        sc2 = sc1 + 128
-        sc3 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc2) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1), other=0)
-        sc4 = s + sc3
-        s2 = sc4 * LOG2E
+        sc0 = tl.cast(off_h, tl.int64)
+        sc1 = tl.cast(start_m, tl.int64)
+        sc2 = tl.cast(start_m + BLOCK_M - 1, tl.int64)
+        sc3 = tl.cast(k_first, tl.int64)
+        sc4 = tl.cast(k_first + BLOCK_N - 1, tl.int64)
+        sc5 = sc1 - sc4
+        sc6 = sc2 - sc3
+        sc7 = tl.maximum(sc5, -128)
+        sc8 = tl.maximum(sc6, -128)
+        sc9 = tl.minimum(sc7, 128)
+        sc10 = tl.minimum(sc8, 128)
+        sc11 = sc9 + 128
+        sc12 = sc10 + 128
+        if (sc11 == sc12):
+            sc16_entry = tl.load(table_ptr + (sc0) * stride_table_0 + (sc11) * stride_table_1, mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), other=0)
+            sc16 = tl.where(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) == 0.0, sc16_entry, sc16_entry)
+        else:
+            sc13 = offs_m[None, :] - offs_n[:, None]
+            sc14 = tl.minimum(tl.maximum(sc13, -128), 128)
+            sc15 = sc14 + 128
+            sc16 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc15) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc15 >= 0) & (sc15 < size_table_1), other=0)
+        sc17 = s + sc16
+        s2 = sc17 * LOG2E
         pT = tl.exp2(s2 - lse[None, :])
         if MASKED:
             allowed = (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
@@ -713,6 +751,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         if MASKED:
             dsT = tl.where(allowed, dsT, 0.0)
         dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT_PRECISION)
+        start_m = next_m
     return dk, dv
 
 
@@ -731,6 +770,7 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
     off_hkv = off_bhkv % HKV
     group = H // HKV
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_first = start_n * BLOCK_N
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
@@ -760,16 +800,16 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         full_tiles, full_lo, full_hi = 0, t1, t2
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                                 visits, offs_n, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                                 H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
-                                 size_table_1, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                 BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
+                                 visits, offs_n, k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1,
+                                 size_table_0, size_table_1, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                 BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, full_tiles, full_lo, full_hi, 0, 0, visits, offs_n,
-                                 offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                 KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0, size_table_1,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False,
-                                 COUNT_VISITS, DOT_PRECISION)
+                                 k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                                 Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
+                                 size_table_1, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                 BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
     ok_k = (offs_n[:, None] < KV_LEN) & (offs_d[None, :] < HEAD_DIM)
     ok_v = (offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(DK + off_b.to(tl.int64) * stride_dkz + off_hkv.to(tl.int64) * stride_dkh
@@ -783,9 +823,9 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles,
-                  j_lo, j_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
-                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1, size_table_0,
-                  size_table_1, table_grad, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  j_lo, j_hi, gap_at, gap, visits, offs_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b,
+                  off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0, stride_table_1,
+                  size_table_0, size_table_1, table_grad, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
@@ -794,7 +834,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        start_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
+        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
         kT = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
                         offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         vT = _load_tile(V_head + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vk,
@@ -803,12 +843,29 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         qk = _dot(q, kT, DOT_PRECISION)
         # score: score + table[h, clamp(q - k, -128, 128) + 128]
         s = qk * sm_scale
-        sc0 = offs_m[:, None] - offs_n[None, :]
-        sc1 = tl.minimum(tl.maximum(sc0, -128), 128)
-        sc2 = sc1 + 128
-        sc3 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc2) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1), other=0)
-        sc4 = s + sc3
-        s2 = sc4 * LOG2E
+        sc0 = tl.cast(off_h, tl.int64)
+        sc1 = tl.cast(q_first, tl.int64)
+        sc2 = tl.cast(q_first + BLOCK_M - 1, tl.int64)
+        sc3 = tl.cast(start_n, tl.int64)
+        sc4 = tl.cast(start_n + BLOCK_N - 1, tl.int64)
+        sc5 = sc1 - sc4
+        sc6 = sc2 - sc3
+        sc7 = tl.maximum(sc5, -128)
+        sc8 = tl.maximum(sc6, -128)
+        sc9 = tl.minimum(sc7, 128)
+        sc10 = tl.minimum(sc8, 128)
+        sc11 = sc9 + 128
+        sc12 = sc10 + 128
+        if (sc11 == sc12):
+            sc16_entry = tl.load(table_ptr + (sc0) * stride_table_0 + (sc11) * stride_table_1, mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), other=0)
+            sc16 = tl.where(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) == 0.0, sc16_entry, sc16_entry)
+        else:
+            sc13 = offs_m[:, None] - offs_n[None, :]
+            sc14 = tl.minimum(tl.maximum(sc13, -128), 128)
+            sc15 = sc14 + 128
+            sc16 = tl.load(table_ptr + (off_h) * stride_table_0 + (sc15) * stride_table_1, mask=(off_h >= 0) & (off_h < size_table_0) & (sc15 >= 0) & (sc15 < size_table_1), other=0)
+        sc17 = s + sc16
+        s2 = sc17 * LOG2E
         p = tl.exp2(s2 - lse[:, None])
         if MASKED:
             allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
@@ -816,26 +873,33 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         dp = _dot(do, vT, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         g0 = ds * 1.0
-        gaddr0 = (off_h) * stride_table_0 + (sc2) * stride_table_1
-        gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc2 >= 0) & (sc2 < size_table_1)
-        glo0, ghi0, gsum0 = tl.reduce((tl.where(gok0, gaddr0, 2147483647), tl.where(gok0, gaddr0, -1),
-                                         tl.where(gok0, g0, 0.0)), 1, _min_max_sum)
-        glo0, ghi0, gsum0 = tl.reduce((glo0, ghi0, gsum0), 0, _min_max_sum)
-        if glo0 >= ghi0:
-            tl.atomic_add(table_grad + glo0, gsum0, mask=glo0 == ghi0, sem="relaxed")
+        if (sc11 == sc12):
+            tl.atomic_add(table_grad + (sc0) * stride_table_0 + (sc11) * stride_table_1, tl.sum(tl.sum(g0, 1), 0), mask=(sc0 >= 0) & (sc0 < size_table_0) & (sc11 >= 0) & (sc11 < size_table_1), sem="relaxed")
         else:
-            gatlo0, gathi0 = tl.reduce((tl.where(gok0 & (gaddr0 == glo0), g0, 0.0),
-                                           tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0)), 1, _sum_pair)
-            gatlo0, gathi0 = tl.reduce((gatlo0, gathi0), 0, _sum_pair)
-            tl.atomic_add(table_grad + glo0, gatlo0, sem="relaxed")
-            tl.atomic_add(table_grad + ghi0, gathi0, sem="relaxed")
-            gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
-            if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
-                tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
+            sc18 = offs_m[:, None] - offs_n[None, :]
+            sc19 = tl.minimum(tl.maximum(sc18, -128), 128)
+            sc20 = sc19 + 128
+            gaddr0 = (off_h) * stride_table_0 + (sc20) * stride_table_1
+            gok0 = (off_h >= 0) & (off_h < size_table_0) & (sc20 >= 0) & (sc20 < size_table_1)
+            glo0, ghi0, gsum0 = tl.reduce((tl.where(gok0, gaddr0, 2147483647), tl.where(gok0, gaddr0, -1),
+                                             tl.where(gok0, g0, 0.0)), 1, _min_max_sum)
+            glo0, ghi0, gsum0 = tl.reduce((glo0, ghi0, gsum0), 0, _min_max_sum)
+            if glo0 >= ghi0:
+                tl.atomic_add(table_grad + glo0, gsum0, mask=glo0 == ghi0, sem="relaxed")
+            else:
+                gatlo0, gathi0 = tl.reduce((tl.where(gok0 & (gaddr0 == glo0), g0, 0.0),
+                                               tl.where(gok0 & (gaddr0 == ghi0), g0, 0.0)), 1, _sum_pair)
+                gatlo0, gathi0 = tl.reduce((gatlo0, gathi0), 0, _sum_pair)
+                tl.atomic_add(table_grad + glo0, gatlo0, sem="relaxed")
+                tl.atomic_add(table_grad + ghi0, gathi0, sem="relaxed")
+                gmid0 = gok0 & (gaddr0 != glo0) & (gaddr0 != ghi0)
+                if tl.max(tl.max(gmid0.to(tl.int32), 1), 0) > 0:
+                    tl.atomic_add(table_grad + gaddr0, g0, mask=gmid0, sem="relaxed")
         # d score'/d score = 1: ds is already the gradient of the raw score
         if MASKED:
             ds = tl.where(allowed, ds, 0.0)
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT_PRECISION)
+        start_n = next_n
     return dq
 
 
@@ -855,6 +919,7 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     off_hkv = off_h // (H // HKV)
     row = off_bh.to(tl.int64) * Q_LEN
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_first = start_m * BLOCK_M
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     q = _load_tile(Q + off_b.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
@@ -880,14 +945,14 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, offs_d, offs_dv,
-                       sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr,
+                       masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, q_first, offs_d,
+                       offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr,
                        stride_table_0, stride_table_1, size_table_0, size_table_1, table_grad, HEAD_DIM,
                        HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
                        DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
-                       full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, offs_d, offs_dv, sm_scale, qk_scale,
-                       off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
+                       full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, q_first, offs_d, offs_dv, sm_scale,
+                       qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, table_ptr, stride_table_0,
                        stride_table_1, size_table_0, size_table_1, table_grad, HEAD_DIM, HEAD_DIM_V,
                        HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
@@ -2450,7 +2515,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "1610d54001b5fbb9"
+MODULE_DIGEST = "41dee91db65569a1"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
