@@ -4,6 +4,7 @@ import torch
 
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.launch import _launch
+from attngen.emit.static.host import _sm_count
 from attngen.emit.static.shared import _cdiv, _next_power_of_2
 
 # ---- inlined into every generated module from here on ----
@@ -16,7 +17,6 @@ from attngen.emit.static.shared import _cdiv, _next_power_of_2
 # often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
 DECODE_MIN_TILES = 4
 DECODE_PROGRAMS_PER_SM = 2
-_SM_COUNTS = {}
 
 
 # Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
@@ -73,15 +73,6 @@ def _decode_block_m(rows):
 
 def _decode_block_n(q, v):
     return _family_tiles(q, v, "decode")[1]
-
-
-def _sm_count(device):
-    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
 
 
 def _decode_splits(n_tiles, programs, device):

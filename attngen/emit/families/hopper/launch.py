@@ -3,6 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.host import _sm_count
 from attngen.emit.static.launch import _launch
 from attngen.emit.static.shared import _cdiv
 
@@ -104,6 +105,13 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
+def _hopper_q_buffers(block_m, block_n, stages, d_pad, dv_pad):
+    """How many Q tiles the persistent forward holds: two (the next work item's Q loads while this one
+    computes) where they fit beside the K/V stages in sm_90's 227 KiB a block, less 2 KiB for barriers
+    and scratch; else one."""
+    return 2 if (2 * block_m * d_pad + stages * block_n * (d_pad + dv_pad)) * 2 <= 225 * 1024 else 1
+
+
 def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
@@ -117,7 +125,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
     v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
-    grid = (_cdiv(Q_LEN, block_m), B * H)
+    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work).
+    grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
@@ -125,8 +134,9 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
         _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                STAGES=stages,
+                Q_BUFFERS=_hopper_q_buffers(block_m, block_n, stages, d_pad, dv_pad), PINGPONG=pingpong,
+                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
