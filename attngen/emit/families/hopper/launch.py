@@ -125,18 +125,21 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
     v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
-    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work).
+    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
+    # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
     grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
+    work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages,
                 Q_BUFFERS=_hopper_q_buffers(block_m, block_n, stages, d_pad, dv_pad), PINGPONG=pingpong,
-                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
+                maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
