@@ -80,9 +80,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16),
                              (0, 0, 4, 1)))
         if family == "hopper":
-            q_buffers = module._hopper_q_buffers(tiles[0], tiles[1], tiles[3], head_dim, head_dim)
             launches.append(("_hopper_fwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                                                        Q_BUFFERS=q_buffers,
+                                                        Q_BUFFERS=tiles[4],
                                                         PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
                                                         DEFER_SCALE=module.HOPPER_PLAIN_SCORE),
                              tiles))

@@ -92,7 +92,7 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages = _family_tiles(q, v, "decode")
+    _, block_n, warps, stages, _ = _family_tiles(q, v, "decode")
     rows = (H // HKV) * Q_LEN
     block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)

@@ -105,17 +105,11 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_q_buffers(block_m, block_n, stages, d_pad, dv_pad):
-    """How many Q tiles the persistent forward holds: two (the next work item's Q loads while this one
-    computes) where they fit beside the K/V stages in sm_90's 227 KiB a block, less 2 KiB for barriers
-    and scratch; else one."""
-    return 2 if (2 * block_m * d_pad + stages * block_n * (d_pad + dv_pad)) * 2 <= 225 * 1024 else 1
-
-
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one; `plan` the call's _CallPlan."""
+    the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
+    plan's: 2 where shared memory has room); `plan` the call's _CallPlan."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
@@ -137,7 +131,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages,
-                Q_BUFFERS=_hopper_q_buffers(block_m, block_n, stages, d_pad, dv_pad), PINGPONG=pingpong,
+                Q_BUFFERS=q_buffers, PINGPONG=pingpong,
                 FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
                 maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
@@ -150,8 +144,8 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
     tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
     call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
-    block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
+    block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
 
 
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
@@ -164,7 +158,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, warps, stages = _family_tiles(q, v, "hopper_bwd")
+    block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
