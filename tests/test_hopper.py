@@ -119,12 +119,14 @@ def test_explain_names_the_family_and_its_tiles():
     text = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=128, head_dim_v=128, dtype="bf16",
                        target="h200").text
     assert "kernel families: decode, hopper, portable" in text
-    assert "hopper: 128x128 tiles, two 4-warp consumer warpgroups" in text
+    assert "hopper: 128x128 tiles, a persistent CTA an SM" in text and "2 Q tiles (192 KiB" in text
     assert "hopper backward: 64 queries x 128 keys" in text
     # Above head dim 128 the backward's tiles are 64 x 64, with two Q/dO stages only where they fit.
     wide = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=256, head_dim_v=256,
                        dtype="bf16", target="h200").text
     assert "hopper backward: 64 queries x 64 keys" in wide and "1 Q/dO stage," in wide
+    # The forward's second Q tile (a persistent CTA's next work item) fits up to head dim 128.
+    assert "2 K/V stages, 1 Q tile (192 KiB" in wide
     narrower_v = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=256, head_dim_v=128,
                              dtype="bf16", target="h200").text
     assert "hopper backward: 64 queries x 64 keys" in narrower_v and "2 Q/dO stages" in narrower_v

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
             "DV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DLse": "*fp32", "Visits": "*i32", "VisitsKV": "*i32",
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
-            "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32"}
+            "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
+            "work_counter": "*i32"}
 FLOATS = {"sm_scale", "qk_scale"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -80,6 +81,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                              (0, 0, 4, 1)))
         if family == "hopper":
             launches.append(("_hopper_fwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
+                                                        Q_BUFFERS=tiles[4],
                                                         PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
                                                         DEFER_SCALE=module.HOPPER_PLAIN_SCORE),
                              tiles))

@@ -119,7 +119,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         for e in plan.entries) + "}"
     family_tiles_table = "{\n" + "".join(
         f"    ({e.head_dim_pad}, {e.head_dim_v_pad}, {e.dtype!r}): {{"
-        + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))}"
+        + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages, t.buffers))}"
                     for family, t in e.family_tiles) + "},\n"
         for e in plan.entries if e.family_tiles) + "}" if any(e.family_tiles for e in plan.entries) else "{}"
     others = [family for family in plan.families if family != PORTABLE.name]

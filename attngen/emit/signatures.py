@@ -155,19 +155,27 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", "Lse", "sm_scale", "qk_scale", *inputs, *table, *SIZES),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE")),
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", "Lse", "work_counter", "sm_scale", "qk_scale", *inputs,
+            *table, *SIZES),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE")),
+        # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
+        # _hopper_fwd_work says which tile and key tiles item `work` is.
+        "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES),
+                           ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_producer": sig("_hopper_producer", (
-            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready",
-            "v_empty", "off_bh", "kv_bh", "tile_m", "n_tiles", *TILE_RANGE), ("BLOCK_N", "STAGES", "NUM_CONSUMERS",
-                                                                              "FOLLOW_TABLE")),
+            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty",
+            "v_ready", "v_empty", "work_ids", "work_counter", "n_work", "n_m", *inputs, *table, *SIZES),
+            ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE")),
         "hopper_consumer": sig("_hopper_consumer", (
-            "q_bufs", "k_bufs", "v_bufs", "q_bar", "k_ready", "k_empty", "v_ready", "v_empty", "sched", "o_desc",
-            "Out", "Lse", "tile_m", "off_bh", "n_tiles", *TILE_RANGE, *_HOOK_ARGS, *inputs),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "DEFER_SCALE", "WG", "NUM_CONSUMERS")),
+            "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
+            "o_desc", "Out", "Lse", "work_ids", "n_work", "n_m", "sm_scale", "qk_scale", *inputs,
+            *table, *SIZES),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
+             "NUM_CONSUMERS")),
         "hopper_loop": sig("_hopper_consumer_loop", (
-            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "q_smem", "k_bufs", "v_bufs", "k_ready", "k_empty", "v_ready",
-            "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS, *inputs),
+            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
+            "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
+            *inputs),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
              "o_layout", "p_layout", "WG", "NUM_CONSUMERS")),
         "hopper_step": sig("_hopper_softmax_step", (

@@ -13,7 +13,8 @@ from attngen.plan.targets import Target
 
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) and why, for a padded head dim pair and dtype.
-TileRule = Callable[[Target, int, int, str], tuple[tuple[int, int, int, int], str]]
+# (target, d, dv, dtype) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles' fields.
+TileRule = Callable[[Target, int, int, str], tuple[tuple[int, ...], str]]
 
 
 @dataclass(frozen=True)
@@ -98,24 +99,35 @@ def _hopper_problem(facts: Analysis, target: Target) -> str | None:
     return None
 
 
-def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
-    # Shared memory holds Q (BLOCK_M x d) and STAGES K and V tiles (BLOCK_N x d, BLOCK_N x dv), 227 KiB at
-    # most: at d = dv = 128 a third stage leaves nothing to spare; at 256 the key tiles halve.
+# What the family's tiles leave of the target's shared memory per block (227 KiB on sm_90) for barriers, the
+# LSE/delta rows, work item numbers and reductions' scratch (1-1.3 KB in the compiled kernels:
+# tools/compile_sm90.py).
+HOPPER_SHARED_MARGIN = 2048
+
+
+def _hopper_forward_shared_bytes(block_m: int, block_n: int, stages: int, q_buffers: int, d: int, dv: int) -> int:
+    # Q_BUFFERS Q tiles (BLOCK_M x d) and STAGES K and V tiles (BLOCK_N x d, BLOCK_N x dv) at 16 bits.
+    return (q_buffers * block_m * d + stages * block_n * (d + dv)) * 2
+
+
+def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, ...], str]:
+    # At d = dv = 128 a third K/V stage leaves no room for a second Q tile; at 256 the key tiles halve.
+    # A persistent CTA holds two Q tiles where they fit (the next work item's loads during this one).
     widest = max(d, dv)
     block_n = 128 if widest <= 128 else 64
     stages = 3 if widest <= 64 else 2
-    return ((128, block_n, 4, stages),
-            f"hopper: 128x{block_n} tiles, two 4-warp consumer warpgroups taking turns at the tensor cores and a "
-            f"TMA producer warp, {stages} K/V stages ({(128 * d + stages * block_n * (d + dv)) * 2 // 1024} KiB of "
-            f"shared memory at 16 bits)")
+    budget = target.smem_per_block - HOPPER_SHARED_MARGIN
+    q_buffers = 2 if _hopper_forward_shared_bytes(128, block_n, stages, 2, d, dv) <= budget else 1
+    shared_bytes = _hopper_forward_shared_bytes(128, block_n, stages, q_buffers, d, dv)
+    return ((128, block_n, 4, stages, q_buffers),
+            f"hopper: 128x{block_n} tiles, a persistent CTA an SM taking query tiles from a counter, two 4-warp "
+            f"consumer warpgroups taking turns at the tensor cores and a TMA producer warp, {stages} K/V stages, "
+            f"{q_buffers} Q tile{'s' if q_buffers > 1 else ''} ({shared_bytes // 1024} KiB of shared memory)")
 
 
 # Above this width dK and dV (2 * d fp32 a key row) no longer fit the registers of 128-key tiles: the
 # tiles hold 64 keys, and their two warpgroups split the head dims' columns (SPLIT_D).
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
-# What the backward's tiles leave of the target's shared memory per block (227 KiB on sm_90) for barriers, the
-# LSE/delta rows and reductions' scratch (1-1.3 KB in the compiled kernels: tools/compile_sm90.py).
-HOPPER_SHARED_MARGIN = 2048
 
 
 def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: int, dv: int) -> int:

@@ -41,16 +41,20 @@ INTERPRETER_TILES_REASON = (
 
 
 class Tiles(BaseModel):
-    """The launch shape of one kernel: its two tile sizes, warps per program and pipeline depth."""
+    """The launch shape of one kernel: its two tile sizes, warps per program and pipeline depth, and
+    how many copies of its resident tile it holds (the persistent Hopper forward's Q: with two, the next
+    work item's Q loads while this one computes)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    buffers: int = 1
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n} {self.num_warps}w/{self.num_stages}s"
+        buffers = f" {self.buffers}buf" if self.buffers > 1 else ""
+        return f"{self.block_m}x{self.block_n} {self.num_warps}w/{self.num_stages}s{buffers}"
 
 
 class KernelPlan(BaseModel):
@@ -353,8 +357,8 @@ def plan(target: Target, *, gather_bytes: int = 0, narrow: bool = False,
                 others = [(f.name, f.tiles(target, d, dv, dtype)) for f in families if f.tiles is not None]
                 others += [(f.backward_name, f.backward_tiles(target, d, dv, dtype)) for f in families
                            if f.backward_tiles is not None]
-                family_tiles = tuple((name, Tiles(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
-                                     for name, ((bm, bn, w, st), _) in others)
+                family_tiles = tuple((name, Tiles(**dict(zip(Tiles.model_fields, shape))))
+                                     for name, (shape, _) in others)
                 family_reasons = tuple(why for _, (_, why) in others)
                 if target.interpreter:
                     tiles = Tiles(block_m=16, block_n=16, num_warps=4, num_stages=1)

@@ -127,83 +127,83 @@ MAX_BATCH_HEADS = 65535
 # Head dims that are not powers of two get tiles at least this wide (attngen/plan/planner.py says why).
 MASKED_WIDTH_FLOOR = 64
 # The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
-# HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers).
 FAMILY_TILES = {
-    (16, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (32, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (64, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 3), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (128, 16, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 16, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 32, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 32, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 64, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 64, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 128, 'f16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 128, 'f32'): {'decode': (64, 32, 4, 3), 'hopper': (128, 128, 4, 2), 'hopper_bwd': (64, 128, 8, 2)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 2)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3), 'hopper': (128, 64, 4, 2), 'hopper_bwd': (64, 64, 8, 1)},
+    (16, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
 }
 
 
@@ -974,33 +974,94 @@ def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, 
 
 
 @gluon.jit
-def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                     full_tiles, full_lo, full_hi, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
-    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers. Boxes are
-    # (1 head, rows, width) of (heads, length, D) tensors: TMA fills the rows past a head's length with
-    # zeros (a tile never reads the next head's rows, whose values could be anything, inf included).
+def _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     FOLLOW_TABLE: tl.constexpr):
+    # Work item `work` of a persistent CTA: a query tile of BLOCK_M rows of one (batch, head), and the
+    # key tiles it visits (TILE_RANGE). Items run head by head, each head's query tiles last first: under
+    # causal-like masks those visit the most keys, and the CTAs running one head's items side by side
+    # share its K/V in L2. Producer and consumers both call this, so they walk the same tiles.
+    off_bh = work // n_m
+    start_m = n_m - 1 - work % n_m
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
+    # The family takes no cache calls: queries sit at positions 0 .. Q_LEN - 1.
+    q_off = 0
+    q_first = start_m * BLOCK_M + q_off
+    q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1 + q_off
+    bd0 = tl.cast(q_last, tl.int64)
+    bd1 = tl.cast(q_first, tl.int64)
+    kv_lo = 0
+    kv_hi = _index_bound(bd0 + 1, KV_LEN)
+    kv_full_lo = 0
+    kv_full_hi = _index_bound(bd1 + 1, KV_LEN)
+    t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
+    # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
+    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
+    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
+    full_tiles, full_lo, full_hi = 0, t1, t2
+    n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
+    return (start_m * BLOCK_M, off_bh, off_b, off_h, off_hkv, off_b * HKV + off_hkv, n_tiles, masked_tiles, masked_lo,
+            masked_hi, gap_at, gap, full_tiles, full_lo, full_hi)
+
+
+@gluon.jit
+def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV, Q_LEN, KV_LEN,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     Q_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers, running ahead
+    # of the consumers across work items (the next item's Q and first K/V tiles load while the consumers
+    # finish this one). Boxes are (1 head, rows, width) of (heads, length, D) tensors: TMA fills the rows
+    # past a head's length with zeros (a tile never reads the next head's rows, whose values could be
+    # anything, inf included).
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
-    n_masked = masked_hi - masked_lo
-    mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [off_bh, tile_m + c * ROWS, 0], q_bar, _hopper_box(q_bufs.index(c),
-                                                                                                   q_desc))
-    for i in range(n_tiles):
-        stage = i % STAGES
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    ring = 0  # K/V stages handed out so far: the ring's position carries over from item to item
+    done = 0  # work items loaded so far
+    # Items are handed out by a counter in global memory (zero at launch): a CTA takes the next one when
+    # it is ready for it, so CTAs whose items are short take more of them.
+    work = gl.atomic_add(work_counter, 1)
+    while work < n_work:
+        tile_m, off_bh, off_b, off_h, off_hkv, kv_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
+            full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M,
+                                                            BLOCK_N, FOLLOW_TABLE)
+        n_masked = masked_hi - masked_lo
+        slot = done % Q_BUFFERS
         # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
-        phase = ((i // STAGES) & 1) ^ 1
-        start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
-                                     full_hi, BLOCK_N, FOLLOW_TABLE)
-        mbarrier.wait(k_empty.index(stage), phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n, 0], k_ready.index(stage),
-                                        _hopper_box(k_bufs.index(stage), k_desc))
-        mbarrier.wait(v_empty.index(stage), phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n, 0], v_ready.index(stage),
-                                        _hopper_box(v_bufs.index(stage), v_desc))
+        mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) & 1) ^ 1)
+        # The consumers read the item's number once its Q has landed (the arrival below releases it).
+        work_ids.index(slot).store(gl.full([1], work, gl.int32, id_layout))
+        mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [off_bh, tile_m + c * ROWS, 0], q_ready.index(slot),
+                                            _hopper_box(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
+        for i in range(n_tiles):
+            stage = (ring + i) % STAGES
+            phase = (((ring + i) // STAGES) & 1) ^ 1
+            start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                         full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n, 0], k_ready.index(stage),
+                                            _hopper_box(k_bufs.index(stage), k_desc))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n, 0], v_ready.index(stage),
+                                            _hopper_box(v_bufs.index(stage), v_desc))
+        ring += n_tiles
+        done += 1
+        work = gl.atomic_add(work_counter, 1)
+    # No item left: the consumers' next slot says so (n_work), with an arrival and no copy.
+    slot = done % Q_BUFFERS
+    mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) & 1) ^ 1)
+    work_ids.index(slot).store(gl.full([1], n_work, gl.int32, id_layout))
+    mbarrier.arrive(q_ready.index(slot), count=1)
+    # The last CTA to take its last number sets the counter back to zero (no CTA takes one after it), so
+    # a later launch with the same counter starts from item 0.
+    if gl.atomic_add(work_counter + 1, 1) == gl.num_programs(0) - 1:
+        gl.atomic_xchg(work_counter, 0)
+        gl.atomic_xchg(work_counter + 1, 0)
 
 
 @gluon.jit
@@ -1061,23 +1122,24 @@ def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
-                          gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv,
-                          B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
-                          FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, dtype: tl.constexpr,
-                          s_layout: tl.constexpr, o_layout: tl.constexpr, p_layout: tl.constexpr,
-                          WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
+def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
+                          masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b,
+                          off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
+                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                          MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                          dtype: tl.constexpr, s_layout: tl.constexpr, o_layout: tl.constexpr,
+                          p_layout: tl.constexpr, WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
     # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
-    # already rescaled to m_i.
+    # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
+    # pingpong's issue count then (both carry over from the CTA's earlier work items).
     n_masked = masked_hi - masked_lo
     for i in range(i_lo, i_hi):
-        stage = i % STAGES
-        phase = (i // STAGES) & 1
-        prev = (i - 1) % STAGES
-        prev_phase = ((i - 1) // STAGES) & 1
+        stage = (ring + i) % STAGES
+        phase = ((ring + i) // STAGES) & 1
+        prev = (ring + i - 1) % STAGES
+        prev_phase = ((ring + i - 1) // STAGES) & 1
         k_smem = k_bufs.index(stage)
         v_prev = v_bufs.index(prev)
         start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
@@ -1085,7 +1147,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_
 
         mbarrier.wait(k_ready.index(stage), phase)
         mbarrier.wait(v_ready.index(prev), prev_phase)
-        _hopper_take_turn(sched, i, WG, NUM_CONSUMERS)
+        _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p, v_prev, o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
@@ -1108,17 +1170,14 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, q_smem, k_bufs, v_bufs, k_
 
 
 @gluon.jit
-def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched, o_desc, Out, Lse,
-                     tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                     full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                     o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
-                     WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
+                     STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                     DEFER_SCALE: tl.constexpr, WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
-    q_smem = q_bufs.index(WG)
-    off_m = tile_m + WG * BLOCK_M
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
     # One 16-row slab per warp, so rows never span warps: row max/sum are intra-warp shuffles and the
     # accumulator-to-A-operand conversion of P stays in registers.
@@ -1128,79 +1187,102 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v
                                                        instr_shape=[16, HEAD_DIM_V_PAD, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    # Query positions: the family takes no cache calls, so query i sits at position i.
-    pos_m = offs_m
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
-    n_masked = masked_hi - masked_lo
 
-    # Q's buffer is O's staging buffer in the epilogue: wait for Q's load even if no tile is visited.
-    mbarrier.wait(q_bar, 0)
-    if n_tiles > 0:
-        # Peeled step 0: there is no PV to overlap yet. Masked whichever tile it is (masks are exact
-        # on any tile), so the loops below need not special-case it.
-        start_n = _hopper_tile_start(0, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                     full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
-        mbarrier.wait(k_ready.index(0), 0)
-        _hopper_take_turn(sched, 0, WG, NUM_CONSUMERS)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(0)))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
-                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                                                      HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                                      BLOCK_M, BLOCK_N, True, DEFER_SCALE, s_layout)
-        p = gl.convert_layout(p_f32.to(dtype), p_layout)
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    ring = 0  # K/V stages consumed so far, over this CTA's work items
+    turn = 0  # pingpong issue points so far
+    done = 0  # work items finished
+    # The first item's Q and number.
+    mbarrier.wait(q_ready.index(0), 0)
+    work = gl.max(work_ids.index(0).load(id_layout), 0)
+    while work < n_work:
+        tile_m, off_bh, off_b, off_h, off_hkv, kv_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
+            full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN,
+                                                            BLOCK_M * NUM_CONSUMERS, BLOCK_N, FOLLOW_TABLE)
+        slot = done % Q_BUFFERS
+        q_smem = q_bufs.index(slot * NUM_CONSUMERS + WG)
+        off_m = tile_m + WG * BLOCK_M
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        # Query positions: the family takes no cache calls, so query i sits at position i.
+        pos_m = offs_m
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
+        n_masked = masked_hi - masked_lo
+        if n_tiles > 0:
+            # Peeled step 0: there is no PV to overlap yet. Masked whichever tile it is (masks are exact
+            # on any tile), so the loops below need not special-case it.
+            start_n = _hopper_tile_start(0, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                         full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
+            first = ring % STAGES
+            mbarrier.wait(k_ready.index(first), (ring // STAGES) & 1)
+            _hopper_take_turn(sched, turn, WG, NUM_CONSUMERS)
+            s_tok = warpgroup_mma(q_smem, k_bufs.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+            qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(first)))
+            mbarrier.arrive(k_empty.index(first), count=1)
+            p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
+                                                          qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                                                          KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                                          HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, DEFER_SCALE,
+                                                          s_layout)
+            p = gl.convert_layout(p_f32.to(dtype), p_layout)
 
-        o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, q_smem, k_bufs, v_bufs, k_ready,
-                                               k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero,
-                                               masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                               full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                                               H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                               HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE,
-                                               DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
-                                               NUM_CONSUMERS)
-        o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, q_smem, k_bufs,
-                                               v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m, offs_m,
-                                               pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap,
-                                               full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
-                                               off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                               HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
-                                               FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout,
-                                               WG, NUM_CONSUMERS)
+            o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs,
+                                                   v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m,
+                                                   offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
+                                                   gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
+                                                   qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                                                   HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                                   BLOCK_N, STAGES, True, FOLLOW_TABLE, DEFER_SCALE, dtype,
+                                                   s_layout, o_layout, p_layout, WG, NUM_CONSUMERS)
+            o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn,
+                                                   q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                                   sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
+                                                   masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
+                                                   sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
+                                                   KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                                   BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, DEFER_SCALE,
+                                                   dtype, s_layout, o_layout, p_layout, WG, NUM_CONSUMERS)
 
-        # Drain: the last tile's PV.
-        last = n_tiles - 1
-        v_last = v_bufs.index(last % STAGES)
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        _hopper_take_turn(sched, n_tiles, WG, NUM_CONSUMERS)
-        o_tok = warpgroup_mma(p, v_last, o, is_async=True)
-        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-        o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
-        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+            # Drain: the last tile's PV.
+            last = (ring + n_tiles - 1) % STAGES
+            v_last = v_bufs.index(last)
+            mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
+            _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
+            o_tok = warpgroup_mma(p, v_last, o, is_async=True)
+            _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
+            o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
+            mbarrier.arrive(v_empty.index(last), count=1)
+            ring += n_tiles
+            turn += n_tiles + 1
 
-    # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
-    empty_row = l_i == 0.0
-    inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
-    o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+        # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
+        empty_row = l_i == 0.0
+        inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
+        lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
-    if HEAD_DIM_V_PAD == HEAD_DIM_PAD:
-        # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
-        # past the head's Q_LEN and the columns past HEAD_DIM_V.
-        q_smem.store(o.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_bh, off_m, 0], _hopper_box(q_smem, o_desc))
-        tma.store_wait(pendings=0)
-    else:
-        _hopper_store_rows(Out, o.to(dtype), off_bh.to(gl.int64) * Q_LEN, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M,
-                           HEAD_DIM_V_PAD, o_layout)
-    gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
+        if HEAD_DIM_V_PAD == HEAD_DIM_PAD:
+            # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
+            # past the head's Q_LEN and the columns past HEAD_DIM_V. The buffer takes a later item's Q once the
+            # store has read it.
+            q_smem.store(o.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_bh, off_m, 0], _hopper_box(q_smem, o_desc))
+            tma.store_wait(pendings=0)
+        else:
+            _hopper_store_rows(Out, o.to(dtype), off_bh.to(gl.int64) * Q_LEN, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M,
+                               HEAD_DIM_V_PAD, o_layout)
+        # The producer may refill the slot: O has left it, and the item's number was read at its start.
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
+        done += 1
+        # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
+        # epilogue, so the wait comes even for an item that visits no tile.
+        mbarrier.wait(q_ready.index(done % Q_BUFFERS), (done // Q_BUFFERS) & 1)
+        work = gl.max(work_ids.index(done % Q_BUFFERS).load(id_layout), 0)
 
 
 @gluon.jit
@@ -1216,57 +1298,42 @@ def _hopper_store_rows(Out, tile, head_row, first_row, length, WIDTH: gl.constex
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
-                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STAGES: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                       DEFER_SCALE: tl.constexpr):
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, work_counter, sm_scale, qk_scale, B, H, HKV,
+                       Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
+                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr):
+    # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
+    # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
+    # while the consumers finish this one, and the CTA's set-up is paid once.
     # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
     # PINGPONG=True: two 4-warp consumer partitions (default + a worker), BLOCK_M / 2 query rows each,
     # taking turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then
-    # BLOCK_M / 2 rows.
+    # BLOCK_M / 2 rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
     NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    # Query tiles in reverse: under causal-like masks the last tiles visit the most keys, and starting
-    # them first keeps them from trailing at the end of the grid.
-    start_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    off_bh = gl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
-    # The family takes no cache calls: queries sit at positions 0 .. Q_LEN - 1.
-    q_off = 0
-    q_first = start_m * BLOCK_M + q_off
-    q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1 + q_off
-    bd0 = tl.cast(q_last, tl.int64)
-    bd1 = tl.cast(q_first, tl.int64)
-    kv_lo = 0
-    kv_hi = _index_bound(bd0 + 1, KV_LEN)
-    kv_full_lo = 0
-    kv_full_hi = _index_bound(bd1 + 1, KV_LEN)
-    t0, t1, t2, t3 = _tile_ranges(kv_lo, kv_hi, kv_full_lo, kv_full_hi, BLOCK_N)
-    # One masked loop over the partial tiles before and after the fully allowed stretch (one loop
-    # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
-    masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
-    full_tiles, full_lo, full_hi = 0, t1, t2
-    n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
-    tile_m = start_m * BLOCK_M
-    kv_bh = off_b * HKV + off_hkv
+    n_m = gl.cdiv(Q_LEN, BLOCK_M)
+    n_work = n_m * B * H
 
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(q_desc.block_type.shape[1] == ROWS)
     # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_PAD], tile_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    # Each Q buffer's work item number, from the producer to the consumers.
+    work_ids = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -1279,35 +1346,29 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, sm_scale, qk_sc
 
     if PINGPONG:
         gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
-                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 0,
-                                 NUM_CONSUMERS)),
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
-                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 1,
-                                 NUM_CONSUMERS)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo,
-                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES,
-                                 NUM_CONSUMERS, FOLLOW_TABLE)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV,
+                                 Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, NUM_CONSUMERS,
+                                 FOLLOW_TABLE)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, sched,
-                                 o_desc, Out, Lse, tile_m, off_bh, n_tiles, masked_tiles, masked_lo, masked_hi,
-                                 gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, FOLLOW_TABLE, DEFER_SCALE, 0,
-                                 NUM_CONSUMERS)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, off_bh, kv_bh, tile_m, n_tiles, masked_tiles, masked_lo,
-                                 masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, BLOCK_N, STAGES,
-                                 NUM_CONSUMERS, FOLLOW_TABLE)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV,
+                                 Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, NUM_CONSUMERS,
+                                 FOLLOW_TABLE)),
         ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -1923,6 +1984,19 @@ def _tiles(q, v, kernel):
     return PLAN[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
 
 
+# Per device: its SM count (the decode family's splits, the Hopper forward's persistent grid).
+_SM_COUNTS = {}
+
+
+def _sm_count(device):
+    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
 def _family_tiles(q, v, family):
     """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
     (FAMILY_TILES; int() as in _tiles)."""
@@ -2346,7 +2420,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "ab5ed718c100544a"
+MODULE_DIGEST = "5d519805f604377b"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2647,7 +2721,6 @@ def visit_counts(q, k, v, **inputs):
 # often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
 DECODE_MIN_TILES = 4
 DECODE_PROGRAMS_PER_SM = 2
-_SM_COUNTS = {}
 
 
 # Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
@@ -2706,15 +2779,6 @@ def _decode_block_n(q, v):
     return _family_tiles(q, v, "decode")[1]
 
 
-def _sm_count(device):
-    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
-
-
 def _decode_splits(n_tiles, programs, device):
     """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
     (a runtime argument, so no recompile per batch size or length)."""
@@ -2732,7 +2796,7 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages = _family_tiles(q, v, "decode")
+    _, block_n, warps, stages, _ = _family_tiles(q, v, "decode")
     rows = (H // HKV) * Q_LEN
     block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)
@@ -2852,10 +2916,11 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one; `plan` the call's _CallPlan."""
+    the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
+    plan's: 2 where shared memory has room); `plan` the call's _CallPlan."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
@@ -2865,16 +2930,21 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
     v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
-    grid = (_cdiv(Q_LEN, block_m), B * H)
+    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
+    # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
+    grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
+    work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                STAGES=stages,
+                Q_BUFFERS=q_buffers, PINGPONG=pingpong,
+                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
+                maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
@@ -2885,8 +2955,8 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
     tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
     call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
-    block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
+    block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
 
 
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
@@ -2899,7 +2969,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, warps, stages = _family_tiles(q, v, "hopper_bwd")
+    block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)

@@ -39,7 +39,7 @@ def prepare(q, k, v, causal: bool = False, sm_scale: float | None = None, block_
     assert sm_scale in (None, D ** -0.5), "the specs here take the default scale, 1 / sqrt(D)"
     block_m, block_n, stages, _, _ = launch_config(D, causal, block_n, stages, pingpong)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _MODULES[causal]._hopper_prepare(q, k, v, [], (), block_m, block_n, stages, pingpong)
+    return _MODULES[causal]._hopper_prepare(q, k, v, [], (), block_m, block_n, stages, pingpong=pingpong)
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, block_n: int | None = None,

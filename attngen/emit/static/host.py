@@ -195,6 +195,19 @@ def _tiles(q, v, kernel):
     return PLAN[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
 
 
+# Per device: its SM count (the decode family's splits, the Hopper forward's persistent grid).
+_SM_COUNTS = {}
+
+
+def _sm_count(device):
+    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
 def _family_tiles(q, v, family):
     """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
     (FAMILY_TILES; int() as in _tiles)."""

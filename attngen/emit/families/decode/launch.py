@@ -4,6 +4,7 @@ import torch
 
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.launch import _launch
+from attngen.emit.static.host import _sm_count
 from attngen.emit.static.shared import _cdiv, _next_power_of_2
 
 # ---- inlined into every generated module from here on ----
@@ -16,7 +17,6 @@ from attngen.emit.static.shared import _cdiv, _next_power_of_2
 # often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
 DECODE_MIN_TILES = 4
 DECODE_PROGRAMS_PER_SM = 2
-_SM_COUNTS = {}
 
 
 # Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
@@ -75,15 +75,6 @@ def _decode_block_n(q, v):
     return _family_tiles(q, v, "decode")[1]
 
 
-def _sm_count(device):
-    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
-
-
 def _decode_splits(n_tiles, programs, device):
     """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
     (a runtime argument, so no recompile per batch size or length)."""
@@ -101,7 +92,7 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
     sm_scale = softmax_scale(D)
     d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages = _family_tiles(q, v, "decode")
+    _, block_n, warps, stages, _ = _family_tiles(q, v, "decode")
     rows = (H // HKV) * Q_LEN
     block_m = _decode_block_m(rows)
     row_blocks = _cdiv(rows, block_m)

@@ -3,6 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
+from attngen.emit.static.host import _sm_count
 from attngen.emit.static.launch import _launch
 from attngen.emit.static.shared import _cdiv
 
@@ -104,10 +105,11 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=True, plan=None):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one; `plan` the call's _CallPlan."""
+    the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
+    plan's: 2 where shared memory has room); `plan` the call's _CallPlan."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
@@ -117,16 +119,21 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, pingpong=
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
     v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
-    grid = (_cdiv(Q_LEN, block_m), B * H)
+    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
+    # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
+    grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
+    work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, sm_scale,
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
+                STAGES=stages,
+                Q_BUFFERS=q_buffers, PINGPONG=pingpong,
+                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
+                maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
@@ -137,8 +144,8 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
     tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
     call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
-    block_m, block_n, _, stages = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, plan=plan)()
+    block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
 
 
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
@@ -151,7 +158,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, warps, stages = _family_tiles(q, v, "hopper_bwd")
+    block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
