@@ -1,67 +1,89 @@
-"""Per-kernel GPU time of one forward+backward step, attngen beside FlexAttention, from torch.profiler:
-shows which kernel a gap comes from.
+"""Where a call's GPU time goes: each kernel's GPU microseconds per call, under torch.profiler, for the
+Hopper family, the portable one and FlexAttention (compiled), forward or forward+backward.
 
-    python benchmarks/kernel_times.py [--n 8192] [--only sliding_window ...]
+    python benchmarks/kernel_times.py --spec specs/chunked_causal.attn --shape 2,16,8192,128 [--backward]
+
+The call's total is the sum of its kernels' times (gaps between kernels are not counted), so a
+short call's host time shows as the difference to tools/hopper/host_overhead.py's wall time.
+(It replaced the first session's version, which timed a fixed set of masks beside Flex.)
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import sys
+from collections import defaultdict
+from pathlib import Path
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sparsity_bench import variants  # noqa: E402
+import attngen
 
-import attngen  # noqa: E402
-from attngen import testing  # noqa: E402
-
-STEPS = 10
+ITERATIONS = 20
 
 
-def kernel_times(fn) -> dict[str, float]:
-    """Mean milliseconds per step of each CUDA kernel `fn` launches."""
-    for _ in range(3):
-        fn()
+def inputs_for(attn, N: int) -> dict:
+    """Values for the catalog's inputs: document ids of 512-token documents."""
+    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.INPUTS else {}
+
+
+def kernel_times(call) -> dict[str, float]:
+    """Each kernel's GPU microseconds per call (by name), over ITERATIONS profiled calls after a warm-up."""
+    for _ in range(5):
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            fn()
+        for _ in range(ITERATIONS):
+            call()
         torch.cuda.synchronize()
-    times: dict[str, float] = collections.defaultdict(float)
+    totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name[:60]] += event.device_time / 1e3 / STEPS
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+            totals[event.name[:70]] += event.device_time / ITERATIONS
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def main() -> None:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n", type=int, default=8192)
-    parser.add_argument("--only", nargs="*", default=["sliding_window", "document_causal"])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="a .attn file")
+    parser.add_argument("--shape", default="2,16,8192,128", help="B,H,N,D")
+    parser.add_argument("--backward", action="store_true", help="forward+backward calls")
+    parser.add_argument("--only", default="hopper,portable,flex", help="which of hopper, portable, flex")
     args = parser.parse_args()
-    B, H, N, D = 2, 16, args.n, 128
-    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda", seed=2)
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn_like(q)
-    for name in args.only:
-        torch._dynamo.reset()
-        flex = torch.compile(flex_attention, dynamic=False)
-        path, params, mask_mod, inputs = variants(B, H, N, "cuda")[name]
-        attn = attngen.build(path, params=params)
-        mask = create_block_mask(mask_mod, B, H, N, N, device="cuda")
-        for label, fn in (("attngen", lambda: attn(q, k, v, **inputs).backward(do)),
-                          ("flex", lambda: flex(q, k, v, block_mask=mask).backward(do))):
-            times = kernel_times(fn)
-            print(f"{name} {label}: total {sum(times.values()):.3f} ms")
-            for kernel, ms in times.items():
-                if ms > 0.005:
-                    print(f"    {ms:8.3f}  {kernel}")
+    only = args.only.split(",")
+    B, H, N, D = (int(x) for x in args.shape.split(","))
+    text = Path(args.spec).read_text()
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+               for _ in range(3))
+    do = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+    calls = {}
+    for name, target in (("hopper", None), ("portable", "a100")):
+        if name in only:
+            attn = attngen.build(text, target=target) if target else attngen.build(text)
+            inputs = inputs_for(attn, N)
+            calls[name] = (lambda attn=attn, inputs=inputs: attn(q, k, v, **inputs))
+    if "flex" in only:
+        flex = torch.compile(flex_attention)
+        flex_kwargs = attngen.to_flex(text).kwargs(q, k, **inputs_for(attngen.build(text), N))
+        calls["flex"] = lambda: flex(q, k, v, **flex_kwargs)
+    print(f"# {Path(args.spec).stem} B{B} H{H} N{N} D{D} bf16, {'forward+backward' if args.backward else 'forward'}")
+    for name, forward in calls.items():
+
+        def call(forward=forward):
+            if args.backward:
+                forward().backward(do)
+            else:
+                with torch.no_grad():
+                    forward()
+        try:
+            times = kernel_times(call)
+        except Exception as error:  # report it and go on with the others
+            print(f"{name}: failed: {type(error).__name__}: {str(error)[:200]}")
+            continue
+        print(f"{name}: {sum(times.values()):.1f} us of kernels per call")
+        for kernel, us in times.items():
+            print(f"  {us:9.1f}  {kernel}")
 
 
 if __name__ == "__main__":
