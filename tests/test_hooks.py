@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
+from attngen import api
 from attngen.analysis import analyze
 from attngen.emit.hooks import Hook, defined_names, kernel_context, undeclared_reads
 from attngen.plan import get_target
@@ -136,3 +137,24 @@ def test_tile_intervals_bound_every_element_and_a_point_is_exact(text, q0, k0, r
         for k in range(k0, k0 + cols):
             v = value(index, TileBox(q=(q, q), k=(k, k), params={}, sizes=sizes, uniform={"h": (2, 2)}))
             assert v.lo == v.hi and lo <= v.lo <= hi, (text, q, k, v, lo, hi)
+
+
+def test_explain_says_which_score_inputs_take_point_loads_as_the_kernels_do():
+    spec = """
+    attention mixed_biases
+    input table: f32[H, 9] learnable
+    input grid: f32[3, 5]
+    input rows: f32[Q_LEN]
+    score: score + table[h, clamp(q - k, -4, 4) + 4] + grid[q % 3, k % 5] + rows[q]
+    """
+    text = api.explain(spec, q_len=256, kv_len=256, head_dim=64, head_dim_v=64, dtype="bf16",
+                           target="h200").text
+    assert "table[h, clamp(q - k, -4, 4) + 4]: point loads" in text and "in one atomic" in text
+    assert "grid[q % 3, k % 5]: gathered on every tile" in text
+    assert "  rows[q]:" not in text  # read once a row: no gather
+    # What explain says is what the generated kernels do: a point load for table only.
+    source = attngen.compile_source(spec, target="h200")
+    assert "_entry = tl.load(table_ptr" in source and "_entry = tl.load(grid_ptr" not in source
+    plain = api.explain("attention plain\nscore: score * 2.0\n", q_len=64, kv_len=64, head_dim=64,
+                            head_dim_v=64, dtype="bf16", target="h200").text
+    assert "score inputs read at both q and k" not in plain

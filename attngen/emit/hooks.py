@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from attngen import ir
 from attngen.analysis import Analysis
+from attngen.analysis.integers import postorder
 from attngen.emit.expressions import Spelling, TritonEmitter, address, indented
 from attngen.emit.fold import fold
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
@@ -394,6 +395,17 @@ def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
     key_range = Hook("key_range", ("off_b", "off_hkv", "q_off", "block_row", "G"), bounds.outputs, "\n".join(code))
     return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
             "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
+
+
+def score_gathers(facts: Analysis) -> list[tuple[ir.Load, bool]]:
+    """The score's loads whose index varies along both tile axes (a gather an element), each with
+    whether the Hopper and portable kernels test a tile for one entry (a point load: the index bounded
+    over the tile by TritonEmitter.interval), as their score hooks decide it."""
+    if facts.spec.score is None:
+        return []
+    em = _emitter(facts, HOPPER_SCORE, "sc")
+    loads = dict.fromkeys(n for n in postorder(facts.spec.score) if isinstance(n, ir.Load))
+    return [(load, em.point(load.index) is not None) for load in loads if em.varies_on_tile(load.index)]
 
 
 def _hopper_hooks(facts: Analysis, forward: dict[str, Hook]) -> dict[str, Hook]:

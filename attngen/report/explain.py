@@ -14,7 +14,8 @@ from attngen import ir
 from attngen.analysis import spans
 from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
-from attngen.frontend.printer import to_source
+from attngen.emit.hooks import score_gathers
+from attngen.frontend.printer import expr_to_source, to_source
 from attngen.plan import ELEMENT_BYTES, Plan
 from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                                     tile_map)
@@ -58,6 +59,26 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
+def _gathers(facts: Analysis) -> list[str]:
+    """The score's inputs read at both q and k, and whether the kernels take one entry a tile where
+    the index is constant over it (docs/language.md, "Inputs read at both q and k")."""
+    gathers = score_gathers(facts)
+    if not gathers:
+        return []
+    lines = ["score inputs read at both q and k (a gather an element)"]
+    for load, point in gathers:
+        learnable = any(i.name == load.input and i.learnable for i in facts.spec.inputs)
+        if point:
+            how = ("point loads: a tile whose index bounds meet (interval arithmetic from its corners) reads "
+                   "one entry, loaded once" + (", and adds its gradient in one atomic" if learnable else ""))
+        else:
+            how = ("gathered on every tile: its index holds an op the interval bounds do not follow (%, a "
+                   "product of two indices, float math, a load)")
+        lines.append(f"  {expr_to_source(load)}: {how}")
+    lines.append("  (in the Hopper and portable kernels; the decode kernel gathers on every tile)")
+    return lines
+
+
 def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
            dtype: str, batch: int = 1, heads: int = 1) -> tuple[str, dict[str, TileMap]]:
     """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from."""
@@ -87,6 +108,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
+    lines += _gathers(facts)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
             "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}
