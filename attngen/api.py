@@ -14,6 +14,7 @@ from attngen.errors import ArgumentError
 from attngen.frontend import parse_spec
 from attngen.plan import Plan, plan_for
 from attngen.frontend.printer import expr_to_source
+from attngen.emit.hooks import score_gathers
 from attngen.emit.module import render
 from attngen.emit.static import shared
 from attngen.plan.targets import Target, get_target
@@ -129,7 +130,8 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
             params: dict | None = None, target: str | Target | None = None) -> Explanation:
     """`attngen explain`: what the compiler decided for a spec at these sizes (report.explain)."""
     facts, _, _, kernel_plan = _prepare(spec, params, target)
-    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
+    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype,
+                                           gathers=score_gathers(facts)))
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:

@@ -8,13 +8,13 @@ says what is decided at run time. `plot` draws the forward tile map.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from attngen import ir
 from attngen.analysis import spans
 from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
-from attngen.emit.hooks import score_gathers
 from attngen.frontend.printer import expr_to_source, to_source
 from attngen.plan import ELEMENT_BYTES, Plan
 from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
@@ -59,10 +59,9 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
-def _gathers(facts: Analysis) -> list[str]:
+def _gathers(facts: Analysis, gathers: Sequence[tuple[ir.Load, bool]]) -> list[str]:
     """The score's inputs read at both q and k, and whether the kernels take one entry a tile where
     the index is constant over it (docs/language.md, "Inputs read at both q and k")."""
-    gathers = score_gathers(facts)
     if not gathers:
         return []
     lines = ["score inputs read at both q and k (a gather an element)"]
@@ -80,8 +79,11 @@ def _gathers(facts: Analysis) -> list[str]:
 
 
 def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
-           dtype: str, batch: int = 1, heads: int = 1) -> tuple[str, dict[str, TileMap]]:
-    """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from."""
+           dtype: str, batch: int = 1, heads: int = 1,
+           gathers: Sequence[tuple[ir.Load, bool]] = ()) -> tuple[str, dict[str, TileMap]]:
+    """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from;
+    `gathers` are the score's loads read at both q and k and whether each takes point loads (the emitter
+    decides that: emit.hooks.score_gathers)."""
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
@@ -108,7 +110,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
-    lines += _gathers(facts)
+    lines += _gathers(facts, gathers)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
             "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}
