@@ -11,6 +11,7 @@ short call's host time shows as the difference to tools/hopper/host_overhead.py'
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,12 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import attngen
 
+# The catalog's inputs as tools/hopper/host_overhead.py gives them, so the two tools time the same calls.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "hopper"))
+from host_overhead import inputs_for  # noqa: E402
+
 ITERATIONS = 20
-
-
-def inputs_for(attn, N: int) -> dict:
-    """Values for the catalog's inputs: document ids of 512-token documents."""
-    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.INPUTS else {}
 
 
 def kernel_times(call) -> dict[str, float]:

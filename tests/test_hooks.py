@@ -147,8 +147,7 @@ def test_explain_says_which_score_inputs_take_point_loads_as_the_kernels_do():
     input rows: f32[Q_LEN]
     score: score + table[h, clamp(q - k, -4, 4) + 4] + grid[q % 3, k % 5] + rows[q]
     """
-    text = api.explain(spec, q_len=256, kv_len=256, head_dim=64, head_dim_v=64, dtype="bf16",
-                           target="h200").text
+    text = api.explain(spec, q_len=256, kv_len=256, head_dim=64, head_dim_v=64, dtype="bf16", target="h200").text
     assert "table[h, clamp(q - k, -4, 4) + 4]: point loads" in text and "in one atomic" in text
     assert "grid[q % 3, k % 5]: gathered on every tile" in text
     assert "  rows[q]:" not in text  # read once a row: no gather
@@ -156,5 +155,5 @@ def test_explain_says_which_score_inputs_take_point_loads_as_the_kernels_do():
     source = attngen.compile_source(spec, target="h200")
     assert "_entry = tl.load(table_ptr" in source and "_entry = tl.load(grid_ptr" not in source
     plain = api.explain("attention plain\nscore: score * 2.0\n", q_len=64, kv_len=64, head_dim=64,
-                            head_dim_v=64, dtype="bf16", target="h200").text
+                        head_dim_v=64, dtype="bf16", target="h200").text
     assert "score inputs read at both q and k" not in plain

@@ -12,7 +12,6 @@ from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) and why, for a padded head dim pair and dtype.
 # (target, d, dv, dtype) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles' fields.
 TileRule = Callable[[Target, int, int, str], tuple[tuple[int, ...], str]]
 

@@ -65,11 +65,13 @@ def _gathers(facts: Analysis, gathers: Sequence[tuple[ir.Load, bool]]) -> list[s
     if not gathers:
         return []
     lines = ["score inputs read at both q and k (a gather an element)"]
+    learnable = {i.name for i in facts.spec.learnable_inputs}
     for load, point in gathers:
-        learnable = any(i.name == load.input and i.learnable for i in facts.spec.inputs)
         if point:
             how = ("point loads: a tile whose index bounds meet (interval arithmetic from its corners) reads "
-                   "one entry, loaded once" + (", and adds its gradient in one atomic" if learnable else ""))
+                   "one entry, loaded once")
+            if load.input in learnable:
+                how += ", and adds its gradient in one atomic"
         else:
             how = ("gathered on every tile: its index holds an op the interval bounds do not follow (%, a "
                    "product of two indices, float math, a load)")

@@ -2061,7 +2061,7 @@ def _sm_count(device):
 
 
 def _family_tiles(q, v, family):
-    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
+    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers) for these head dims and dtype
     (FAMILY_TILES; int() as in _tiles)."""
     return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 
@@ -2483,7 +2483,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "0f9b2ba97cb6af23"
+MODULE_DIGEST = "94e77218c85c1104"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -3004,10 +3004,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
         _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages,
-                Q_BUFFERS=q_buffers, PINGPONG=pingpong,
-                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
-                maxnreg=maxnreg,
+                STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 

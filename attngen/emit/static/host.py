@@ -209,7 +209,7 @@ def _sm_count(device):
 
 
 def _family_tiles(q, v, family):
-    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and dtype
+    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers) for these head dims and dtype
     (FAMILY_TILES; int() as in _tiles)."""
     return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 

@@ -130,10 +130,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
         _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
                 sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages,
-                Q_BUFFERS=q_buffers, PINGPONG=pingpong,
-                FOLLOW_TABLE=bool(table), DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps,
-                maxnreg=maxnreg,
+                STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
                 bind=_plan_site(plan, "hopper", bool(table)))
         return out, lse
 
