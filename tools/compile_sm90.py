@@ -28,8 +28,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "DV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DLse": "*fp32", "Visits": "*i32", "VisitsKV": "*i32",
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
-            "work_counter": "*i32"}
-FLOATS = {"sm_scale", "qk_scale"}
+            "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16"}
+FLOATS = {"sm_scale", "qk_scale", "scale"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
 
@@ -90,6 +90,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                         FOLLOW_TABLE=bool(module.TILE_TABLE),
                                                         SPLIT_D=module._hopper_backward_config(*tiles[1:3])[2]),
                              tiles))
+            # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
+            launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
+                                                     HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
+                                                     HEAD_DIM_PAD=head_dim, ZERO_DQ=True), (0, 0, 4, 1)))
+            launches.append(("_hopper_dq_finish", dict(BLOCK=module.HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
     if module.TILE_TABLE:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
@@ -104,7 +109,10 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
             compiled = _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
         else:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
+            # Pointers 16-byte aligned, as Triton specializes a launch on torch's allocations.
+            aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+                       if signature[p.name].startswith("*")}
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs=aligned), target=target,
                                       options=dict(num_warps=tiles[2], num_stages=tiles[3]))
         ptx = compiled.asm["ptx"]
         if ptx_dir:

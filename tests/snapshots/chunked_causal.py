@@ -647,13 +647,16 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
 # group and their query tiles, so GQA needs no atomics. dQ: one program per query tile.
 # Gradients of learnable inputs are accumulated in fp32 with atomics inside the dQ kernel.
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, stride_oz, stride_oh, stride_om, stride_ok,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh, stride_om, stride_ok,
                     stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr):
+                    HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr):
     # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
     # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
-    # Q_LEN), for kernels that stream both by TMA in whole tiles.
+    # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the same rows of
+    # the dense fp32 (B, H, Q_LEN, HEAD_DIM) DqSum that a backward then adds dQ into, so that needs no
+    # launch of its own.
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -672,6 +675,11 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, stride_oz, stride_oh, strid
     if BASE2_LSE:
         tl.store(Lse2 + off_bh.to(tl.int64) * Q_ROWS + offs_m, _base2_lse(Lse, off_bh.to(tl.int64) * Q_LEN, offs_m,
                                                                           Q_LEN), mask=offs_m < Q_ROWS)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                 tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32),
+                 mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -1450,6 +1458,17 @@ def _hopper_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                               src.handle)
+
+
+@triton.jit
+def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
+    # dQ = scale * the fp32 sum the backward's reduce-adds left, rounded to dQ's dtype. Both are dense and
+    # hold groups of 8 elements (head dims are multiples of 8), so the mask is per group and the pass reads
+    # 32 and writes 16 bytes a group (torch.mul with a dtype change does not vectorize).
+    groups = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
+    dq = tl.load(DqSum + offs, mask=(groups < n_groups)[:, None]) * scale
+    tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
 
 
 @gluon.jit
@@ -2367,13 +2386,14 @@ def _backward_family(q, k, v):
                 ("portable", "portable", None))
 
 
-def _row_terms(out, do, dlse, lse=None, q_rows=None, plan=None):
+def _row_terms(out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
     """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
     (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
     rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `plan`: the
-    backward's (_backward_plan)."""
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, a
+    dense fp32 (B, H, Q_LEN, D) tensor, is zeroed in the same pass. `plan`: the backward's (_backward_plan)."""
     B, H, Q_LEN, DV = out.shape
+    D = dq_sum.shape[-1] if dq_sum is not None else DV
     dlse = dlse.contiguous() if dlse is not None else None
     q_rows = q_rows or Q_LEN
     delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
@@ -2381,9 +2401,10 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None, plan=None):
     pre_m = 64
     _launch(
         _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
-        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta, *out.stride(), *do.stride(),
-        H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
-        BASE2_LSE=lse is not None, bind=_plan_site(plan, "row terms"))
+        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta,
+        dq_sum if dq_sum is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV,
+        HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
+        HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, bind=_plan_site(plan, "row terms"))
     return delta, lse2
 
 
@@ -2493,7 +2514,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "4a63795108d88f0b"
+MODULE_DIGEST = "768939474e1e4e27"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -3030,6 +3051,10 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
 
 
+# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
+HOPPER_DQ_FINISH_BLOCK = 2048
+
+
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
@@ -3041,12 +3066,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
+    # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
+    # scaled and rounded once at the end.
+    dq_sum = torch.empty((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
-    dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
@@ -3061,8 +3087,9 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = torch.empty_like(q)
-    torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
+    dq = torch.empty_like(q)  # contiguous, as _hopper_serves admits only contiguous q
+    _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
+            BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
 
 

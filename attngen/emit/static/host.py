@@ -505,13 +505,14 @@ def _backward_family(q, k, v):
                 ("portable", "portable", None))
 
 
-def _row_terms(out, do, dlse, lse=None, q_rows=None, plan=None):
+def _row_terms(out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
     """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
     (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
     rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `plan`: the
-    backward's (_backward_plan)."""
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, a
+    dense fp32 (B, H, Q_LEN, D) tensor, is zeroed in the same pass. `plan`: the backward's (_backward_plan)."""
     B, H, Q_LEN, DV = out.shape
+    D = dq_sum.shape[-1] if dq_sum is not None else DV
     dlse = dlse.contiguous() if dlse is not None else None
     q_rows = q_rows or Q_LEN
     delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
@@ -519,9 +520,10 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None, plan=None):
     pre_m = 64
     _launch(
         _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
-        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta, *out.stride(), *do.stride(),
-        H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
-        BASE2_LSE=lse is not None, bind=_plan_site(plan, "row terms"))
+        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta,
+        dq_sum if dq_sum is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV,
+        HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
+        HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, bind=_plan_site(plan, "row terms"))
     return delta, lse2
 
 

@@ -146,6 +146,10 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
     return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
 
 
+# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
+HOPPER_DQ_FINISH_BLOCK = 2048
+
+
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
@@ -157,12 +161,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     if not do.is_contiguous() or do.data_ptr() % 16:
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
+    # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
+    # scaled and rounded once at the end.
+    dq_sum = torch.empty((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, plan=plan)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    # dQ is summed over the key tiles by TMA reduce-adds into fp32, scaled and rounded once at the end.
-    dq_sum = torch.zeros((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
@@ -177,6 +182,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = torch.empty_like(q)
-    torch.mul(dq_sum, sm_scale, out=dq)  # scaled in fp32 and rounded in one pass
+    dq = torch.empty_like(q)  # contiguous, as _hopper_serves admits only contiguous q
+    _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
+            BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
