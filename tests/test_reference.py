@@ -281,6 +281,24 @@ def test_assertion_handles_minus_inf_lse():
             assert_matches_reference("lse", torch.tensor(wrong), truth, truth.float())
 
 
+def test_lse_tolerance_grows_with_the_keys_summed_and_still_catches_a_wrong_key():
+    # A score that ignores q and k: the low-precision reference is exact, so the floor alone bounds LSE.
+    # Found on the H200: the Hopper forward's LSE 5.8e-6 off at KV_LEN 512 (12 fp32 ulps), where the
+    # floor allowed 5.4e-6; a sum of 512 fp32 exponentials rounds by about sqrt(512) ulps.
+    spec = parse_spec("attention flat\nscore: (q - k) % 3 * 0.5\n")
+    q, k, v = random_qkv(1, 1, 1, 8, 512, 16, 16, torch.bfloat16)
+
+    def kernel_off_by(shift):
+        def fn(q, k, v, return_lse=True):
+            out, lse = evaluate(spec, q.double(), k.double(), v.double())
+            return out.to(q.dtype), (lse + shift).float()
+        return fn
+    check_against_reference(spec, kernel_off_by(6e-6), q, k, v, grads=False)
+    # One key too many or too few moves LSE by about ln(1 + 1/512) = 2e-3.
+    with pytest.raises(AssertionError, match="lse: max error"):
+        check_against_reference(spec, kernel_off_by(2e-3), q, k, v, grads=False)
+
+
 def test_reference_error_is_zero_in_float64_and_small_in_float32():
     spec = Spec(name="causal", mask=causal)
     q_, k_, v_ = random_qkv(1, 2, 1, 4, 4, 8, 8, torch.float32)
