@@ -11,7 +11,7 @@
 #   carry no gpu mark and `-m gpu` leaves them out; their fp32 cases run the portable family), KERNELS_K
 #   (a pytest -k expression) narrows them;
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
-#   (default 280), four shards side by side, seeds FUZZ_SEED_BASE + 1..4 (default 0);
+#   (default 280), FUZZ_SHARDS shards side by side (default 4), seeds FUZZ_SEED_BASE + 1.. (default 0);
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
 # catalog: benchmarks/targets.py on every catalog spec at N=8192;
 set -u
@@ -41,7 +41,7 @@ for part in ${*:-tests targets}; do
       echo "pytest exit $?" >> "$OUT/kernels.log"
       grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/kernels.log" | head -30 ;;
     fuzz)
-      for shard in 1 2 3 4; do
+      for shard in $(seq ${FUZZ_SHARDS:-4}); do
         timeout ${FUZZ_SECONDS:-280} python3 tools/fuzz_device.py --hopper --examples 1000 \
           --seed $((shard + ${FUZZ_SEED_BASE:-0})) --dtype bf16 --dtype f16 > "$OUT/fuzz$shard.log" 2>&1 &
       done
