@@ -15,7 +15,6 @@ Kernel tests call `check_against_reference`; the pieces it is built from are pub
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
