@@ -1,10 +1,12 @@
 #!/bin/bash
 # Nsight Compute profiles of the Hopper family's kernels on one call shape: each kernel's one launch
 # (after warm-up calls) with the full section set, then the report's details page as text (speed of
-# light, occupancy, registers, warp stall reasons) and the SASS lines with the most stall samples.
+# light, occupancy, registers, warp stall reasons) and tools/hopper/ncu_stalls.py's summary of the
+# per-instruction samples (stall reasons, the instructions with most samples, the instruction mix).
 #     SPEC=specs/causal.attn SHAPE=4,16,8192,64 KERNEL=_hopper_fwd_kernel NAME=fwd_d64 bash tools/hopper/ncu_profile.sh
 # BACKWARD=1 profiles forward+backward calls (KERNEL=_hopper_bwd_kernel). Outputs in $OUT (default
-# device-out): NAME.ncu-rep, NAME.txt (details), NAME.sass.csv (per-instruction samples).
+# device-out): NAME.ncu-rep, NAME.txt (details), NAME.sass.csv (per-instruction samples) and
+# NAME-stalls.txt (their summary).
 # Clocks are left alone (--clock-control none), as the lent machine's METHOD.md asks.
 set -u
 OUT=${OUT:-device-out}
@@ -21,5 +23,6 @@ ncu --clock-control none --set full --import-source no -k "regex:$KERNEL" --laun
     > "$OUT/$NAME.ncu.log" 2>&1 || { tail -20 "$OUT/$NAME.ncu.log"; exit 1; }
 ncu --import "$OUT/$NAME.ncu-rep" --page details > "$OUT/$NAME.txt"
 ncu --import "$OUT/$NAME.ncu-rep" --page source --csv --print-source sass > "$OUT/$NAME.sass.csv" 2>&1
+python3 tools/hopper/ncu_stalls.py "$OUT/$NAME.sass.csv" > "$OUT/$NAME-stalls.txt"
 grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|\
 Warp Cycles Per Issued|Issued Ipc|Tensor|Stall" "$OUT/$NAME.txt" | head -40
