@@ -116,21 +116,19 @@ def test_every_kind_of_missing_time_is_not_measured_with_its_reason():
 
 
 
-def test_flex_with_smaller_backward_tiles_judges_the_flex_targets_where_flexs_own_tiles_did_not_fit():
+def test_flex_with_a_one_stage_backward_judges_the_flex_targets_where_flexs_own_tiles_did_not_fit():
     rel = _case("catalog/learned_rel_bias")
     forward, backward = rel.targets  # forward >= 1.2x Flex, forward+backward >= 1.1x Flex
     key = rel.measurements[0].key
     ran_out = Timing(FLEX, 11.0, None, note="forward+backward failed: InductorError: out of resource: shared memory")
-    smaller = Timing(targets.FLEX_SMALL_TILES, 11.5, 30.0)
+    one_stage = Timing(targets.FLEX_ONE_STAGE, 11.5, 30.0)
     ours = Timing(ATTNGEN, 2.0, 12.0)
-    results = {key: targets.Result(timings={ATTNGEN: ours, FLEX: ran_out, targets.FLEX_SMALL_TILES: smaller})}
+    results = {key: targets.Result(timings={ATTNGEN: ours, FLEX: ran_out, targets.FLEX_ONE_STAGE: one_stage})}
     assert targets.evaluate(backward, results, ATTNGEN).ratio == pytest.approx(30.0 / 12.0)
     assert targets.evaluate(forward, results, ATTNGEN).ratio == pytest.approx(11.0 / 2.0)  # Flex's own forward
     without = {key: targets.Result(timings={ATTNGEN: ours, FLEX: ran_out})}
     verdict = targets.evaluate(backward, without, ATTNGEN)
     assert (verdict.status, verdict.ratio) == (targets.NOT_MEASURED, None) and "out of resource" in verdict.why
-    # Flex takes only tiles that divide its BlockMask's 128-wide blocks
-    assert all(128 % size == 0 for name, size in targets.FLEX_SMALL_BACKWARD.items() if "BLOCK" in name)
 
 
 # --- the cases -------------------------------------------------------------------------------------------
