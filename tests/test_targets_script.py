@@ -115,7 +115,6 @@ def test_every_kind_of_missing_time_is_not_measured_with_its_reason():
         assert reason in verdict.why
 
 
-
 def test_flex_with_a_one_stage_backward_judges_the_flex_targets_where_flexs_own_tiles_did_not_fit():
     rel = _case("catalog/learned_rel_bias")
     forward, backward = rel.targets  # forward >= 1.2x Flex, forward+backward >= 1.1x Flex

@@ -12,9 +12,9 @@
 #   (a pytest -k expression) narrows them;
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
 #   (default 280), FUZZ_SHARDS shards side by side (default 4), seeds FUZZ_SEED_BASE + 1.. (default 0);
-# WORKERS: pytest-xdist workers of tests, suite and kernels (default 8);
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
-# catalog: benchmarks/targets.py on every catalog spec at N=8192;
+# catalog: benchmarks/targets.py on every catalog spec at N=8192.
+# WORKERS sets the pytest-xdist workers of tests, suite and kernels (default 8).
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -23,22 +23,23 @@ T0=$(date +%s)
 for part in ${*:-tests targets}; do
   case $part in
     tests)
-      timeout ${TESTS_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} tests/test_hopper.py \
-        > "$OUT/pytest.log" 2>&1
+      timeout ${TESTS_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} \
+        tests/test_hopper.py > "$OUT/pytest.log" 2>&1
       echo "pytest exit $?" >> "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | head -30 ;;
     suite)
       # The launch and Hopper tests first, so that a run cut by its time limit has run them (xdist hands out
       # tests in collection order, and they come late alphabetically).
       T1=$(date +%s)
-      timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} -m gpu tests/test_launch.py \
-        tests/test_hopper.py > "$OUT/suite.log" 2>&1
+      timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} -m gpu \
+        tests/test_launch.py tests/test_hopper.py > "$OUT/suite.log" 2>&1
       echo "pytest exit $?" >> "$OUT/suite.log"
-      timeout $(( ${SUITE_SECONDS:-420} - $(date +%s) + T1 )) python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} -m gpu \
-        tests/ --ignore=tests/test_launch.py --ignore=tests/test_hopper.py >> "$OUT/suite.log" 2>&1
+      timeout $(( ${SUITE_SECONDS:-420} - $(date +%s) + T1 )) python3 -m pytest -q -p no:cacheprovider \
+        -n ${WORKERS:-8} -m gpu tests/ --ignore=tests/test_launch.py --ignore=tests/test_hopper.py \
+        >> "$OUT/suite.log" 2>&1
       echo "pytest exit $?" >> "$OUT/suite.log"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/suite.log" | head -30 ;;
     kernels)
-      timeout ${KERNELS_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} tests/test_kernels.py \
-        tests/test_grad.py ${KERNELS_K:+-k "$KERNELS_K"} > "$OUT/kernels.log" 2>&1
+      timeout ${KERNELS_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} \
+        tests/test_kernels.py tests/test_grad.py ${KERNELS_K:+-k "$KERNELS_K"} > "$OUT/kernels.log" 2>&1
       echo "pytest exit $?" >> "$OUT/kernels.log"
       grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/kernels.log" | head -30 ;;
     fuzz)
