@@ -19,8 +19,8 @@ the softcap and learned_rel_bias targets are time ratios (the variant's time ove
 by the same implementation). A target whose times are missing is "not measured", never "met".
 
 Where Flex's own configurations run out of shared memory in its backward (a score reading a learnable table
-does), its forward+backward is timed again with one pipeline stage in the backward (FLEX_ONE_STAGE_OPTIONS,
-as a Flex user would pass it in kernel_options), on its own row, and the Flex targets judge that row.
+does), its forward+backward is timed again with one pipeline stage in the backward (as `attngen bench` does,
+and as a Flex user would pass it in kernel_options), on its own row, and the Flex targets judge that row.
 
 Everything but `measure` and `main` runs on the CPU (tests/test_targets_script.py).
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from attngen import bench
-from attngen.bench import ATTNGEN, ATTNGEN_PREBUILT, FLEX, Problem, Timing
+from attngen.bench import ATTNGEN, ATTNGEN_PREBUILT, FLEX, FLEX_ONE_STAGE, Problem, Timing
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -59,12 +59,6 @@ QUICK_DIVISOR = 4  # --quick divides every sequence length by this
 QUICK_CATALOG = ("causal", "document_causal", "gemma2_local")  # a mask, a tile-table mask, a score
 
 MET, MISSED, NOT_MEASURED, SHOWN = "met", "missed", "not measured", "shown"
-
-# Flex's backward with one pipeline stage: where every tile configuration of its own asks for more shared memory
-# than the H200's 227 KB (a score reading a learnable table: 233472 bytes), its own tiles fit with one stage.
-# `bwd_` options reach the backward kernel alone (torch's flex_attention lowering).
-FLEX_ONE_STAGE = f"{FLEX}, one-stage backward"
-FLEX_ONE_STAGE_OPTIONS = {"bwd_num_stages": 1}
 
 
 # --- cases and targets -----------------------------------------------------------------------------
@@ -454,17 +448,15 @@ def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Resu
         calls[FLEX] = _raiser(flex_error)
     # The portable build right after attngen's, so the raw table reads the two side by side.
     calls = {ATTNGEN: calls.pop(ATTNGEN), PORTABLE: lambda: portable(q, k, v, **inputs), **calls}
-    timings = [bench._time(name, call, leaves, dout, backward, lambda what: step(f"{m.key}: {what}"))
-               for name, call in calls.items()]
+    one_stage = None
+    if variant is not None:
+        one_stage = bench.flex_call(variant, q, k, v, inputs, block_mask=block_mask, flex_kernel=flex_kernel,
+                                    kernel_options=bench.FLEX_ONE_STAGE_OPTIONS)
+    timings, retried = bench.time_all(calls, leaves, dout, backward, lambda what: step(f"{m.key}: {what}"),
+                                      flex_one_stage=one_stage)
     notes = [f"FLOPs: {counted.describe()}"]
-    flex = next(t for t in timings if t.implementation == FLEX)
-    if backward and variant is not None and flex.fwdbwd_ms is None and "out of resource" in flex.note:
-        kwargs = dict(variant.kwargs(q, k, block_mask=block_mask, **inputs), kernel_options=FLEX_ONE_STAGE_OPTIONS)
-        timings.append(bench._time(FLEX_ONE_STAGE, lambda: flex_kernel(q, k, v, **kwargs), leaves, dout,
-                                   backward, lambda what: step(f"{m.key}: {what}")))
-        notes.append(f"Flex's own backward configurations ran out of shared memory; '{FLEX_ONE_STAGE}' passes "
-                     f"kernel_options={FLEX_ONE_STAGE_OPTIONS}, and the Flex targets judge it where '{FLEX}' "
-                     "has no time.")
+    if retried:
+        notes += [*retried, f"The Flex targets judge '{FLEX_ONE_STAGE}' where '{FLEX}' has no time."]
     absent = {} if is_causal is not None else {name: f"SDPA cannot run it ({why_not})" for name in bench.SDPA_BACKENDS}
     if tables is not None:
         notes.append(f"'{ATTNGEN}' builds its tile tables in every call; '{ATTNGEN_PREBUILT}' and Flex build "

@@ -165,17 +165,19 @@ def test_the_callables_compute_the_same_attention():
         testing.assert_matches_reference(name, call(), truth, low)
 
 
+def _one_call(fn, warmup=25, rep=100, grad_to_none=None, return_mode="median"):
+    """do_bench's stand-in on the CPU: one call, its wall time in ms."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def test_the_whole_run_on_the_cpu_with_a_stand_in_timer(monkeypatch):
     """bench.run end to end with do_bench timing one call and torch.compile left out (the CPU's Flex is eager
     and has no backward): every implementation gets a row, with times or the reason it has none."""
     import triton.testing
 
-    def one_call(fn, warmup=25, rep=100, grad_to_none=None, return_mode="median"):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    monkeypatch.setattr(triton.testing, "do_bench", one_call)
+    monkeypatch.setattr(triton.testing, "do_bench", _one_call)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     steps = []
     info, rows, notes = bench.run(str(ROOT / "specs" / "document_causal.attn"), None,
@@ -188,6 +190,65 @@ def test_the_whole_run_on_the_cpu_with_a_stand_in_timer(monkeypatch):
     assert info["spec"] == "document_causal" and info["Q_LEN"] == 48 and info["allowed_pairs_exact"]
     assert "SDPA: not run (SDPA runs no mask but causal)." in notes
     assert "attngen: first forward (compiles)" in steps and "building Flex's BlockMask" in steps
+
+
+
+class _BackwardRaises(torch.autograd.Function):
+    """The identity, whose backward raises `error` as Flex's backward compile does."""
+
+    @staticmethod
+    def forward(ctx, x, error):
+        ctx.error = error
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ctx.error
+
+
+def test_flex_is_timed_again_with_a_one_stage_backward_only_where_its_own_ran_out_of_shared_memory(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", _one_call)
+    x = torch.randn(4, 8, requires_grad=True)
+    dout = torch.randn(4, 8)
+    out_of_resource = RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
+                                   "triton_tem_fused_flex_attention_backward_2 Required: 233472")
+    ran = []
+
+    def one_stage():
+        ran.append("one stage")
+        return x * 3
+
+    def timed(flex_error, backward=True):
+        calls = {ATTNGEN: lambda: x * 2, FLEX: lambda: _BackwardRaises.apply(x * 2, flex_error)}
+        return bench.time_all(calls, [x], dout, backward, lambda _: None, flex_one_stage=one_stage)
+
+    timings, notes = timed(out_of_resource)
+    assert [t.implementation for t in timings] == [ATTNGEN, FLEX, bench.FLEX_ONE_STAGE]
+    flex, retried = timings[1], timings[2]
+    assert flex.fwd_ms is not None and flex.fwdbwd_ms is None and "out of resource" in flex.note
+    assert retried.fwd_ms is not None and retried.fwdbwd_ms is not None and retried.note == ""
+    assert len(notes) == 1 and str(bench.FLEX_ONE_STAGE_OPTIONS) in notes[0]
+    # Another failure, or no backward asked for: no second Flex row
+    ran.clear()
+    for timings, notes in (timed(RuntimeError("boom")), timed(out_of_resource, backward=False)):
+        assert [t.implementation for t in timings] == [ATTNGEN, FLEX] and notes == []
+    assert ran == []
+
+
+def test_flex_call_passes_kernel_options_where_given():
+    flex = attngen.to_flex(_spec("causal"))
+    q, k, v = testing.random_qkv(1, 2, 2, 16, 16, 16, 16, torch.float32)
+    seen = []
+
+    def kernel(q, k, v, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return q
+
+    bench.flex_call(flex, q, k, v, {}, flex_kernel=kernel)()
+    bench.flex_call(flex, q, k, v, {}, flex_kernel=kernel, kernel_options=bench.FLEX_ONE_STAGE_OPTIONS)()
+    assert seen == [None, {"bwd_num_stages": 1}]
 
 
 # --- table, plot, JSON -------------------------------------------------------------------------------
