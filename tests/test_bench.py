@@ -192,7 +192,6 @@ def test_the_whole_run_on_the_cpu_with_a_stand_in_timer(monkeypatch):
     assert "attngen: first forward (compiles)" in steps and "building Flex's BlockMask" in steps
 
 
-
 class _BackwardRaises(torch.autograd.Function):
     """The identity, whose backward raises `error` as Flex's backward compile does."""
 
