@@ -4,7 +4,9 @@ on a Hopper GPU, its forward against the float64 reference with the portable bac
 Its kernels are Gluon (TMA, mbarriers, asynchronous wgmma, warp specialization): they compile for
 sm_90 on a CPU (test_every_catalog_spec_compiles_for_sm90_with_wgmma) but run only on the GPU."""
 
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -172,17 +174,26 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma():
 
 
 class _Tensor:
-    """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test)."""
+    """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test): dense
+    strides unless given."""
 
-    def __init__(self, *shape, dtype=torch.bfloat16, contiguous=True, address=1 << 20, device="cuda:7"):
-        self.shape, self.dtype, self.is_cuda, self._contiguous, self._address = shape, dtype, True, contiguous, address
-        self.device = device
+    def __init__(self, *shape, dtype=torch.bfloat16, strides=None, address=1 << 20, device="cuda:7"):
+        self.shape, self.dtype, self.is_cuda, self._address, self.device = shape, dtype, True, address, device
+        self._strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
-    def is_contiguous(self):
-        return self._contiguous
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def element_size(self):
+        return torch.empty(0, dtype=self.dtype).element_size()
 
     def data_ptr(self):
         return self._address
+
+
+def _transposed(B, heads, length, D, **kwargs):
+    """A (B, heads, length, D) stand-in for the transpose(1, 2) of a dense (B, length, heads, D) tensor."""
+    return _Tensor(B, heads, length, D, strides=(length * heads * D, D, heads * D, 1), **kwargs)
 
 
 def test_the_per_call_rule():
@@ -204,9 +215,16 @@ def test_the_per_call_rule():
     assert not serves(odd, odd, odd, 2, 1000, False)  # rows of 200 bytes: TMA needs 16-byte multiples
     assert not serves(_Tensor(2, 8, 1000, 128, dtype=torch.float32), k, k, 2, 1000, False)
     assert serves(_Tensor(2, 8, 999, 128), k, k, 2, 1000, False)  # Q_LEN != KV_LEN
-    assert not serves(q, _Tensor(2, 2, 1000, 128, contiguous=False), k, 2, 1000, False)
     assert not serves(q, _Tensor(2, 2, 1000, 128, address=(1 << 20) + 8), k, 2, 1000, False)  # TMA: 16-byte bases
-    # TMA coordinates are int32 per dim of the (B * heads, length, D) views: a head's rows, and a tile's
+    # Layouts: TMA descriptors take each tensor's own strides, if they are 16-byte multiples and D is dense.
+    assert serves(_transposed(2, 8, 1000, 128), _transposed(2, 2, 1000, 128), _transposed(2, 2, 1000, 64), 2, 1000,
+                  False)  # as transformers passes them
+    assert serves(_Tensor(1, 8, 1000, 128, strides=(3, 128, 1024, 1)), k, k, 2, 1000, False)  # size 1: never stepped
+    sliced = _Tensor(2, 2, 1000, 128, strides=(2 * 1000 * 132, 1000 * 132, 132, 1))  # rows of 264 bytes
+    assert not serves(q, sliced, k, 2, 1000, False)
+    assert not serves(q, _Tensor(2, 2, 1000, 128, strides=(0, 128000, 128, 1)), k, 2, 1000, False)  # an expand
+    assert not serves(q, _Tensor(2, 2, 1000, 128, strides=(2 * 1000 * 256, 1000 * 256, 256, 2)), k, 2, 1000, False)
+    # TMA coordinates are int32 per dim of the (B, heads, length, D) tensors: a head's rows, and a tile's
     # overhang past them, must stay below 2**31; many heads of long rows are fine.
     assert serves(_Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), _Tensor(1, 16, 2**27, 128), 16, 2**27,
                   False)
@@ -220,7 +238,8 @@ def test_the_per_call_rule():
     assert backward(_Tensor(2, 8, 1000, 136), wide, k) and backward(q, k, wide)
     assert backward(_Tensor(2, 8, 1000, 256), _Tensor(2, 2, 1000, 256), _Tensor(2, 2, 1000, 256))
     assert not backward(_Tensor(2, 8, 1000, 264), _Tensor(2, 2, 1000, 264), k)
-    assert not backward(q, _Tensor(2, 2, 1000, 128, contiguous=False), k)
+    assert backward(_transposed(2, 8, 1000, 128), _transposed(2, 2, 1000, 128), _transposed(2, 2, 1000, 128))
+    assert not backward(q, sliced, k)
     assert not backward(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3)
 
 
@@ -233,8 +252,15 @@ def test_the_family_s_descriptors_pass_tensor_descriptor_s_checks(dims, dtype):
     module = attngen.build(SPECS / "causal.attn", target="h200").module
     D, DV = dims
     d_pad, dv_pad = module._widths(D, DV)
-    for Q_LEN in (1, 17, 1000):
-        q, k, v = (torch.zeros(2, heads, Q_LEN, width, dtype=dtype) for heads, width in ((8, D), (2, D), (2, DV)))
+    layouts = {"dense": lambda heads, length, width: torch.zeros(2, heads, length, width, dtype=dtype),
+               "transposed": lambda heads, length, width: torch.zeros(2, length, heads, width, dtype=dtype)
+               .transpose(1, 2),  # as transformers passes them
+               # a stride TMA could not take, on a dim of size 1 (which TMA never steps)
+               "odd stride of size 1": lambda heads, length, width: torch.zeros(heads * length * width, dtype=dtype)
+               .as_strided((1, heads, length, width), (3, length * width, width, 1))}
+    for (layout, make), Q_LEN in itertools.product(layouts.items(), (1, 17, 1000)):
+        q, k, v = (make(heads, Q_LEN, width) for heads, width in ((8, D), (2, D), (2, DV)))
+        assert all(module._hopper_tma_strides(t) is not None for t in (q, k, v)), layout
         block_m, block_n = module._family_tiles(q, v, "hopper")[:2]
         bwd_m, bwd_n = module._family_tiles(q, v, "hopper_bwd")[:2]
         rows = -(-Q_LEN // bwd_m) * bwd_m
@@ -377,7 +403,8 @@ def test_calls_outside_the_rule_go_to_the_portable_forward():
     attn = attngen.build(SPECS / "causal.attn")
     q, k, v = testing.random_qkv(1, 4, 4, 300, 300, 128, 128, torch.bfloat16, device="cuda")
     assert attn.forward_family(q, k, v) == "hopper"
-    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory, as transformers passes it
+    # A layout TMA cannot address: rows of 264 bytes (D = 128 of 132), not a multiple of 16.
+    strided = torch.zeros(1, 4, 300, 132, dtype=q.dtype, device="cuda")[..., :128].copy_(q)
     assert attn.forward_family(strided, k, v) == "portable"
     assert attn.forward_family(q.float(), k.float(), v.float()) == "portable"
     q48, k48, v48 = testing.random_qkv(1, 4, 4, 300, 300, 48, 48, torch.bfloat16, device="cuda")
@@ -385,3 +412,41 @@ def test_calls_outside_the_rule_go_to_the_portable_forward():
     lengths = torch.full((1,), 300, dtype=torch.int32, device="cuda")
     assert attn.forward_family(q, k, v, kv_len=lengths) != "hopper"
     testing.check_against_reference(attn.spec, attn, strided, k, v)
+
+
+class _GradInTransposedLayout(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on as the transpose(1, 2) of a dense (B, N, H, D)
+    tensor: the layout dO has when the model reads O through such a view, as transformers does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["causal", "document_causal", "learned_rel_bias", "alibi_causal"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128, 128), (1, 4, 4, 257, 700, 72, 136),
+                                   (1, 2, 1, 300, 300, 256, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_transposed_views_run_the_hopper_kernels_on_gpu(name, shape):
+    # q, k, v as transformers passes them: transposes of dense (B, N, heads, D) projections. TMA reads them
+    # in place, forward and backward, and the gradients reach the strided leaves.
+    B, H, HKV, Q_LEN, KV_LEN, D, DV = shape
+    attn = attngen.build(SPECS / f"{name}.attn")
+    dense = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, D, DV, torch.bfloat16, device="cuda")
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in dense)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, Q_LEN, KV_LEN, device="cuda")
+    assert not q.is_contiguous() and not k.is_contiguous()
+    assert attn.forward_family(q, k, v, **inputs) == "hopper" and attn.backward_family(q, k, v, **inputs) == "hopper"
+    # The same tiles in the same order as for dense tensors: the same bits.
+    assert torch.equal(attn(q, k, v, **inputs), attn(*dense, **inputs))
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+    def transposed_do(*args, **kwargs):
+        out, lse = attn(*args, **kwargs)
+        return _GradInTransposedLayout.apply(out), lse
+    testing.check_against_reference(attn.spec, transposed_do, q, k, v, inputs, seed=1)

@@ -141,15 +141,16 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
     def descriptor(shape, element="bf16"):
         layout = gl.NVMMASharedLayout.get_default_for(shape, {"bf16": gl.bfloat16, "fp32": gl.float32}[element])
         return f"tensordesc<{element}[{', '.join(map(str, shape))}],{layout!r}>"
+    box = module._hopper_tile_box
     if "PINGPONG" in constants:
         rows = block_m // 2
-        boxes = {"q_desc": [1, rows, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv],
-                 "o_desc": [1, rows, dv]}
+        boxes = {"q_desc": box(rows, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
+                 "o_desc": box(rows, dv)}
         num_warps, maxnreg = module._hopper_launch_config(block_m, constants["PINGPONG"])
     else:
-        boxes = {"q_desc": [1, block_m, d], "k_desc": [1, block_n, d], "v_desc": [1, block_n, dv],
-                 "do_desc": [1, block_m, dv]}
-        signature = {**signature, "dq_desc": descriptor([1, block_m, d], "fp32"),
+        boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
+                 "do_desc": box(block_m, dv)}
+        signature = {**signature, "dq_desc": descriptor(box(block_m, d), "fp32"),
                      "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
         num_warps, maxnreg, _ = module._hopper_backward_config(block_n, tiles[2])
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}

@@ -161,7 +161,8 @@ HOPPER = Family(
     problem=_hopper_problem,
     kernels=KERNELS,
     per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256, "
-              "contiguous 16-byte-aligned q, k, v, Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
+              "q, k, v with 16-byte-aligned bases and strides (any layout with D innermost: transposed views cost "
+              "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
     tiles=_hopper_tiles,
     backward_tiles=_hopper_backward_tiles,
     follows_tables=True,

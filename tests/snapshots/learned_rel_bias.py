@@ -1112,7 +1112,7 @@ def _hopper_fwd_work(work, n_m, table_ptr, stride_table_0, stride_table_1, size_
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
     n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
-    return (start_m * BLOCK_M, off_bh, off_b, off_h, off_hkv, off_b * HKV + off_hkv, n_tiles, masked_tiles, masked_lo,
+    return (start_m * BLOCK_M, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo,
             masked_hi, gap_at, gap, full_tiles, full_lo, full_hi)
 
 
@@ -1124,10 +1124,10 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
                      Q_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
     # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers, running ahead
     # of the consumers across work items (the next item's Q and first K/V tiles load while the consumers
-    # finish this one). Boxes are (1 head, rows, width) of (heads, length, D) tensors: TMA fills the rows
-    # past a head's length with zeros (a tile never reads the next head's rows, whose values could be
-    # anything, inf included).
-    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    # finish this one). Boxes are (1, 1 head, rows, width) of (B, heads, length, D) tensors in their own
+    # strides: TMA fills the rows past a head's length with zeros (a tile never reads the next head's rows,
+    # whose values could be anything, inf included).
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
     id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     ring = 0  # K/V stages handed out so far: the ring's position carries over from item to item
     done = 0  # work items loaded so far
@@ -1135,7 +1135,7 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
     # it is ready for it, so CTAs whose items are short take more of them.
     work = gl.atomic_add(work_counter, 1)
     while work < n_work:
-        tile_m, off_bh, off_b, off_h, off_hkv, kv_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
+        tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
             full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, table_ptr, stride_table_0,
                                                             stride_table_1, size_table_0, size_table_1, B, H,
                                                             HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, FOLLOW_TABLE)
@@ -1147,7 +1147,7 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
         work_ids.index(slot).store(gl.full([1], work, gl.int32, id_layout))
         mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [off_bh, tile_m + c * ROWS, 0], q_ready.index(slot),
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, tile_m + c * ROWS, 0], q_ready.index(slot),
                                             _hopper_box(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
         for i in range(n_tiles):
             stage = (ring + i) % STAGES
@@ -1156,11 +1156,11 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
                                          full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n, 0], k_ready.index(stage),
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n, 0], k_ready.index(stage),
                                             _hopper_box(k_bufs.index(stage), k_desc))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n, 0], v_ready.index(stage),
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n, 0], v_ready.index(stage),
                                             _hopper_box(v_bufs.index(stage), v_desc))
         ring += n_tiles
         done += 1
@@ -1179,8 +1179,8 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
 
 @gluon.jit
 def _hopper_box(buffer, desc):
-    # A 2-D tile buffer seen as the (1, rows, width) box of a TMA descriptor: the same bytes, since a
-    # leading dim of 1 changes nothing in the swizzled layout; the wgmmas read the 2-D view.
+    # A tile buffer seen as the box of a TMA descriptor, (1, 1, rows, width) or (1, rows): the same bytes,
+    # since leading dims of 1 change nothing in the swizzled layout; the wgmmas read the 2-D view.
     return buffer._reinterpret(buffer.dtype, desc.block_type.shape, desc.layout)
 
 
@@ -1332,7 +1332,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
     mbarrier.wait(q_ready.index(0), 0)
     work = gl.max(work_ids.index(0).load(id_layout), 0)
     while work < n_work:
-        tile_m, off_bh, off_b, off_h, off_hkv, kv_bh, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
+        tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
             full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, table_ptr, stride_table_0,
                                                             stride_table_1, size_table_0, size_table_1, B, H,
                                                             HKV, Q_LEN, KV_LEN, BLOCK_M * NUM_CONSUMERS,
@@ -1412,7 +1412,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             # store has read it.
             q_smem.store(o.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_bh, off_m, 0], _hopper_box(q_smem, o_desc))
+            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, off_m, 0], _hopper_box(q_smem, o_desc))
             tma.store_wait(pendings=0)
         else:
             _hopper_store_rows(Out, o.to(dtype), off_bh.to(gl.int64) * Q_LEN, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M,
@@ -1459,7 +1459,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, work_counter, s
     n_work = n_m * B * H
 
     dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(q_desc.block_type.shape[1] == ROWS)
+    gl.static_assert(q_desc.block_type.shape[2] == ROWS)
     # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
@@ -1585,12 +1585,13 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                          FOLLOW_TABLE: tl.constexpr):
     # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
-    # every step, in the consumer's order. Boxes are (1 head, rows, width): TMA zero-fills the rows past a
-    # head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    kv_bh = off_b * HKV + off_hkv
+    # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
+    # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(k_smem, k_desc))
-    tma.async_copy_global_to_shared(v_desc, [kv_bh, start_n * BLOCK_N, 0], kv_bar, _hopper_box(v_smem, v_desc))
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n * BLOCK_N, 0], kv_bar,
+                                    _hopper_box(k_smem, k_desc))
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n * BLOCK_N, 0], kv_bar,
+                                    _hopper_box(v_smem, v_desc))
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                 + delta_desc.block_type.nbytes)
     group = H // HKV
@@ -1609,9 +1610,9 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
             mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, step_bytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b * H + off_h, start_m, 0], bar,
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar,
                                             _hopper_box(q_bufs.index(stage), q_desc))
-            tma.async_copy_global_to_shared(do_desc, [off_b * H + off_h, start_m, 0], bar,
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar,
                                             _hopper_box(do_bufs.index(stage), do_desc))
             tma.async_copy_global_to_shared(lse_desc, [off_b * H + off_h, start_m], bar,
                                             _hopper_box(lse_bufs.index(stage), lse_desc))
@@ -1647,7 +1648,6 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
     offs_n = start_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    off_bh = off_b * H + off_h
     for i in range(i_lo, i_hi):
         stage = t % STAGES
         q_smem = q_bufs.index(stage)
@@ -1754,7 +1754,7 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         gl.thread_barrier()
         dq_smem.store(dq)
         fence_async_shared()
-        _hopper_reduce_add(dq_desc, [off_bh, start_m, 0], _hopper_box(dq_smem, dq_desc))
+        _hopper_reduce_add(dq_desc, [off_b, off_h, start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -2634,7 +2634,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "e603ee7c76d5d4d9"
+MODULE_DIGEST = "e33d9dc8c2d262aa"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -3040,9 +3040,13 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
 # multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = range(64, 257, 8)
-# The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
+# The kernels address q, k, v and out by TMA as (B, heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
+# TMA's bounds on a tensor's layout: a 16-byte-aligned base, the last dim dense, the other strides
+# multiples of 16 bytes below 2**40 (cuTensorMapEncodeTiled).
+HOPPER_TMA_ALIGN = 16
+HOPPER_TMA_MAX_STRIDE = 2**40
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -3056,14 +3060,28 @@ def _hopper_device(device):
     return _HOPPER_DEVICES[device]
 
 
+def _hopper_tma_strides(t):
+    """The strides a TMA descriptor of t takes, or None where TMA cannot address t: its own strides
+    (any layout: a transposed (B, length, heads, D) view costs nothing), the last one 1, the others
+    positive multiples of 16 bytes; a dim of size 1 is never stepped, so its stride is replaced by one
+    TMA takes."""
+    strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
+    strides[-1] = t.stride(-1) if t.shape[-1] > 1 else 1
+    step = HOPPER_TMA_ALIGN // t.element_size()
+    if (t.data_ptr() % HOPPER_TMA_ALIGN or strides[-1] != 1
+            or not all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1])):
+        return None
+    return strides
+
+
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
-    descriptors view them as (heads, length, D) tensors) and 16-byte aligned, lengths int32-addressable."""
+    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
+    addresses (_hopper_tma_strides: any strides of 16-byte multiples), lengths int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
             and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+            and all(_hopper_tma_strides(t) is not None for t in (q, k, v)))
 
 
 def _hopper_backward_serves(q, k, v):
@@ -3100,13 +3118,21 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
+def _hopper_tile_box(rows, width):
+    """The TMA box of one head's `rows` rows and `width` columns of a (B, heads, length, D) tensor."""
+    return [1, 1, rows, width]
+
+
 def _hopper_descriptor(t, rows, width):
-    """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
-    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
-    clipped there on stores and reductions)."""
-    box = [1, rows, width]
-    view = t.view(-1, t.shape[-2], t.shape[-1])
-    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
+    """A TMA descriptor of t (B, heads, length, D) in its own strides (_hopper_tma_strides), read and
+    written in boxes of _hopper_tile_box (zero-filled past the head's length and D on loads, clipped there
+    on stores and reductions)."""
+    box = _hopper_tile_box(rows, width)
+    return _HopperDescriptor(t, t.shape, _hopper_tma_strides(t), box, _hopper_layout(box, t.dtype))
+
+
+def _dense_like(t):
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _hopper_row_descriptor(t, rows):
@@ -3182,8 +3208,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     learnable), as the portable backward does."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
-    # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
-    if not do.is_contiguous() or do.data_ptr() % 16:
+    # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
+    if _hopper_tma_strides(do) is None:
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
@@ -3193,7 +3219,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # Dense, whatever the layout of k and v: the kernel writes dK and dV rows by pointer at dense offsets.
+    dk, dv = _dense_like(k), _dense_like(v)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
@@ -3207,7 +3234,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = torch.empty_like(q)  # contiguous, as _hopper_serves admits only contiguous q
+    dq = _dense_like(q)  # as dq_sum, which the pass reads element by element
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)

@@ -15,9 +15,13 @@ from attngen.emit.static.shared import _cdiv
 # multiples (8 elements), and below 64 the padding would double the work.
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = range(64, 257, 8)
-# The kernels address q, k, v and out by TMA as (B * heads, length, D) tensors, whose coordinates are
+# The kernels address q, k, v and out by TMA as (B, heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
 HOPPER_MAX_LENGTH = 2**31 - 256
+# TMA's bounds on a tensor's layout: a 16-byte-aligned base, the last dim dense, the other strides
+# multiples of 16 bytes below 2**40 (cuTensorMapEncodeTiled).
+HOPPER_TMA_ALIGN = 16
+HOPPER_TMA_MAX_STRIDE = 2**40
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -31,14 +35,28 @@ def _hopper_device(device):
     return _HOPPER_DEVICES[device]
 
 
+def _hopper_tma_strides(t):
+    """The strides a TMA descriptor of t takes, or None where TMA cannot address t: its own strides
+    (any layout: a transposed (B, length, heads, D) view costs nothing), the last one 1, the others
+    positive multiples of 16 bytes; a dim of size 1 is never stepped, so its stride is replaced by one
+    TMA takes."""
+    strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
+    strides[-1] = t.stride(-1) if t.shape[-1] > 1 else 1
+    step = HOPPER_TMA_ALIGN // t.element_size()
+    if (t.data_ptr() % HOPPER_TMA_ALIGN or strides[-1] != 1
+            or not all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1])):
+        return None
+    return strides
+
+
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v contiguous (the TMA
-    descriptors view them as (heads, length, D) tensors) and 16-byte aligned, lengths int32-addressable."""
+    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
+    addresses (_hopper_tma_strides: any strides of 16-byte multiples), lengths int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
             and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+            and all(_hopper_tma_strides(t) is not None for t in (q, k, v)))
 
 
 def _hopper_backward_serves(q, k, v):
@@ -75,13 +93,21 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
+def _hopper_tile_box(rows, width):
+    """The TMA box of one head's `rows` rows and `width` columns of a (B, heads, length, D) tensor."""
+    return [1, 1, rows, width]
+
+
 def _hopper_descriptor(t, rows, width):
-    """A TMA descriptor of t (B, heads, length, D) as a (B * heads, length, D) tensor, read and written in
-    boxes of one head's `rows` rows and `width` columns (zero-filled past the head's length and D on loads,
-    clipped there on stores and reductions)."""
-    box = [1, rows, width]
-    view = t.view(-1, t.shape[-2], t.shape[-1])
-    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
+    """A TMA descriptor of t (B, heads, length, D) in its own strides (_hopper_tma_strides), read and
+    written in boxes of _hopper_tile_box (zero-filled past the head's length and D on loads, clipped there
+    on stores and reductions)."""
+    box = _hopper_tile_box(rows, width)
+    return _HopperDescriptor(t, t.shape, _hopper_tma_strides(t), box, _hopper_layout(box, t.dtype))
+
+
+def _dense_like(t):
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _hopper_row_descriptor(t, rows):
@@ -157,8 +183,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     learnable), as the portable backward does."""
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
-    # TMA reads dO as a dense (B * H, Q_LEN, DV) tensor from a 16-byte-aligned base.
-    if not do.is_contiguous() or do.data_ptr() % 16:
+    # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
+    if _hopper_tma_strides(do) is None:
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
@@ -168,7 +194,8 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # Dense, whatever the layout of k and v: the kernel writes dK and dV rows by pointer at dense offsets.
+    dk, dv = _dense_like(k), _dense_like(v)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
@@ -182,7 +209,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = torch.empty_like(q)  # contiguous, as _hopper_serves admits only contiguous q
+    dq = _dense_like(q)  # as dq_sum, which the pass reads element by element
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
