@@ -181,6 +181,31 @@ def test_a_case_prints_as_the_command_line_reads_it():
     assert strategies.Case.parse(str(paged)) == paged and str(paged).endswith(",cache=paged16")
     with pytest.raises(ValueError, match="cache must be one of none, contiguous, paged16, paged32"):
         strategies.Case.parse(str(case) + ",cache=ring")
+    transposed = strategies.Case(B=1, H=4, HKV=2, Q_LEN=17, KV_LEN=5, D=24, DV=8, dtype="f16", seed=3,
+                                 layout="transposed")
+    assert strategies.Case.parse(str(transposed)) == transposed and str(transposed).endswith(",layout=transposed")
+    with pytest.raises(ValueError, match="layout must be one of dense, transposed"):
+        strategies.Case.parse(str(case) + ",layout=ragged")
+
+
+def test_a_transposed_case_holds_the_dense_case_s_values_in_the_other_layout():
+    spec = parse_spec("attention full\n")
+    dense = strategies.Case(B=2, H=4, HKV=2, Q_LEN=7, KV_LEN=5, D=8, DV=4, dtype="f32", seed=3)
+    transposed = strategies.case_data(spec, replace(dense, layout="transposed"))[:3]
+    for a, b in zip(strategies.case_data(spec, dense)[:3], transposed):
+        assert torch.equal(a, b) and a.is_contiguous()
+        assert b.transpose(1, 2).is_contiguous() and not b.is_contiguous()
+
+
+def test_fuzz_finds_a_kernel_that_ignores_strides():
+    """A call that reads q, k, v's memory as if dense scrambles transposed views: the layouts catch it."""
+    spec = parse_spec("attention full\n")
+    attn = attngen.build(spec)
+
+    def ignores_strides(q, k, v, **kwargs):
+        return attn(*[x.as_strided(x.shape, torch.empty(x.shape).stride()) for x in (q, k, v)], **kwargs)
+    report = fuzz.fuzz_spec(spec, ignores_strides, examples=10, device=DEVICE, dtypes=["f32"])
+    assert report.failure is not None and report.failure.case.layout == "transposed"
 
 
 def test_fuzz_finds_a_kernel_that_ignores_the_cache_lengths():

@@ -132,12 +132,15 @@ def specs(max_depth: int = 3, with_mask: bool | None = None) -> st.SearchStrateg
 # How a case calls the kernels: a plain call, or a cache call (kv_len per row, q_offset) over a
 # contiguous cache or a paged one (pages of 16 or 32 keys, shuffled).
 CACHES = ("none", "contiguous", "paged16", "paged32")
+# The fields a case may leave out, and their values then (the cases before them read as they did).
+_CASE_DEFAULTS = {"cache": "none", "layout": "dense"}
 
 
 @dataclass(frozen=True)
 class Case:
     """One problem: sizes, dtype, the seed of q, k, v, dO, the inputs and a cache call's lengths and
-    offsets, and how the kernels are called (`cache`, one of CACHES; cache calls are forward only)."""
+    offsets, how the kernels are called (`cache`, one of CACHES; cache calls are forward only) and how
+    q, k, v lie in memory (`layout`, one of tolerances.LAYOUTS)."""
     B: int
     H: int
     HKV: int
@@ -148,10 +151,11 @@ class Case:
     dtype: str
     seed: int
     cache: str = "none"
+    layout: str = "dense"
 
     def __str__(self) -> str:
-        # A plain call's case reads as before cache calls existed.
-        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if (k, v) != ("cache", "none"))
+        # A plain call on dense tensors reads as before cache calls and layouts existed.
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if _CASE_DEFAULTS.get(k) != v)
 
     @classmethod
     def parse(cls, text: str) -> "Case":
@@ -166,20 +170,22 @@ class Case:
                 raise wrong(f"each item of a case must be NAME=VALUE, got {item!r}")
         values = dict(item.split("=", 1) for item in items)
         names = [f.name for f in fields(cls)]
+        needed = [name for name in names if name not in _CASE_DEFAULTS]
         keys = [item.split("=", 1)[0] for item in items]
-        if len(keys) != len(set(keys)) or not set(names[:-1]) <= set(keys) <= set(names):
-            raise wrong(f"a case needs exactly {', '.join(names[:-1])}, once each, and optionally cache; "
-                        f"got {', '.join(keys) or 'nothing'}")
-        values.setdefault("cache", "none")  # a plain call
+        if len(keys) != len(set(keys)) or not set(needed) <= set(keys) <= set(names):
+            raise wrong(f"a case needs exactly {', '.join(needed)}, once each, and optionally "
+                        f"{' and '.join(_CASE_DEFAULTS)}; got {', '.join(keys) or 'nothing'}")
+        values = {**_CASE_DEFAULTS, **values}
         for name in names:
             value, least = values[name], 0 if name == "seed" else 1
-            if name == "cache":
-                if value not in CACHES:
-                    raise wrong(f"cache must be one of {', '.join(CACHES)}, got {value!r}")
+            choices = {"cache": CACHES, "layout": tolerances.LAYOUTS}.get(name)
+            if choices is not None:
+                if value not in choices:
+                    raise wrong(f"{name} must be one of {', '.join(choices)}, got {value!r}")
                 continue
             if name != "dtype" and not (value.isascii() and value.isdigit() and int(value) >= least):
                 raise wrong(f"{name} must be an integer >= {least}, got {value!r}")
-        case = cls(**{k: (v if k in ("dtype", "cache") else int(v)) for k, v in values.items()})
+        case = cls(**{k: (v if k == "dtype" or k in _CASE_DEFAULTS else int(v)) for k, v in values.items()})
         if case.H % case.HKV:
             raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
         if case.dtype not in DTYPES:
@@ -189,9 +195,10 @@ class Case:
 
 @st.composite
 def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",),
-          head_dims=None, min_len: int = 1, near_tiles=NEAR_TILES) -> Case:
-    """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, and a
-    call from `caches` (plain calls twice as often as each cache layout, when both are allowed).
+          head_dims=None, min_len: int = 1, near_tiles=NEAR_TILES, layouts=tolerances.LAYOUTS) -> Case:
+    """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, a call
+    from `caches` (plain calls twice as often as each cache layout, when both are allowed) and a layout
+    of q, k, v from `layouts`.
     `head_dims`: the head dims to draw D and DV from (default 1 .. max_head_dim); lengths lie in
     [min_len, max_len], often at `near_tiles` (lengths at tile edges)."""
     hkv = draw(st.integers(1, 2))
@@ -201,7 +208,7 @@ def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40
                 Q_LEN=draw(_length(min_len, max_len, near_tiles)), KV_LEN=draw(_length(min_len, max_len, near_tiles)),
                 D=draw(dims), DV=draw(dims),
                 dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
-                cache=draw(st.sampled_from(weighted)))
+                cache=draw(st.sampled_from(weighted)), layout=draw(st.sampled_from(list(layouts))))
 
 
 def _length(min_len: int, max_len: int, near_tiles=NEAR_TILES) -> st.SearchStrategy[int]:
@@ -214,7 +221,7 @@ def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
     """q, k, v and the spec's inputs for a case, from its seed (inputs of any size, `*`, cover the
     query positions a cache case may draw: cache_data's offsets)."""
     q, k, v = tolerances.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
-                                 DTYPES[case.dtype], device=device, seed=case.seed)
+                                 DTYPES[case.dtype], device=device, seed=case.seed, layout=case.layout)
     positions = MAX_OFFSET_PER_KEY * case.KV_LEN + case.Q_LEN if case.cache != "none" else None
     inputs = tolerances.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
                                    device=device, seed=case.seed, query_positions=positions)

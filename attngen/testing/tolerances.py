@@ -152,13 +152,24 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
 
 # --- Random data ---------------------------------------------------------------------------------
 
+# How q, k, v lie in memory: dense (B, heads, length, D) tensors, or the transpose(1, 2) of dense
+# (B, length, heads, D) ones, as transformers passes them (kernels read them by their strides).
+LAYOUTS = ("dense", "transposed")
+
+
 def random_qkv(B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int, DV: int, dtype: torch.dtype,
-               device: torch.device | str = "cpu", seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+               device: torch.device | str = "cpu", seed: int = 0,
+               layout: str = "dense") -> tuple[Tensor, Tensor, Tensor]:
     """Standard normal q (B, H, Q_LEN, D), k (B, HKV, KV_LEN, D), v (B, HKV, KV_LEN, DV); drawn on the CPU in
-    float32 so a seed gives the same values on every device and dtype."""
+    float32 so a seed gives the same values on every device, dtype and layout (one of LAYOUTS)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, Q_LEN, D), (B, HKV, KV_LEN, D), (B, HKV, KV_LEN, DV)]
-    return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
+    dense = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+    if layout == "transposed":
+        return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in dense)
+    return tuple(dense)
 
 
 def random_inputs(spec: Spec, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, *,
