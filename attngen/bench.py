@@ -60,7 +60,8 @@ SDPA_BACKENDS = {"sdpa flash": "FLASH_ATTENTION", "sdpa cudnn": "CUDNN_ATTENTION
 
 @dataclass(frozen=True)
 class Problem:
-    """The sizes and dtype of one benchmark (DV = D); the command's options give them."""
+    """The sizes, dtype and layout of q, k, v (testing.LAYOUTS) of one benchmark (DV = D); the command's
+    options give them."""
     B: int
     H: int
     HKV: int
@@ -68,13 +69,14 @@ class Problem:
     KV_LEN: int
     D: int
     dtype: str
+    layout: str = "dense"
 
     def sizes(self) -> dict[str, int]:
         return {"B": self.B, "H": self.H, "HKV": self.HKV, "Q_LEN": self.Q_LEN, "KV_LEN": self.KV_LEN}
 
     def describe(self) -> str:
         return (f"B={self.B} H={self.H} HKV={self.HKV} Q_LEN={self.Q_LEN} KV_LEN={self.KV_LEN} "
-                f"D={self.D} {self.dtype}")
+                f"D={self.D} {self.dtype}{_layout_words(self.layout)}")
 
 
 @dataclass(frozen=True)
@@ -395,13 +397,14 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     attn = attngen.build(spec, params=params)
     variant = attngen.to_flex(attn.spec)
     B, H, HKV, N, M, D = problem.B, problem.H, problem.HKV, problem.Q_LEN, problem.KV_LEN, problem.D
-    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, DTYPES[problem.dtype], device=device, seed=2)
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, DTYPES[problem.dtype], device=device, seed=2,
+                                 layout=problem.layout)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=device, seed=2)
     step("counting the allowed pairs")
     counted = count_flops(attn.spec, problem, inputs, device=device)
     learnable = [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
     leaves = [x.requires_grad_() for x in (q, k, v)] + learnable
-    dout = torch.randn_like(q)
+    dout = torch.randn_like(q)  # in q's layout: a model that reads O as a transposed view passes dO as one
 
     step("building Flex's BlockMask")
     try:
@@ -441,4 +444,9 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
 
 def title(info: dict) -> str:
     return (f"{info['spec']}: B={info['B']} H={info['H']} HKV={info['HKV']} Q_LEN={info['Q_LEN']} "
-            f"KV_LEN={info['KV_LEN']} D={info['D']} {info['dtype']} on {info['gpu']}")
+            f"KV_LEN={info['KV_LEN']} D={info['D']} {info['dtype']}{_layout_words(info.get('layout', 'dense'))} "
+            f"on {info['gpu']}")
+
+
+def _layout_words(layout: str) -> str:
+    return "" if layout == "dense" else ", q, k, v transposed views of (B, N, heads, D)"

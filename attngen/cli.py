@@ -307,6 +307,8 @@ def bench_command(
     kv_heads: Annotated[Optional[int], typer.Option(help="HKV (default: heads).")] = None,
     head_dim: Annotated[int, typer.Option(help="D = DV.")] = 128,
     dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
+    layout: Annotated[str, typer.Option(help="q, k, v as dense (B, H, N, D) tensors, or as the transposed "
+                                             "views of (B, N, H, D) ones that transformers passes.")] = "dense",
     backward: Annotated[bool, typer.Option(help="Time forward+backward too.")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw TFLOP/s as bars into this image (needs matplotlib).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the rows to this JSON file.")] = None,
@@ -316,6 +318,7 @@ def bench_command(
     import torch
 
     from attngen import ArgumentError, SpecError, bench, load_spec
+    from attngen.testing.tolerances import LAYOUTS
 
     for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
                                 ("--batch", batch, None), ("--heads", heads, None), ("--kv-heads", kv_heads, None),
@@ -326,6 +329,8 @@ def bench_command(
         _usage_error(f"--heads must be a multiple of --kv-heads, got {heads} and {kv_heads}")
     if dtype not in bench.DTYPES:
         _usage_error(f"--dtype must be one of {', '.join(bench.DTYPES)}, got {dtype!r}")
+    if layout not in LAYOUTS:
+        _usage_error(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     _check_output("--plot", plot)
     _check_output("--json", json_path)
     params = _defines(define)
@@ -340,7 +345,8 @@ def bench_command(
                      "(attngen run and attngen check work on the CPU)")
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
         _usage_error("attngen bench must time compiled kernels, got TRITON_INTERPRET set: unset it")
-    problem = bench.Problem(batch, heads, kv_heads, q_len, kv_len if kv_len is not None else q_len, head_dim, dtype)
+    problem = bench.Problem(batch, heads, kv_heads, q_len, kv_len if kv_len is not None else q_len, head_dim, dtype,
+                            layout)
 
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

@@ -62,6 +62,7 @@ def test_no_gpu_error_from_the_console_script():
     (["--batch", "0"], "--batch must be at least 1, got 0"),
     (["--heads", "6", "--kv-heads", "4"], "--heads must be a multiple of --kv-heads, got 6 and 4"),
     (["--dtype", "f32"], "--dtype must be one of bf16, f16, got 'f32'"),
+    (["--layout", "bnhd"], "--layout must be one of dense, transposed, got 'bnhd'"),
     (["-D", "window"], "-D must be NAME=VALUE, got 'window'"),
     (["-D", "windw=3"], "params: unknown param 'windw' (the spec declares: window)"),
 ])

@@ -2,7 +2,7 @@
 # The Hopper family (issue 13) on the GPU, in parts chosen on the command line, each under its own time
 # limit; logs and JSON go to $OUT (or ./device-out).
 #
-#     bash tools/gpu_hopper_session.sh [tests] [suite] [kernels] [fuzz] [targets] [catalog]
+#     bash tools/gpu_hopper_session.sh [tests] [suite] [kernels] [fuzz] [targets] [catalog] [layouts]
 #
 # tests: tests/test_hopper.py's GPU tests (every catalog spec through the family's forward and backward
 #   against float64, head dims, empty rows, tables, torch.compile);
@@ -13,7 +13,9 @@
 # fuzz: tools/fuzz_device.py --hopper (random specs on shapes the family takes), FUZZ_SECONDS per shard
 #   (default 280), FUZZ_SHARDS shards side by side (default 4), seeds FUZZ_SEED_BASE + 1.. (default 0);
 # targets: benchmarks/targets.py on the plain, D=64, softcap and learned-bias cases;
-# catalog: benchmarks/targets.py on every catalog spec at N=8192.
+# catalog: benchmarks/targets.py on every catalog spec at N=8192;
+# layouts: attngen bench on full and causal attention with q, k, v dense and as transposed views (--layout),
+#   beside Flex and SDPA given the same tensors.
 # WORKERS sets the pytest-xdist workers of tests, suite and kernels (default 8).
 set -u
 OUT=${OUT:-device-out}
@@ -57,6 +59,14 @@ for part in ${*:-tests targets}; do
     catalog)
       timeout ${CATALOG_SECONDS:-400} python3 benchmarks/targets.py --only catalog --out "$OUT/targets-catalog.json" \
         > "$OUT/targets-catalog.log" 2>&1; tail -60 "$OUT/targets-catalog.log" | cut -c1-220 ;;
+    layouts)
+      for spec in full causal; do
+        for layout in dense transposed; do
+          timeout ${LAYOUT_SECONDS:-150} python3 -m attngen.cli bench specs/$spec.attn --layout $layout \
+            --json "$OUT/bench-$spec-$layout.json" > "$OUT/bench-$spec-$layout.log" 2>&1
+          echo "exit $?"; tail -14 "$OUT/bench-$spec-$layout.log" | cut -c1-180
+        done
+      done ;;
   esac
   echo "-- $part done at $(( $(date +%s) - T0 )) s"
 done
