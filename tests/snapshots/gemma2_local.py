@@ -2519,7 +2519,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "6079cd9e0628ace9"
+MODULE_DIGEST = "d7edb91c42583c7e"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2946,27 +2946,33 @@ def _hopper_device(device):
 
 
 def _hopper_tma_strides(t):
-    """The strides a TMA descriptor of t takes, or None where TMA cannot address t: its own strides
-    (any layout: a transposed (B, length, heads, D) view costs nothing), the last one 1, the others
-    positive multiples of 16 bytes; a dim of size 1 is never stepped, so its stride is replaced by one
-    TMA takes."""
-    strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
-    strides[-1] = t.stride(-1) if t.shape[-1] > 1 else 1
-    step = HOPPER_TMA_ALIGN // t.element_size()
-    if (t.data_ptr() % HOPPER_TMA_ALIGN or strides[-1] != 1
-            or not all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1])):
-        return None
+    """The strides of t's TMA descriptor: its own (any layout: a transposed (B, length, heads, D) view
+    costs nothing), except that a dim of size 1, which TMA never steps, gets a stride TMA takes (the
+    last dim's size: 16-byte multiples for the tensors _hopper_addressable admits)."""
+    strides = t.stride()
+    if 1 in t.shape:
+        strides = tuple(stride if size > 1 else (t.shape[-1] if i < t.dim() - 1 else 1)
+                        for i, (size, stride) in enumerate(zip(t.shape, strides)))
     return strides
+
+
+def _hopper_addressable(t):
+    """Whether TMA can address t in _hopper_tma_strides: a 16-byte-aligned base, the last stride 1, the
+    others positive multiples of 16 bytes below 2**40."""
+    strides = _hopper_tma_strides(t)
+    step = HOPPER_TMA_ALIGN // t.element_size()
+    return (t.data_ptr() % HOPPER_TMA_ALIGN == 0 and strides[-1] == 1
+            and all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1]))
 
 
 def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
     """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
     cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
-    addresses (_hopper_tma_strides: any strides of 16-byte multiples), lengths int32-addressable."""
+    addresses (_hopper_addressable: any strides of 16-byte multiples), lengths int32-addressable."""
     B, H, Q_LEN, D = q.shape
     return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
             and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
-            and all(_hopper_tma_strides(t) is not None for t in (q, k, v)))
+            and all(_hopper_addressable(t) for t in (q, k, v)))
 
 
 def _hopper_backward_serves(q, k, v):
@@ -3094,7 +3100,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
-    if _hopper_tma_strides(do) is None:
+    if not _hopper_addressable(do):
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
