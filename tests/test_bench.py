@@ -309,3 +309,16 @@ def test_bench_times_attngen_flex_and_sdpa_on_the_gpu(monkeypatch, capsys, tmp_p
     for name in (ATTNGEN, FLEX):
         assert rows[name]["fwd_ms"] > 0 and rows[name]["fwdbwd_ms"] > 0 and rows[name]["fwd_tflops"] > 0, rows[name]
     assert "fwd TFLOP/s" in text and (tmp_path / "causal.png").exists()
+
+
+@pytest.mark.gpu
+def test_bench_gives_every_implementation_the_transposed_views(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "causal.json"
+    status, text, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, "--q-len", "1024", "--heads", "4",
+                                 "--layout", "transposed", "--json", str(out))
+    assert status == 0, err
+    result = json.loads(out.read_text())
+    assert result["info"]["layout"] == "transposed" and "transposed views" in text
+    rows = {r["implementation"]: r for r in result["rows"]}
+    assert list(rows) == [ATTNGEN, FLEX, "sdpa flash", "sdpa cudnn"]
+    assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 for row in rows.values()), rows
