@@ -119,6 +119,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
             Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
+            # And the cubin, for nvdisasm (SASS: instruction counts, dependency chains, spills).
+            Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.cubin").write_bytes(compiled.asm["cubin"])
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
                                                         "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
@@ -161,7 +163,7 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*")
-    parser.add_argument("--ptx", help="write each kernel's PTX (without debug lines) to this folder")
+    parser.add_argument("--ptx", help="write each kernel's PTX (without debug lines) and cubin to this folder")
     parser.add_argument("--family", nargs="*", help="only these families' kernels (e.g. hopper)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
     parser.add_argument("--head-dim", type=int, default=128, help="D = DV of the launches (a power of two)")
