@@ -118,9 +118,10 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if ptx_dir:
             # Without debug lines, so two versions of a template compare by their instructions alone.
             lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))]
-            Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.ptx").write_text("\n".join(lines))
+            stem = Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}")
+            stem.with_suffix(".ptx").write_text("\n".join(lines))
             # And the cubin, for nvdisasm (SASS: instruction counts, dependency chains, spills).
-            Path(ptx_dir, f"{Path(path).stem}{name}{_label(constants)}.cubin").write_bytes(compiled.asm["cubin"])
+            stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
                                                         "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
