@@ -155,8 +155,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", "Lse", "work_counter", "sm_scale", "qk_scale", *inputs,
-            *table, *SIZES),
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", "work_counter",
+            "sm_scale", "qk_scale", *inputs, *table, *SIZES),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE")),
         # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
         # _hopper_fwd_work says which tile and key tiles item `work` is.
@@ -168,8 +168,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE")),
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", "Lse", "work_ids", "n_work", "n_m", "sm_scale", "qk_scale", *inputs,
-            *table, *SIZES),
+            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
+            *inputs, *table, *SIZES),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
              "NUM_CONSUMERS")),
         "hopper_loop": sig("_hopper_consumer_loop", (
@@ -185,8 +185,9 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV", "sm_scale",
-            "qk_scale", *inputs, *grads, *table, *SIZES),
+            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
+            *SIZES),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N")),
@@ -197,7 +198,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", "start_n", "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES,
+            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
+            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES,
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
@@ -206,7 +208,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             *POSITIONS, *SIZES, *inputs, *grads),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "dk_layout",
              "dv_layout")),
-        "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", "Lse", "n_rows", "SPLITS"),
+        "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
+                                                  "H", "Q_LEN", "n_rows", "SPLITS"),
                               ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
                                 ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))

@@ -7,8 +7,8 @@ import torch
 
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.launch import _launch
-from attngen.emit.static.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _next_power_of_2, _pad,
-                                       _tile_widths)
+from attngen.emit.static.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _empty_in_layout,
+                                       _next_power_of_2, _pad, _tile_widths)
 
 # ---- inlined into every generated module from here on ----
 
@@ -452,7 +452,7 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     sm_scale = softmax_scale(D)
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
     block_m, block_n, warps, stages = _tiles(q, v, 0)
@@ -509,8 +509,9 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
     """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
     (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
     rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, a
-    dense fp32 (B, H, Q_LEN, D) tensor, is zeroed in the same pass. `plan`: the backward's (_backward_plan)."""
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, an
+    fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is zeroed in the
+    same pass. `plan`: the backward's (_backward_plan)."""
     B, H, Q_LEN, DV = out.shape
     D = dq_sum.shape[-1] if dq_sum is not None else DV
     dlse = dlse.contiguous() if dlse is not None else None
@@ -552,9 +553,7 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     do = do.contiguous() if do.stride(-1) != 1 else do
     delta, _ = _row_terms(out, do, dlse, plan=plan)
     tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
     grads = _input_grads(tensors, q.device)
     grad_args = [g for g in grads if g is not None]
     visits = visits or {}
@@ -654,10 +653,12 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         known = dict(zip(_table_kernels(True), _pairs(tables)))
         return _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
 
+    # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
+    # torch.compile plans with are the ones the kernels write.
     @forward_op.register_fake
     def _(q, k, v, tensors, tables):
         B, H, Q_LEN, _ = q.shape
-        return q.new_empty((B, H, Q_LEN, v.shape[3])), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        return _empty_in_layout(q, v.shape[3]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{backward_name}", mutates_args=())
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -672,7 +673,8 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @backward_op.register_fake
     def _(q, k, v, out, lse, do, dlse, tensors, tables):
         grads = [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+        return (_empty_in_layout(q, q.shape[3]), _empty_in_layout(k, k.shape[3]), _empty_in_layout(v, v.shape[3]),
+                grads)
 
     def setup_context(ctx, inputs, output):
         q, k, v, tensors, tables = inputs
@@ -701,7 +703,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @cache_op.register_fake
     def _(q, k, v, tensors, kv_len, q_offset, pages):
         B, H, Q_LEN, _ = q.shape
-        return q.new_empty((B, H, Q_LEN, v.shape[3])), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
 
 def _operators():

@@ -47,6 +47,22 @@ def _pad(n):
     return max(_MIN_BLOCK, _next_power_of_2(n))
 
 
+def _empty_in_layout(t, last, dtype=None):
+    """An empty tensor of t's shape but with last dim `last`, whose dims lie in memory in t's order
+    (outermost first by stride; ties keep their order), densely.
+
+    The layout contract of every family, and of the operators' fake implementations, which call this
+    same function: O follows q's layout, dQ, dK and dV follow q's, k's and v's. So a model's
+    transposed (B, N, H, D) projections get O and their gradients back as (B, N, H, D) memory, which
+    the output projection and the projections' backward read with no copy; and what torch.compile is
+    told of an output's strides is what the kernels write."""
+    n = t.dim()
+    order = sorted(range(n - 1), key=lambda d: -t.stride(d))  # q, k, v have a unit-stride last dim
+    shape = (*t.shape[:-1], last)
+    dense = torch.empty([shape[d] for d in order] + [last], dtype=dtype or t.dtype, device=t.device)
+    return dense.permute(*[order.index(d) for d in range(n - 1)], n - 1)
+
+
 def _tile_widths(D, DV, floor):
     """Tile widths of head dims D and DV: each rounded up to a power of two >= 16, and when either is
     not a power of two (its loads are masked), both at least `floor`."""

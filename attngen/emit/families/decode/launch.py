@@ -5,7 +5,7 @@ import torch
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.launch import _launch
 from attngen.emit.static.host import _sm_count
-from attngen.emit.static.shared import _cdiv, _next_power_of_2
+from attngen.emit.static.shared import _cdiv, _empty_in_layout, _next_power_of_2
 
 # ---- inlined into every generated module from here on ----
 
@@ -107,10 +107,11 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
         bind=_plan_site(plan, "decode"))
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
-    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse, H, Q_LEN, n_rows,
+            splits, HEAD_DIM_V=DV,
             HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
     return out, lse

@@ -5,7 +5,7 @@ import torch
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.host import _sm_count
 from attngen.emit.static.launch import _launch
-from attngen.emit.static.shared import _cdiv
+from attngen.emit.static.shared import _cdiv, _empty_in_layout
 
 # ---- inlined into every generated module from here on ----
 
@@ -112,10 +112,6 @@ def _hopper_descriptor(t, rows, width):
     return _HopperDescriptor(t, t.shape, _hopper_tma_strides(t), box, _hopper_layout(box, t.dtype))
 
 
-def _dense_like(t):
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 def _hopper_row_descriptor(t, rows):
     """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
     one head's `rows` rows."""
@@ -145,7 +141,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
@@ -159,8 +155,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
-                sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
+                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
@@ -194,14 +190,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
-    # scaled and rounded once at the end.
-    dq_sum = torch.empty((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
+    # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
+    dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    # Dense, whatever the layout of k and v: the kernel writes dK and dV rows by pointer at dense offsets.
-    dk, dv = _dense_like(k), _dense_like(v)
+    dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
@@ -210,12 +205,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _launch(
-        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
+        *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = _dense_like(q)  # as dq_sum, which the pass reads element by element
+    dq = _empty_in_layout(q, D)
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
