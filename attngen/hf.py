@@ -64,6 +64,12 @@ class AttngenMask:
     offset: torch.Tensor
     keep: torch.Tensor | None
 
+    # transformers' mask functions read a mask's ndim to tell a 2-D padding mask (which they convert)
+    # from anything else. generate with a static cache prepares the masks before each forward
+    # (create_masks_for_generate) and passes them as the forward's attention_mask, which goes through
+    # the mask function again: prepare_mask then returns its AttngenMask (see there).
+    ndim = 4
+
 
 def spec_text(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None) -> str:
     """The one place spec text is formed: fixed lines, with only checked numbers substituted."""
@@ -213,6 +219,8 @@ def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                  local_size: int | None = None, device=None, **kwargs) -> AttngenMask:
     """transformers' mask interface: the AttngenMask of queries at q_offset + i and keys at kv_offset + j."""
     causal, window = _pattern(mask_function, local_size)
+    if isinstance(attention_mask, AttngenMask):
+        return _prepared(attention_mask, batch_size, q_length, kv_length, causal, window)
     if isinstance(kv_offset, bool) or not isinstance(kv_offset, int):
         raise ArgumentError(f"kv_offset must be an int, got {kv_offset!r}")
     device = torch.device(device if device is not None else "cpu")
@@ -232,6 +240,17 @@ def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         if keep.shape[1] < kv_length:
             keep = torch.nn.functional.pad(keep, (0, kv_length - keep.shape[1]), value=False)
     return AttngenMask(batch_size, q_length, kv_length, causal, window, offset, keep)
+
+
+def _prepared(mask: AttngenMask, batch_size: int, q_length: int, kv_length: int, causal: bool,
+              window: int | None) -> AttngenMask:
+    """A mask prepared in advance for this very call (by generate, from the same cache state, as
+    transformers does with its 4-D masks), returned as it is once its sizes and pattern agree."""
+    built = (mask.batch_size, mask.q_length, mask.kv_length, mask.causal, mask.window)
+    if built != (batch_size, q_length, kv_length, causal, window):
+        raise ArgumentError(f"attention_mask must be an AttngenMask built for (B, Q_LEN, KV_LEN, causal, window) = "
+                            f"{(batch_size, q_length, kv_length, causal, window)}, got one built for {built}")
+    return mask
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

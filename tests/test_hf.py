@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import attngen  # noqa: I001 before transformers' models, which import triton: attngen asks for the interpreter first
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM)
+from transformers import (CompileConfig, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM)
 from transformers import masking_utils as mu
 
 import attngen.hf as hf
@@ -101,6 +101,54 @@ def test_greedy_generation_matches_eager(models, name):
                                      eos_token_id=None)
 
     actual, eager = generate("attngen"), generate("eager")
+    assert torch.equal(actual.sequences, eager.sequences)
+    _assert_close_logits(f"{name} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
+
+
+
+def _model(name, device="cpu"):
+    """A fresh float32 model, as `models` holds them: for runs that leave state on the model (generate's
+    compiled forward)."""
+    cls, config = CONFIGS[name]
+    torch.manual_seed(0)
+    return cls._from_config(config(), attn_implementation="eager").eval().to(device)
+
+
+def _generate_static(model, implementation, device="cpu", **options):
+    """Greedy generation with a static cache: before each forward generate prepares the masks itself
+    (create_masks_for_generate) and passes them as the forward's attention_mask, which the model hands to
+    its mask function again. Past the window, as test_greedy_generation_matches_eager."""
+    ids, mask = _inputs(10, "left", seed=2)
+    model.set_attn_implementation(implementation)
+    return model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=6,
+                          do_sample=False, cache_implementation="static", output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **options)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_static_cache_generation_matches_eager(fresh_dynamo, name):
+    """Eager, and compiled with fullgraph=True as generate compiles a static cache's decoding steps (on
+    a GPU by default; _compile_all_devices asks for it on the CPU)."""
+    model = _model(name)
+    eager = _generate_static(model, "eager")
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    compile_config._compile_all_devices = True
+    for run, options in (("eager attngen", {}), ("compiled attngen", {"compile_config": compile_config})):
+        actual = _generate_static(model, "attngen", **options)
+        assert torch.equal(actual.sequences, eager.sequences), run
+        _assert_close_logits(f"{name} {run} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decoding steps were compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_static_cache_generation_compiled_by_inductor_on_gpu(fresh_dynamo, name):
+    """generate's own compilation of a static cache's decoding steps on a GPU (Inductor, CUDA graphs:
+    CompileConfig's defaults), with fullgraph=True so a graph break fails."""
+    model = _model(name, "cuda")
+    eager = _generate_static(model, "eager", "cuda", disable_compile=True)
+    actual = _generate_static(model, "attngen", "cuda", compile_config=CompileConfig(fullgraph=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert torch.equal(actual.sequences, eager.sequences)
     _assert_close_logits(f"{name} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
 
@@ -296,6 +344,10 @@ def test_call_level_refusals():
     with pytest.raises(attngen.ArgumentError, match="local_size must equal"):
         hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=5,
                         mask_function=mu.sliding_window_causal_mask_function(3))
+    assert hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, attention_mask=mask) is mask  # generate's
+    with pytest.raises(attngen.ArgumentError, match=r"attention_mask must be an AttngenMask built for .* got one "
+                                                    r"built for \(1, 4, 4, True, 3\)"):
+        hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, attention_mask=window_mask)
 
 
 @pytest.fixture
