@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from attngen.errors import ArgumentError, IndexOutOfRange
-from attngen.ir import FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Score, Size, Spec, Unary, Var, ValueType
+from attngen.ir import (FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Score, Size, Spec, Unary, Var,
+                        ValueType, walk)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -23,6 +24,10 @@ class Env:
     inputs: Mapping[str, Tensor]
     float_dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    # Float literals and params are float32 numbers, and what is computed from them alone is computed
+    # in float32, whatever `float_dtype` is: the kernels hold them and fold them so (emit.fold), and
+    # the float64 truth must mean the same spec (checks.py rejects one that overflows float32 there).
+    constant_dtype: torch.dtype = torch.float32
 
 
 def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int,
@@ -55,11 +60,14 @@ def scale_value(spec: Spec, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     values = {"D": torch.tensor(head_dim)}
     values |= {p.name: _constant(p.type, p.value, torch.float64, "cpu") for p in spec.params}
-    return float(evaluate_expr(spec.scale, Env(values, {}, torch.float64)))
+    # The module computes it on the host in Python's float64 (softmax_scale(D)), constants included.
+    return float(evaluate_expr(spec.scale, Env(values, {}, torch.float64, constant_dtype=torch.float64)))
 
 
 def evaluate_expr(expr: Expr, env: Env) -> Tensor:
     """The value of an expression, as a tensor broadcastable to (B, H, Q_LEN, KV_LEN)."""
+    if env.float_dtype != env.constant_dtype and _constant_float(expr):
+        return _in_constant_dtype(expr, env)
     if isinstance(expr, Const):
         return _constant(expr.type, expr.value, env.float_dtype, env.device)
     if isinstance(expr, (Var, Size, Param, Score)):
@@ -156,6 +164,22 @@ def _softmax(score: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+def _constant_float(expr: Expr) -> bool:
+    """Whether `expr` reads literals and params alone and computes in float (or compares floats)."""
+    if not all(isinstance(n, (Const, Param, Unary, Binary, Call)) for n in walk(expr)):
+        return False
+    return any(n.type == "float" for n in walk(expr))
+
+
+def _in_constant_dtype(expr: Expr, env: Env) -> Tensor:
+    """`expr`, one of `_constant_float`, computed in env.constant_dtype (its floats widened after)."""
+    names = {n.name for n in walk(expr) if isinstance(n, Param)}
+    values = {**env.values, **{n: env.values[n].to(env.constant_dtype) for n in names
+                               if env.values[n].is_floating_point()}}
+    value = evaluate_expr(expr, replace(env, values=values, float_dtype=env.constant_dtype))
+    return value.to(env.float_dtype) if value.is_floating_point() else value
+
 
 def _constant(type: ValueType, value: bool | int | float, float_dtype: torch.dtype, device) -> Tensor:
     dtype = {"float": float_dtype, "int": torch.int64, "bool": torch.bool}[type]

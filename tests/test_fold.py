@@ -212,13 +212,17 @@ def _folded(text: str) -> str:
     ("mask: k > q + (-k)", "k > q - k"),
     ("mask: k > 7 // -2 + 7 % -2 + 2 ** 10 + min(c, 2) + abs(-c)", "k > 1024"),
     ("mask: k >= q // c * c", "k >= q // 3 * 3"),
-    # floats: only what is exact in float32 and float64 alike
+    # floats: constants are float32 numbers, computed in float32 (as the kernels and the reference do)
     ("score: score * t * 1.0", "score * 0.5"),
     ("score: score + 0.25 * 3", "score + 0.75"),
-    ("score: score + 0.1 * 3", "score + 0.1 * 3"),
+    ("score: score + 0.1 * 3", "score + 0.30000001192092896"),
     ("score: score + 0.0", "score + 0.0"),
     ("score: score + 1 / 4", "score + 0.25"),
-    ("score: score + 1 / 3", "score + 1 / 3"),
+    ("score: score + 1 / 3", "score + 0.3333333432674408"),
+    ("score: score + 1e-30 * 1e-30 * 1e30 * k", "score + 0.0 * k"),  # 1e-30 in float64
+    ("score: score + (1.0 + 1e-8 - 1.0) * 1e8", "score + 0.0"),  # 1.0000000000000002 in float64
+    ("score: score + floor(0.99999999)", "score + 1"),  # 0.99999999 is 1.0 in float32
+    ("mask: q < 16777217 * 1.0 - 16777216.0", "q < 0.0"),  # 2**24 + 1 rounds to 2**24
     ("score: score + q * 1.0", "score + q * 1.0"),  # an int times 1.0 is a float: it stays
     ("score: score + floor(2.5) + ceil(-0.5)", "score + 2 + 0"),
     ("score: score + exp(0.0)", "score + exp(0.0)"),
@@ -244,16 +248,27 @@ def test_specific_foldings(text, folded):
     binary("mod", "int", const(7), const(0)),
     binary("pow", "int", const(3), const(40)),
     call("abs", "int", const(-2 ** 63)),
-    binary("add", "float", const(2.0 ** 127), const(2.0 ** 127)),  # inf in float32, not in float64
     binary("sub", "float", const(math.inf), const(math.inf)),  # NaN has no literal
+    binary("mul", "float", binary("mul", "float", const(1e-46), const(1e46)), ir.Var(name="k")),  # 0 * inf
     binary("div", "float", const(1.0), const(0.0)),
-    binary("mul", "float", const(0.1), const(3.0)),  # 0.1 is no float32 number
-    binary("add", "float", const(2 ** 24 + 1), const(0.5)),  # neither is 2**24 + 1
-    binary("lt", "bool", const(2 ** 24 + 1), const(16777216.0)),  # equal in float32
     call("floor", "int", const(2.0 ** 70)),
 ])
 def test_what_would_raise_overflow_or_round_stays(e):
     assert fold(e, {}) == e
+
+
+@pytest.mark.parametrize("e, value", [
+    (binary("add", "float", const(2.0 ** 127), const(2.0 ** 127)), math.inf),  # finite in float64
+    (binary("mul", "float", const(1e-30), const(1e-30)), 0.0),  # 1e-60 in float64
+    (binary("add", "float", const(2 ** 24 + 1), const(0.5)), 16777216.0),  # 2**24 + 1 rounds to 2**24
+    (binary("lt", "bool", const(2 ** 24 + 1), const(16777216.0)), False),  # equal in float32
+    (binary("eq", "bool", const(2 ** 60 + 2 ** 36 + 1), const(float(2 ** 60 + 2 ** 37))), True),  # rounded once
+])
+def test_float_constants_fold_in_float32(e, value):
+    folded = fold(e, {})
+    assert isinstance(folded, ir.Const) and folded.value == value
+    expected = evaluate_expr(e, _env(torch.float64))  # the reference computes constants in float32 too
+    assert _same_value(evaluate_expr(folded, _env(torch.float64)), expected)
 
 
 def test_unfolded_subtrees_are_the_same_objects():

@@ -9,9 +9,11 @@
   Each is exact in int64's wrapping arithmetic too, and every node it builds has the value of a
   node of the input or a constant that fits int64, so the ranges that decide int32 or int64
   widths (`integers.Ranges`, computed for new nodes as they come) stay sound.
-- floats: an operation on constants is computed only when both operands and the result are
-  exactly float32 numbers: then float32 and float64 arithmetic (the kernels and the reference's
-  dtypes) give that same number. `x * 1.0` gives x. Nothing else, so no rounding changes.
+- floats: a float literal or param is the float32 number nearest it, an int operand the float32
+  nearest it, and `+ - * /` and comparisons on constants are computed in float32, as the kernels
+  compute them and the reference computes every expression of literals and params alone
+  (`reference.Env.constant_dtype`), never in Python's float64 (where `1e-46 * 1e46` is 1.0, not
+  NaN). A NaN result stays unfolded (it has no literal). `x * 1.0` gives x.
 - bools: `not`, comparisons, `and`, `or` and `where` on constants; `x and True` gives x, and so on.
 
 Params are constants (their values are given). No node changes its type, nor whether the reference
@@ -21,8 +23,9 @@ computes it as an int (`integers.computes_int`: an int ** int the IR types float
 from __future__ import annotations
 
 import math
-import struct
 from typing import Mapping
+
+import numpy as np
 
 from attngen import ir
 from attngen.analysis.integers import computes_int, postorder
@@ -33,6 +36,7 @@ _INT_OPS = {
     # Python's // and % round to -inf, as the reference's floor division and torch.remainder do.
     "floordiv": lambda a, b: a // b if b else None, "mod": lambda a, b: a % b if b else None,
 }
+# On np.float32 operands: float32 arithmetic, rounded once (a zero divisor is a compile-time error).
 _FLOAT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
               "div": lambda a, b: a / b if b else None}
 _COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
@@ -89,17 +93,13 @@ def _fits(value: int) -> bool:
     return I64_RANGE[0] <= value <= I64_RANGE[1]
 
 
-def _float32(value) -> float | None:
-    """A constant as the float both float32 and float64 arithmetic see, or None when it is not
-    exactly a float32 number (NaN is none either)."""
-    as_float = float(value)
-    if isinstance(value, int) and as_float != value:
-        return None
-    try:
-        exact = struct.unpack("f", struct.pack("f", as_float))[0] == as_float
-    except OverflowError:
-        return None
-    return as_float if exact else None
+def _float32(value: int | float) -> np.float32:
+    """A constant as the kernels hold it in a float operation: the nearest float32 (an int is rounded
+    once, from int64, as torch and the GPU convert it; a float past float32's range is inf)."""
+    if isinstance(value, int):
+        return np.int64(value).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return np.float32(value)
 
 
 def _simplify(e: ir.Expr, kids_int: list[bool]) -> ir.Expr:
@@ -142,22 +142,21 @@ def _constant_value(e: ir.Expr):
     if isinstance(e, ir.Binary) and e.op in ir.LOGICAL_OPS:
         return (values[0] and values[1]) if e.op == "and" else (values[0] or values[1])
     if e.type == "float" or any(k.type == "float" for k in kids):
-        # The reference computes a float result (a true division of ints too) and compares ints
-        # with floats in its float dtype: its operands are floats of that dtype, as here.
+        # A float result (a true division of ints too), and a comparison of ints with floats, are
+        # computed in float32: its operands are float32 numbers, as here.
         values = [_float32(v) for v in values]
-        if None in values:
-            return None
     if isinstance(e, ir.Binary) and e.op in _COMPARE:
-        return _COMPARE[e.op](*values)
+        return bool(_COMPARE[e.op](*values))
     if e.type == "float":
         if not (isinstance(e, ir.Binary) and e.op in _FLOAT_OPS):
             return None
-        value = _FLOAT_OPS[e.op](*values)
-        return None if value is None else _float32(value)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            value = _FLOAT_OPS[e.op](*values)
+        return None if value is None or np.isnan(value) else float(value)
     if isinstance(e, ir.Binary):
         value = _int_power(*values) if e.op == "pow" else _INT_OPS[e.op](*values)
     elif e.fn in ("floor", "ceil"):
-        x = values[0]
+        x = float(values[0])
         value = (math.floor(x) if e.fn == "floor" else math.ceil(x)) if math.isfinite(x) else None
     elif e.fn in _INT_CALLS:
         value = _INT_CALLS[e.fn](*values)
