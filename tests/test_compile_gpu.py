@@ -23,7 +23,7 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 # its backward runs another family's kernels).
 FAMILY_CALLS = {
     "hopper": (2, 8, 8, 512, 512, 128, torch.bfloat16),
-    "portable": (2, 8, 8, 300, 300, 48, torch.bfloat16),
+    "portable": (2, 8, 8, 1024, 1024, 48, torch.bfloat16),
     "decode": (2, 8, 2, 4, 4096, 64, torch.bfloat16),
 }
 LAYOUTS = ("dense", "transposed", "fused_qkv")
