@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attngen.errors import ArgumentError
@@ -15,7 +17,13 @@ def merge(outs, lses):
     lse = log sum_i exp(lse_i). A part whose row has no allowed key (LSE -inf) weighs nothing; a
     row with none in any part gets O = 0 and LSE = -inf, as a kernel gives it. For cascade and
     shared-prefix attention: attend the shared prefix once and each suffix apart, then merge.
-    Returns (out, lse): out in the parts' dtype, lse in float32. Differentiable.
+    Returns (out, lse): out in the parts' dtype, lse in float32 (computed in float64, and returned so,
+    when some part is float64, as a float64 reference's are). Differentiable: a row with no key
+    in any part gets zero gradients, as a kernel's backward gives it.
+
+    An LSE value of +inf or NaN in a part is an ArgumentError. Checking it reads one flag per part
+    back from the device (one sync per call); under torch.compile and CUDA graph capture, where a
+    call cannot read device values, the check is skipped.
     """
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
@@ -31,9 +39,30 @@ def merge(outs, lses):
         if lse.shape != first.shape[:3] or not lse.is_floating_point() or lse.device != first.device:
             raise ArgumentError(f"merge: LSE {n} must be a float (B, H, Q_LEN) = {tuple(first.shape[:3])} "
                                 f"tensor on {first.device}; got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
-    lse_parts = torch.stack([lse.float() for lse in lses])
-    lse = torch.logsumexp(lse_parts, dim=0)
+    if not torch.compiler.is_compiling() and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_lse_values(lses)
+    work = functools.reduce(torch.promote_types, [first.dtype, *(lse.dtype for lse in lses)], torch.float32)
+    lse_parts = torch.stack([lse.to(work) for lse in lses])
+    # logsumexp by hand: torch.logsumexp's gradient on a row of -infs is NaN (exp(-inf - -inf)).
+    # The shift only keeps exp in range, so it carries no gradient; a row with no key anywhere
+    # sums to 0 and takes lse = -inf through a `where` whose other branch stays finite.
+    peak = lse_parts.detach().amax(dim=0)
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    total = torch.exp(lse_parts - peak).sum(dim=0)
+    some = total > 0
+    lse = torch.where(some, peak + torch.log(torch.where(some, total, 1.0)), -torch.inf)
     # exp(-inf - finite) = 0; a row with no key anywhere has lse = -inf, so shift it by 0 instead.
-    weights = torch.exp(lse_parts - torch.where(torch.isfinite(lse), lse, 0.0))
-    out = (weights.unsqueeze(-1) * torch.stack([o.float() for o in outs])).sum(dim=0)
+    weights = torch.exp(lse_parts - torch.where(some, lse, 0.0))
+    out = (weights.unsqueeze(-1) * torch.stack([o.to(work) for o in outs])).sum(dim=0)
     return out.to(first.dtype), lse
+
+
+def _check_lse_values(lses) -> None:
+    """Every part's LSE is finite or -inf (an empty row): +inf or NaN would make the merge +-inf or NaN.
+    One flag per part, read in one sync; the message, only on failure, reads the offending value."""
+    bad = torch.stack([(torch.isnan(lse) | (lse == torch.inf)).any() for lse in lses]).tolist()
+    for n, (lse, flag) in enumerate(zip(lses, bad)):
+        if flag:
+            value = lse[torch.isnan(lse) | (lse == torch.inf)].flatten()[0].item()
+            raise ArgumentError(f"merge: LSE {n} must be finite or -inf, got {value} (at index "
+                                f"{tuple(torch.nonzero(torch.isnan(lse) | (lse == torch.inf))[0].tolist())})")
