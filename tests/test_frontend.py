@@ -468,3 +468,65 @@ def test_error_spanning_lines_gets_one_caret():
     err = info.value
     assert str(err).splitlines()[0] == "m.attn:2:8: min() takes 2 argument(s), got 1"
     assert caret_target(err) == ("score: min(", "m")
+
+
+# --- float constants are float32 numbers, and the scale has a range -------------------------------
+
+@pytest.mark.parametrize("text, where, culprit", [
+    ("score: softcap(score, 1e39)", "2:23", "'1e+39'"),
+    ("score: score * 1e39 * 1e-39", "2:16", "'1e+39'"),
+    ("score: score + 1e-46 * 1e46 * k", "2:24", "'1e+46'"),
+    ("score: score + 1e20 * 1e20", "2:16", "'1e+20 * 1e+20'"),  # each finite, their product not
+    ("score: score + exp(100.0)", "2:16", "'exp(100.0)'"),
+    ("mask: q * 1.0 < -3e38 * 2", "2:17", "'-3e+38 * 2'"),
+    ("param cap = 1e39\nscore: softcap(score, cap)", "3:23", "'cap'"),
+])
+def test_a_float_constant_beyond_float32_is_a_positioned_error(text, where, culprit):
+    with pytest.raises(attngen.SpecError) as info:
+        parse_spec(f"attention t\n{text}\n", "f.attn")
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"f.attn:{where}: {culprit} must be finite in float32") and ", got " in first
+
+
+@pytest.mark.parametrize("text", [
+    "score: score * 3.4e38", "score: softcap(score, inf)", "score: score + inf * 2.0", "mask: q * 1.0 > -inf",
+    "score: score + 1e-46 * k",  # 0 in float32: small, not infinite
+])
+def test_float32_constants_and_inf_are_accepted(text):
+    parse_spec(f"attention t\n{text}\n")
+
+
+def test_an_override_beyond_float32_names_the_param():
+    with pytest.raises(ArgumentError, match=r"params: 'cap' = 1e\+39 makes 'cap' wrong: .*finite in float32"):
+        attngen.build(Path(__file__).parent.parent / "specs" / "gemma2_local.attn", params={"cap": 1e39})
+
+
+def test_a_spec_built_in_python_gets_the_float32_check():
+    spec = Spec(name="t", score=Binary(type="float", op="mul", left=Score(), right=Const(type="float", value=1e39)))
+    with pytest.raises(ArgumentError, match="'1e\\+39' must be finite in float32"):
+        attngen.compile_source(spec)
+
+
+@pytest.mark.parametrize("text, got", [
+    ("scale: 1e30", "got 1e+30 at D=1"),
+    ("scale: -1e30", "got -1e+30 at D=1"),
+    ("scale: 40000.0 / sqrt(D)", "got 40000 at D=1"),
+    ("scale: 0.5 * D ** 2 + 1", "got 32769 at D=256"),
+])
+def test_a_scale_beyond_two_to_the_fifteen_is_a_positioned_error(text, got):
+    with pytest.raises(attngen.SpecError) as info:
+        parse_spec(f"attention t\n{text}\n", "s.attn")
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("s.attn:2:8: scale must be within [-2**15, 2**15] for every head dim D in 1..256")
+    assert first.endswith(got)
+
+
+@pytest.mark.parametrize("scale", ["32768.0", "-32768.0", "0.0", "1e-300", "0.5 * D ** 2"])
+def test_a_scale_within_two_to_the_fifteen_is_accepted(scale):
+    parse_spec(f"attention t\nscale: {scale}\n")
+
+
+def test_a_scale_override_beyond_the_range_names_the_param():
+    spec = parse_spec("attention t\nparam s = 1.0\nscale: s / sqrt(D)\n")
+    with pytest.raises(ArgumentError, match=r"params: 's' = 1e\+30 makes 's / sqrt\(D\)' wrong: scale must be within"):
+        spec.with_params({"s": 1e30})

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import ir, runtime, testing
+from attngen import ir, reference, runtime, testing
 from attngen.errors import SpecError
 
 ROOT = Path(__file__).parent.parent
@@ -182,3 +182,16 @@ def test_triton_imported_before_attngen_is_a_clear_error_not_a_crash_in_a_kernel
                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert "refused: triton was imported before attngen could ask for its interpreter" in result.stdout, (
         result.stdout + result.stderr[-2000:])
+
+
+def test_float_constants_are_float32_in_the_kernels_and_the_reference():
+    # In float64, (1.0 + 1e-8 - 1.0) * 1e8 is about 1 and the term is k; in float32, where the kernels
+    # compute constants (and Python's float64 must not fold them for Triton), 1.0 + 1e-8 is 1.0 and the
+    # term is 0. The float64 truth computes it in float32 too, so both mean the plain causal scores.
+    text = "attention t\nmask: causal\nscore: score + (1.0 + 1e-8 - 1.0) * 1e8 * k\n"
+    spec = attngen.parse_spec(text)
+    q, k, v = testing.random_qkv(1, 2, 1, 20, 20, 16, 16, torch.float32)
+    wide = [x.double() for x in (q, k, v)]
+    plain = attngen.parse_spec("attention p\nmask: causal\n")
+    assert torch.equal(reference.modified_scores(spec, *wide), reference.modified_scores(plain, *wide))
+    testing.check_against_reference(spec, attngen.build(text), q, k, v)

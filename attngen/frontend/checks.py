@@ -10,16 +10,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from attngen import ir
 from attngen.errors import ArgumentError
 from attngen.analysis.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
 from attngen.frontend.printer import expr_to_source, host_scale
+from attngen.reference import Env, evaluate_expr
 
 # A spec whose ints overflow int64 below this length is rejected: it could serve only toy
 # sequences, so the overflow is more likely a mistake than a design. Above it, the generated
 # module refuses the lengths beyond its limit at call time (integers.length_limit).
 MIN_LENGTH = 1024
 _DIVIDES = {"div": "/", "floordiv": "//", "mod": "%"}
+# The largest |scale|. The kernels exponentiate base-2 scores (score * log2(e)) in float32, and the
+# backward recomputes P = exp2(s2 - LSE2) from the float32 LSE, whose rounding (ulp |LSE2|) enters
+# P's exponent: beyond 2**24 the error in P reaches a factor of 2**0.5, and beyond 2**31 P overflows.
+# With |scale| <= 2**15, q and k whose entries lie within +-1 (|q.k| <= D <= 256) give base-2 scores
+# below 2**15 * log2(e) * 2**8 < 2**24.
+MAX_SCALE = 2.0 ** 15
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ def problems(spec: ir.Spec) -> list[Problem]:
     for expr in (spec.mask, spec.score, spec.scale):
         for node in postorder(expr) if expr is not None else ():
             found += _node_problems(node, ranges, widest)
+    # The scale is computed on the host in float64 (`_scale_problems` checks its value); the rest
+    # runs in the kernels, whose float constants are float32.
+    found += _float32_problems(spec, (spec.mask, spec.score))
     limit, culprit = length_limit(spec)
     if limit < MIN_LENGTH:
         got = _range(Ranges(box(spec, limit + 1)).value(culprit))
@@ -87,6 +100,31 @@ def _node_problems(node: ir.Expr, ranges: Ranges, widest: Ranges) -> list[Proble
     return []
 
 
+def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
+    """Float literals, params and expressions of them alone are float32 numbers computed in float32
+    (`reference.Env.constant_dtype`, `emit.fold`): one finite in float64 but not in float32 (`1e39`,
+    `1e20 * 1e20`, `exp(100.0)`) would turn the spec's finite number into inf, so it is rejected
+    (innermost first; inf itself, and what inf makes, are the spec's own)."""
+    params = {p.name: torch.tensor(p.value, dtype={"int": torch.int64, "float": torch.float64}[p.type])
+              for p in spec.params}
+    found, flagged = [], set()
+    for expr in exprs:
+        for node in postorder(expr) if expr is not None else ():
+            if node.type != "float" or not is_constant(node) or any(id(c) in flagged for c in ir.children(node)):
+                continue
+            try:
+                wide, narrow = (float(evaluate_expr(node, Env(params, {}, torch.float64, constant_dtype=dtype)))
+                                for dtype in (torch.float64, torch.float32))
+            except (RuntimeError, ArithmeticError):  # an int divided by zero: a problem of its own above
+                continue
+            if math.isfinite(wide) and not math.isfinite(narrow):
+                flagged.add(id(node))
+                found.append(Problem(node, f"'{expr_to_source(node)}' must be finite in float32, the precision "
+                                           f"of the kernels' float constants (|x| <= {_FLOAT32_MAX:.8g}), "
+                                           f"got {narrow} ({_number(wide)} in float64)"))
+    return found
+
+
 def _scale_problems(spec: ir.Spec, ranges: Ranges) -> list[Problem]:
     """The scale runs on the host for the call's head dim D: every int must fit int64 (torch's
     reference computes them so) and the value must be finite, for every D the module accepts."""
@@ -95,17 +133,25 @@ def _scale_problems(spec: ir.Spec, ranges: Ranges) -> list[Problem]:
         return [Problem(culprit, f"'{expr_to_source(culprit)}' must fit in int64 for every head dim D in "
                                  f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]}, got values in {_range(ranges.value(culprit))}")]
     scale = host_scale(spec.scale, spec.param_values)
+    values = {}
     for d in range(HEAD_DIMS[0], HEAD_DIMS[1] + 1):
         try:
-            value = scale(d)
+            values[d] = scale(d)
         except (ArithmeticError, ValueError, TypeError) as err:
             got = f"{type(err).__name__} ({err})"
         else:
-            if math.isfinite(value):
+            if math.isfinite(values[d]):
                 continue
-            got = repr(value)
+            got = repr(values[d])
         return [Problem(spec.scale, f"scale must be a finite number for every head dim D in "
                                     f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]}, got {got} at D={d}")]
+    # Every D a call may have is checked here, so softmax_scale(D) needs no check at call time.
+    for d, value in values.items():
+        if abs(value) > MAX_SCALE:
+            return [Problem(spec.scale, f"scale must be within [-2**15, 2**15] for every head dim D in "
+                                        f"{HEAD_DIMS[0]}..{HEAD_DIMS[1]} (a larger one makes the kernels' float32 "
+                                        f"scores too coarse to recompute the softmax from its LSE), "
+                                        f"got {value:.6g} at D={d}")]
     return []
 
 
