@@ -105,11 +105,72 @@ def test_passed_tile_tables_under_compile():
     assert attn.module.TABLE_STATS["built"] == built  # every kernel followed the passed tables
 
 
-def test_argument_errors_are_raised_while_tracing():
+def test_tile_tables_built_inside_a_compiled_function():
+    """tile_tables under torch.compile builds through the table operator, with no graph break; the
+    compiled call follows those tables (it builds none of its own), and they come out of the compiled
+    function usable."""
     attn, q, k, v, inputs = _case("document_causal", 40)
-    compiled = torch.compile(lambda q, k, v, doc: attn(q, k, v, doc=doc), backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"input 'doc' must have dtype torch.int32"):
-        compiled(q, k, v, inputs["doc"].long())
+    leaves = _leaves(attn, q, k, v, inputs)
+
+    def loss(q, k, v, inputs):
+        tables = attn.tile_tables(q, k, v, **inputs)
+        return attn(q, k, v, tile_tables=tables, **inputs).square().sum(), tables
+
+    built = attn.module.TABLE_STATS["built"]
+    eager, _ = loss(q, k, v, inputs)
+    built_eager = attn.module.TABLE_STATS["built"] - built
+    want = torch.autograd.grad(eager, leaves)
+    result, tables = torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v, inputs)
+    got = torch.autograd.grad(result, leaves)
+    assert torch.equal(result, eager) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert attn.module.TABLE_STATS["built"] - built == 2 * built_eager  # the compiled call built only tile_tables'
+    assert torch.equal(attn(q, k, v, tile_tables=tables, **inputs), attn(q, k, v, **inputs))
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_argument_errors_are_the_eager_ones_under_compile(fullgraph):
+    """With or without fullgraph, a refused call raises the eager ValueError and message (dynamo adds
+    the user code's lines), not dynamo's own error."""
+    attn, q, k, v, inputs = _case("document_causal", 40)
+    other_tables = attn.tile_tables(q[:, :, :24], k, v, **inputs)
+    refused = {
+        "input 'doc' must have dtype torch.int32": lambda q, k, v, doc: attn(q, k, v, doc=doc.long()),
+        "q, k and v must share a dtype": lambda q, k, v, doc: attn(q, k, v.half(), doc=doc),
+        r"tile_tables must be built for this call's \(B, H, HKV, Q_LEN, KV_LEN\)":
+            lambda q, k, v, doc: attn(q, k, v, doc=doc, tile_tables=other_tables),
+        "missing input": lambda q, k, v, doc: attn.tile_tables(q, k, v),
+    }
+    for message, function in refused.items():
+        torch._dynamo.reset()
+        with pytest.raises(ValueError, match=f"^document_causal: {message}"):
+            torch.compile(function, backend="aot_eager", fullgraph=fullgraph)(q, k, v, inputs["doc"])
+
+
+def test_autocast_casts_q_k_v_as_sdpa_does():
+    """Under torch.autocast, float q, k and v are cast to its dtype (bfloat16 on the CPU here) before the
+    kernels, in eager and compiled calls, as scaled_dot_product_attention is; the result is the reference's
+    in that dtype, and gradients come back in the callers' dtypes. Outside autocast, mixed dtypes are refused."""
+    attn, q, k, v, inputs = _case("alibi_causal", 40)
+
+    def autocast(function):
+        def call(q, k, v, **kw):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return function(q.float(), k.float(), v.float(), **kw)  # float32 in; bfloat16 leaves exactly
+        return call
+
+    q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+    testing.check_against_reference(attn.spec, autocast(attn), q16, k16, v16, inputs)
+    compiled = torch.compile(lambda q, k, v, **kw: attn(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    testing.check_against_reference(attn.spec, autocast(compiled), q16, k16, v16, inputs)
+
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.bfloat16().requires_grad_()]  # float32 q, k as RoPE gives
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(*leaves, **inputs)
+    assert out.dtype == torch.bfloat16
+    assert [g.dtype for g in torch.autograd.grad(out.sum(), leaves)] == [torch.float32, torch.float32, torch.bfloat16]
+    with pytest.raises(ValueError, match="q, k and v must share a dtype, got torch.float32, torch.float32, "
+                                         "torch.bfloat16"):
+        attn(*leaves, **inputs)
 
 
 @pytest.mark.parametrize("name", ["document_causal", "learned_rel_bias"])

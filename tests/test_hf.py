@@ -153,6 +153,43 @@ def test_static_cache_generation_compiled_by_inductor_on_gpu(fresh_dynamo, name)
     _assert_close_logits(f"{name} step logits", torch.stack(actual.logits), torch.stack(eager.logits))
 
 
+def _training_step(model, implementation, device="cpu", autocast=True):
+    """Loss and parameter gradients of one forward and backward on left-padded prompts (padding
+    positions carry no label), under torch.autocast in bfloat16: RoPE hands attention float32 q and k
+    and a bfloat16 v."""
+    ids, mask = _inputs(20, "left")
+    ids, mask = ids.to(device), mask.to(device)
+    model.set_attn_implementation(implementation)
+    model.zero_grad()
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, attention_mask=mask, labels=torch.where(mask.bool(), ids, -100)).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_autocast_step_like_sdpa(model, device):
+    """attngen's loss and gradients under autocast are as close to the float32 model's (the truth) as
+    sdpa's under the same autocast, within the house rule (testing.DEFAULT_FACTOR times its error)."""
+    model.train()
+    try:
+        truth = _training_step(model, "sdpa", device, autocast=False)
+        sdpa, actual = (_training_step(model, implementation, device) for implementation in ("sdpa", "attngen"))
+    finally:
+        model.eval()
+    names = ["loss"] + [name for name, _ in model.named_parameters()]
+    for name, got, want, low in zip(names, actual, truth, sdpa):
+        testing.assert_matches_reference(f"autocast {name}", got, want.double(), low)
+
+
+def test_autocast_training_step_matches_sdpa(models):
+    _assert_autocast_step_like_sdpa(models["llama"], "cpu")
+
+
+@pytest.mark.gpu
+def test_autocast_training_step_matches_sdpa_on_gpu():
+    _assert_autocast_step_like_sdpa(_model("llama", "cuda"), "cuda")
+
+
 def test_decoding_steps_run_the_decode_kernels(models, monkeypatch):
     """Greedy generation of left-padded prompts: the prompt runs the portable forward (with its tile
     tables), each new token the split-KV decode kernels, which decide the padding mask key by key."""

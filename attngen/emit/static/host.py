@@ -19,7 +19,25 @@ def _widths(D, DV):
 
 
 def _fail(message):
+    if torch.compiler.is_compiling():
+        _raise_while_tracing(f"{SPEC_NAME}: {message}")
     raise ValueError(f"{SPEC_NAME}: {message}")
+
+
+# A `raise` in code dynamo traces is, under fullgraph=True, dynamo's own "Observed exception", with
+# the message only in its __cause__. A function dynamo calls instead of tracing (one marked
+# assume_constant_result) raises past it, and dynamo hands an error that is also its UserError to the
+# caller unwrapped (it adds the user code's lines to the message). So the caller of a compiled
+# function gets the eager ValueError, with or without fullgraph, and the successful path is unchanged.
+def _raise_while_tracing(message):
+    from torch._dynamo.exc import UserError, UserErrorType  # loaded already: dynamo is tracing
+
+    error = type("ValueError", (UserError, ValueError), {})  # UserError first: its __init__; named as the eager error
+    raise error(UserErrorType.INVALID_INPUT, message)
+
+
+# What torch.compiler.assume_constant_result sets, without importing dynamo (seconds) in every process.
+_raise_while_tracing._dynamo_marked_constant = True
 
 
 def _check(q, k, v, inputs):
@@ -112,6 +130,17 @@ def _plan_site(plan, *site):
     `site` tells apart the launches of one kernel in a call: it names the site and anything of the call
     besides the plan's facts that its arguments depend on."""
     return None if plan is None else (plan.launches, site)
+
+
+def _autocast(q, k, v):
+    """q, k and v as torch.autocast hands them to scaled_dot_product_attention, which it runs in the
+    lower precision on CUDA and the CPU: float tensors cast to the autocast dtype, while autocast is on for
+    q's device. The custom operators have no autocast rule, so the cast is Python here, traced under
+    torch.compile; .to() is differentiable, so gradients come back in the caller's dtypes."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else t for t in (q, k, v))
 
 
 def _check_tensors(q, k, v):
@@ -745,8 +774,10 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     required (at most MAX_PAGES * PAGE_SIZE).
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
-    Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS.
+    Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
+    torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
     """
+    q, k, v = _autocast(q, k, v)
     if page_table is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
         return (out, lse) if return_lse else out
@@ -875,11 +906,14 @@ def tile_tables(q, k, v, **inputs):
     calls skip building them. Build them again whenever the values the mask reads change (a table
     cannot tell), as with FlexAttention's BlockMask. A spec whose mask needs no tables gets an
     empty object, so code can pass one whatever the spec."""
+    q, k, v = _autocast(q, k, v)  # the call's dtype decides the tiles
     B, H, HKV, Q_LEN, KV_LEN, _, _ = _check(q, k, v, inputs)
     sizes = (B, H, HKV, Q_LEN, KV_LEN)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     known = {}
-    _resolve(_table_kernels(True), q, v, known, _builder(sizes, q.device, tensors))
+    # Under torch.compile the table operator builds them, as in a call (the kernels' launch is not traceable).
+    build = _operator_builder(q, k, tensors) if torch.compiler.is_compiling() else _builder(sizes, q.device, tensors)
+    _resolve(_table_kernels(True), q, v, known, build)
     keys = {kernel: _table_key(q, v, kernel) for kernel in _table_kernels(True)}
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
@@ -888,6 +922,7 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
     The rules read the call's shapes: kv_len's and q_offset's values do not change the choice."""
+    q, k, v = _autocast(q, k, v)
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
@@ -899,6 +934,7 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
 def backward_family(q, k, v, **inputs):
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
     or the family of BACKWARD_FAMILIES whose per-call rule admits it."""
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, inputs)
     return _backward_family(q, k, v)[0]
 
@@ -908,6 +944,7 @@ def visit_counts(q, k, v, **inputs):
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
     "dkdv": (B, H, key tiles, query tiles)} int32 tensors, one entry per tile: 0 skipped,
     1 visited with mask code, 16 visited without; any other value would be a repeated visit."""
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, inputs)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     B, H, Q_LEN, _ = q.shape
