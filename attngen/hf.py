@@ -19,8 +19,7 @@ so fullgraph=True works: kernels are built, and the mask functions the forward m
 dynamo traces (see _build). Every value that picks a kernel is one dynamo guards on, so a call with
 another window, padding, scale or cap recompiles; a mask function made outside the compiled code,
 whose window dynamo would not guard on, is read in eager after a graph break. Refusals are the
-eager ones; with fullgraph=True dynamo raises its own error ("Observed exception") with attngen's as
-its cause.
+eager ones, fullgraph=True or not (see _refused).
 
 On a machine without a GPU, import attngen.hf before transformers' model classes: those import
 triton, which must see the TRITON_INTERPRET=1 that attngen sets (register() says so if not).
@@ -71,10 +70,27 @@ class AttngenMask:
     ndim = 4
 
 
+def _refused(message: str) -> ArgumentError:
+    """The ArgumentError to raise. Under torch.compile it is raised here, by a function dynamo calls
+    instead of tracing, and is dynamo's UserError as well, which dynamo hands to the caller unwrapped:
+    a `raise` in traced code would be its "Observed exception" under fullgraph=True (the generated
+    modules' _fail does the same)."""
+    if torch.compiler.is_compiling():
+        _raise_while_tracing(message)
+    return ArgumentError(message)
+
+
+@torch.compiler.assume_constant_result
+def _raise_while_tracing(message: str):
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    raise type("ArgumentError", (UserError, ArgumentError), {})(UserErrorType.INVALID_INPUT, message)
+
+
 def spec_text(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None) -> str:
     """The one place spec text is formed: fixed lines, with only checked numbers substituted."""
     if window is not None and not causal:
-        raise ArgumentError(f"window must come with a causal mask, got window={window!r} without one")
+        raise _refused(f"window must come with a causal mask, got window={window!r} without one")
     terms = (["keep[b, k]"] if padded else []) + (["k <= q + offset"] if causal else [])
     if window is not None:
         terms.append(f"q + offset - k < {_int(window, 'window')}")
@@ -91,14 +107,14 @@ def spec_text(causal: bool, window: int | None, padded: bool, scale: float, soft
 
 def _int(value, name: str) -> str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ArgumentError(f"{name} must be a positive int, got {value!r}")
+        raise _refused(f"{name} must be a positive int, got {value!r}")
     return str(int(value))
 
 
 def _float(value, name: str, positive: bool = False) -> str:
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or (positive and value <= 0)):
-        raise ArgumentError(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
+        raise _refused(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
     return repr(float(value))  # the shortest text that reads back as the same double; the grammar's NUMBER
 
 
@@ -152,12 +168,12 @@ def _pattern(mask_function, local_size) -> tuple[bool, int | None]:
         window = _traced_window(mask_function) if torch.compiler.is_compiling() else _window(mask_function)
     if window is None:
         name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
-        raise ArgumentError(f"mask_function must be transformers' causal, sliding-window causal or bidirectional "
+        raise _refused(f"mask_function must be transformers' causal, sliding-window causal or bidirectional "
                             f"mask, got {name} (chunked, packed-sequence and or/and-combined masks are not "
                             f"supported by attngen.hf)")
     _int(window, "the mask function's sliding_window")
     if local_size is not None and local_size != window:
-        raise ArgumentError(f"local_size must equal the mask function's sliding window {window}, got {local_size!r}")
+        raise _refused(f"local_size must equal the mask function's sliding window {window}, got {local_size!r}")
     return True, window
 
 
@@ -222,18 +238,18 @@ def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     if isinstance(attention_mask, AttngenMask):
         return _prepared(attention_mask, batch_size, q_length, kv_length, causal, window)
     if isinstance(kv_offset, bool) or not isinstance(kv_offset, int):
-        raise ArgumentError(f"kv_offset must be an int, got {kv_offset!r}")
+        raise _refused(f"kv_offset must be an int, got {kv_offset!r}")
     device = torch.device(device if device is not None else "cpu")
     if isinstance(q_offset, torch.Tensor):  # a static cache's length stays on the device: no sync
         offset = (q_offset.to(device) - kv_offset).to(torch.int32).reshape(())
     elif -2**31 <= q_offset - kv_offset < 2**31:
         offset = torch.full((), q_offset - kv_offset, dtype=torch.int32, device=device)  # a fill, not a copy
     else:
-        raise ArgumentError(f"q_offset - kv_offset must fit in int32, got {q_offset} - {kv_offset}")
+        raise _refused(f"q_offset - kv_offset must fit in int32, got {q_offset} - {kv_offset}")
     keep = None
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-            raise ArgumentError(f"attention_mask must be a 2-D padding mask of {batch_size} rows, "
+            raise _refused(f"attention_mask must be a 2-D padding mask of {batch_size} rows, "
                                 f"got shape {tuple(attention_mask.shape)}")
         # Key j is the token at kv_offset + j; slots past the mask (an unfilled static cache) are padding.
         keep = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
@@ -248,7 +264,7 @@ def _prepared(mask: AttngenMask, batch_size: int, q_length: int, kv_length: int,
     transformers does with its 4-D masks), returned as it is once its sizes and pattern agree."""
     built = (mask.batch_size, mask.q_length, mask.kv_length, mask.causal, mask.window)
     if built != (batch_size, q_length, kv_length, causal, window):
-        raise ArgumentError(f"attention_mask must be an AttngenMask built for (B, Q_LEN, KV_LEN, causal, window) = "
+        raise _refused(f"attention_mask must be an AttngenMask built for (B, Q_LEN, KV_LEN, causal, window) = "
                             f"{(batch_size, q_length, kv_length, causal, window)}, got one built for {built}")
     return mask
 
@@ -260,11 +276,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention interface: q (B, H, Q_LEN, D) and k, v (B, HKV, KV_LEN, D) to
     (attn_output (B, Q_LEN, H, D) contiguous, None); GQA runs natively, k and v are not repeated."""
     if dropout and module.training:
-        raise ArgumentError(f"dropout must be 0 while training (attngen kernels have no dropout), got "
+        raise _refused(f"dropout must be 0 while training (attngen kernels have no dropout), got "
                             f"{dropout!r}: call model.eval() or set the config's attention_dropout to 0")
     active = sorted(n for n, v in kwargs.items() if n not in _INERT_KWARGS and v is not None and v is not False)
     if active:
-        raise ArgumentError(f"attention arguments {', '.join(active)} must be unset for attngen, got "
+        raise _refused(f"attention arguments {', '.join(active)} must be unset for attngen, got "
                             f"{', '.join(f'{n}={_brief(kwargs[n])}' for n in active)} (attention weights, "
                             f"sinks, biases and packed-sequence lengths are not supported)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -281,23 +297,23 @@ def _mask_inputs(mask, query, key, causal: bool, sliding_window):
         # A call from outside transformers' mask code: rows and keys both start at position 0, so
         # causal attention needs as many keys as queries to mean anything.
         if causal and Q_LEN != KV_LEN:
-            raise ArgumentError(f"attention_mask must be given for causal attention with Q_LEN != KV_LEN (the "
+            raise _refused(f"attention_mask must be given for causal attention with Q_LEN != KV_LEN (the "
                                 f"query positions are unknown), got None with Q_LEN={Q_LEN}, KV_LEN={KV_LEN}")
         if sliding_window is not None and not causal:
-            raise ArgumentError(f"sliding_window must be None for bidirectional attention, got {sliding_window!r}")
+            raise _refused(f"sliding_window must be None for bidirectional attention, got {sliding_window!r}")
         return sliding_window, torch.zeros((), dtype=torch.int32, device=query.device), None
     if not isinstance(mask, AttngenMask):
-        raise ArgumentError(f"attention_mask must be the AttngenMask that attngen.hf's mask function builds "
+        raise _refused(f"attention_mask must be the AttngenMask that attngen.hf's mask function builds "
                             f"(pass the model a 2-D padding mask, not a prepared mask), got {_brief(mask)}")
     if (mask.batch_size, mask.q_length, mask.kv_length) != (B, Q_LEN, KV_LEN):
-        raise ArgumentError(f"attention_mask must be built for (B, Q_LEN, KV_LEN) = {(B, Q_LEN, KV_LEN)}, "
+        raise _refused(f"attention_mask must be built for (B, Q_LEN, KV_LEN) = {(B, Q_LEN, KV_LEN)}, "
                             f"got one for {(mask.batch_size, mask.q_length, mask.kv_length)}")
     if mask.causal != causal:
         # transformers' own backends disagree on such a call: eager follows the mask, sdpa and flash is_causal.
-        raise ArgumentError(f"is_causal (or module.is_causal) must agree with the mask transformers built "
+        raise _refused(f"is_causal (or module.is_causal) must agree with the mask transformers built "
                             f"({'causal' if mask.causal else 'bidirectional'}), got {causal!r}")
     if sliding_window is not None and sliding_window != mask.window:
-        raise ArgumentError(f"sliding_window must agree with the mask transformers built (window "
+        raise _refused(f"sliding_window must agree with the mask transformers built (window "
                             f"{mask.window}), got {sliding_window!r}")
     return mask.window, mask.offset.to(query.device), mask.keep
 
@@ -322,11 +338,11 @@ def register(name: str = "attngen") -> None:
     """Make `attn_implementation=name` run attngen kernels (from_pretrained, from_config,
     set_attn_implementation); calling it again with the same name changes nothing."""
     if not isinstance(name, str) or not name.isidentifier():
-        raise ArgumentError(f"name must be an identifier, got {name!r}")
+        raise _refused(f"name must be an identifier, got {name!r}")
     for interface, function in ((AttentionInterface(), attention_forward),
                                 (mu.AttentionMaskInterface(), prepare_mask)):
         if name == "eager" or interface.get(name, function) is not function:
-            raise ArgumentError(f"name must not be an attention implementation transformers already has, "
+            raise _refused(f"name must not be an attention implementation transformers already has, "
                                 f"got {name!r}")
     if interpreter_came_too_late():
         raise RuntimeError("triton was imported before attngen could ask for its interpreter (transformers' "

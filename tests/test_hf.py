@@ -512,3 +512,20 @@ def test_compiled_refusals_are_the_eager_ones(fresh_dynamo):
         torch._dynamo.reset()
         with pytest.raises(attngen.ArgumentError, match=message):
             torch.compile(function, backend="aot_eager")(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_compiled_refusals_are_the_eager_ones_with_fullgraph(fresh_dynamo):
+    """With fullgraph=True too, a refusal is attngen's ArgumentError, not dynamo's own error."""
+    q, k, v = testing.random_qkv(1, 4, 2, 4, 4, 16, 16, torch.float32, device="cpu", seed=5)
+    causal = SimpleNamespace(training=False, is_causal=True)
+    refused = {
+        "or": (lambda x: _compiled_window(mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3))),
+               "mask_function must"),
+        "local_size": (lambda x: _compiled_window(mu.sliding_window_causal_mask_function(3), 4), "local_size must"),
+        "sliding_window": (lambda x: hf.attention_forward(causal, x, k, v, hf.prepare_mask(1, 4, 4), sliding_window=3),
+                           "sliding_window must agree"),
+    }
+    for case, (function, message) in refused.items():
+        torch._dynamo.reset()
+        with pytest.raises(attngen.ArgumentError, match=message):
+            _compiled(function)(q)
