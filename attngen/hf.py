@@ -287,6 +287,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window, offset, keep = _mask_inputs(attention_mask, query, key, causal, sliding_window)
     attn = _kernels(causal, window, keep is not None, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap)
     inputs = ({"offset": offset} if causal else {}) | ({"keep": keep.to(query.device)} if keep is not None else {})
+    # transformers' projections reach here as transposed (B, N, H, D) views, and O follows q's layout:
+    # the transpose back is then already contiguous, and contiguous() copies nothing.
     return attn(query, key, value, **inputs).transpose(1, 2).contiguous(), None
 
 
