@@ -273,6 +273,14 @@ def test_calls_without_a_mask_object_follow_is_causal():
         testing.assert_matches_reference(f"causal={causal}", actual, eager(torch.float64), eager(torch.float32))
 
 
+def test_the_output_of_transposed_projections_is_returned_without_a_copy():
+    # transformers passes q, k, v as transposed (B, N, H, D) projections; O follows q's layout, so the
+    # (B, N, H, D) output it gets back is a view of the kernel's O, not a copy of it.
+    q, k, v = testing.random_qkv(1, 4, 2, 9, 9, 16, 16, torch.float32, device="cpu", seed=4, layout="transposed")
+    out, _ = hf.attention_forward(SimpleNamespace(training=False, is_causal=True), q, k, v, None)
+    assert out.is_contiguous() and out._base is not None
+
+
 def test_spec_text_is_a_fixed_template_with_checked_numbers():
     assert hf.spec_text(True, 6, True, 0.25, 1.5) == (
         "attention hf_causal_window_padded_softcap\n"
