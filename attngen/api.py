@@ -26,7 +26,9 @@ SpecLike = str | os.PathLike | ir.Spec
 def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
     """A Spec and the text to show for it, from a path, spec source text or a Spec."""
     if isinstance(spec, ir.Spec):
-        # Built in Python, it never met lowering's number checks: run them here.
+        # Built in Python, it may have skipped validation (model_copy, model_construct) and never met
+        # lowering's number checks: run both here.
+        spec = ir.revalidated(spec)
         for problem in checks.problems(spec)[:1]:
             raise ArgumentError(f"spec {spec.name!r}: {problem.message} (in '{expr_to_source(problem.node)}')")
         return spec, spec.model_dump_json(indent=2)

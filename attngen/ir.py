@@ -9,7 +9,7 @@ import re
 import sys
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from attngen.errors import ArgumentError
 
@@ -270,6 +270,22 @@ class Spec(Node):
         """A stable hash of the meaning of the spec (params included, source text excluded)."""
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def revalidated(spec: Spec) -> Spec:
+    """`spec` validated anew from its fields. pydantic's model_copy and model_construct skip
+    validation, so a Spec object proves nothing: whatever turns one into code or a file name
+    takes it through here first."""
+    if not isinstance(spec, Spec):
+        raise ArgumentError(f"spec must be an attngen.Spec, got {type(spec).__name__}")
+    try:
+        return Spec.model_validate(spec.model_dump(warnings=False))
+    except (ValueError, TypeError, AttributeError) as e:  # pydantic's ValidationError is a ValueError
+        first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
+        where = ".".join(map(str, first["loc"]))
+        raise ArgumentError(f"spec must be a valid Spec (model_copy and model_construct skip validation), got "
+                            f"one whose {where or 'fields'} is invalid: {first['msg'].removeprefix('Value error, ')}"
+                            ) from None
 
 
 def children(expr: Expr) -> tuple[Expr, ...]:

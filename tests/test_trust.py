@@ -195,3 +195,42 @@ def test_float_constants_are_float32_in_the_kernels_and_the_reference():
     plain = attngen.parse_spec("attention p\nmask: causal\n")
     assert torch.equal(reference.modified_scores(spec, *wide), reference.modified_scores(plain, *wide))
     testing.check_against_reference(spec, attngen.build(text), q, k, v)
+
+
+# --- a Spec's fields reach code and file names only validated -----------------------------------------
+
+@pytest.fixture(scope="module")
+def causal_statements():
+    return [type(node) for node in ast.parse(attngen.compile_source(CAUSAL)).body]
+
+
+_SMUGGLED = ['x"""\nimport os; os.system("touch pwned")\n"""', "../../x", "a b", "", "x" * 65, "if", "é", "\\",
+             "x\\", 'x"', "ok_name", "_"]
+
+
+@settings(max_examples=60)
+@given(st.one_of(st.sampled_from(_SMUGGLED), st.text(), st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,70}", fullmatch=True)))
+@example(_SMUGGLED[0])
+def test_a_spec_name_smuggled_past_validation_never_becomes_code(causal_statements, name):
+    """model_copy and model_construct skip pydantic's validation: whatever name they carry, the
+    module either names the spec with a valid identifier or is refused before any text exists."""
+    spec = attngen.parse_spec(CAUSAL)
+    valid = ir.name_problem(name, declared=False) is None
+    for smuggled in (spec.model_copy(update={"name": name}),
+                     ir.Spec.model_construct(**{**dict(spec), "name": name})):
+        if not valid:
+            with pytest.raises(attngen.ArgumentError, match="spec must be a valid Spec"):
+                attngen.compile_source(smuggled)
+            continue
+        module = ast.parse(attngen.compile_source(smuggled))
+        assert ast.get_docstring(module).startswith(f"{name}: fused attention kernels")
+        assert [type(node) for node in module.body] == causal_statements
+
+
+def test_smuggled_input_names_are_refused():
+    spec = attngen.parse_spec("attention s\ninput x: f32[H]\nscore: score + x[h]\n")
+    bad = spec.inputs[0].model_copy(update={"name": 'x=x), print("pwned"), (x'})
+    for smuggled in (spec.model_copy(update={"inputs": (bad,)}),
+                     ir.Spec.model_construct(**{**dict(spec), "inputs": (bad,)})):
+        with pytest.raises(attngen.ArgumentError, match="spec must be a valid Spec"):
+            attngen.compile_source(smuggled)

@@ -11,7 +11,9 @@ from importlib import resources
 
 import jinja2
 
+from attngen import ir
 from attngen.analysis import Analysis, integers
+from attngen.errors import ArgumentError
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
@@ -37,12 +39,23 @@ INLINE_MARKER = "# ---- inlined into every generated module from here on ----\n"
 STATIC_FILES = ("shared", "launch", "helpers", "host")
 
 
+def _identifier(name: object) -> str:
+    """`name`, which the template writes where Python reads text (the docstring), if it is an
+    identifier the IR allows; checked here again since a Spec can skip its validation."""
+    problem = ir.name_problem(name, declared=False)
+    if problem is not None:
+        raise ArgumentError(f"a name in the generated module must be an identifier, got {name!r} ({problem})")
+    return name
+
+
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     # module.py.jinja is the module's skeleton; each kernel family's templates are in families/<name>/.
-    return jinja2.Environment(loader=jinja2.PackageLoader("attngen", "emit"),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              autoescape=False)
+    environment = jinja2.Environment(loader=jinja2.PackageLoader("attngen", "emit"),
+                                     undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                     autoescape=False)
+    environment.filters["identifier"] = _identifier
+    return environment
 
 
 @lru_cache(maxsize=None)
@@ -110,6 +123,8 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     """The source text of the kernel module for the analysed spec under `plan`; `source` is shown in
     its header."""
     spec = facts.spec
+    # Its names and expressions become code: refuse a Spec that skipped validation (ir.revalidated).
+    ir.revalidated(spec)
     inputs_table = "{" + ", ".join(
         f"{i.name!r}: ({i.dtype!r}, {_python_tuple(i.dims)}, {i.learnable})" for i in spec.inputs) + "}"
     plan_table = "{\n" + "".join(
