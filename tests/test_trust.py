@@ -1,8 +1,10 @@
 """Spec text is data, never code; names are identifiers; the kernel cache serves only the module asked for."""
 
 import ast
+import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
@@ -14,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import ir, reference, runtime, testing
+from attngen import ir, runtime, testing
 from attngen.errors import SpecError
 
 ROOT = Path(__file__).parent.parent
@@ -184,17 +186,147 @@ def test_triton_imported_before_attngen_is_a_clear_error_not_a_crash_in_a_kernel
         result.stdout + result.stderr[-2000:])
 
 
-def test_float_constants_are_float32_in_the_kernels_and_the_reference():
-    # In float64, (1.0 + 1e-8 - 1.0) * 1e8 is about 1 and the term is k; in float32, where the kernels
-    # compute constants (and Python's float64 must not fold them for Triton), 1.0 + 1e-8 is 1.0 and the
-    # term is 0. The float64 truth computes it in float32 too, so both mean the plain causal scores.
-    text = "attention t\nmask: causal\nscore: score + (1.0 + 1e-8 - 1.0) * 1e8 * k\n"
-    spec = attngen.parse_spec(text)
-    q, k, v = testing.random_qkv(1, 2, 1, 20, 20, 16, 16, torch.float32)
-    wide = [x.double() for x in (q, k, v)]
-    plain = attngen.parse_spec("attention p\nmask: causal\n")
-    assert torch.equal(reference.modified_scores(spec, *wide), reference.modified_scores(plain, *wide))
-    testing.check_against_reference(spec, attngen.build(text), q, k, v)
+# --- a file attngen did not write is never imported --------------------------------------------------
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A cache directory and a key folder of this test's own, and a runtime that has read neither."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    for state, empty in (("_FALLBACK", []), ("_LOADED", {}), ("_SECRET", [])):
+        monkeypatch.setattr(runtime, state, empty, raising=False)
+    return tmp_path
+
+
+def _forge(text: str, payload: str) -> str:
+    """The cached module `text` with `payload` on top and its seal recomputed as anyone could: an
+    unkeyed SHA-256 of the new body in place of the old digest."""
+    body, _, seal = text.rstrip("\n").rpartition("\n")
+    body = payload + "\n" + body + "\n"
+    return body + seal.rpartition(" ")[0] + " " + hashlib.sha256(body.encode()).hexdigest() + "\n"
+
+
+def test_a_planted_cache_module_never_runs(tmp_path):
+    # A copy of attngen, so the key (which covers its code) stays the same across the three builds.
+    shutil.copytree(ROOT / "attngen", tmp_path / "pkg" / "attngen", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg"), "ATTNGEN_CACHE_DIR": str(tmp_path / "cache"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    script = f"import attngen\nprint(attngen.build({CAUSAL!r}).path)\n"
+
+    def build() -> subprocess.CompletedProcess:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    path = Path(build().stdout.strip())
+    genuine = path.read_text()
+    marker = tmp_path / "PWN"
+    payload = f"import os; os.system('touch {marker}')"
+    path.write_text(_forge(genuine, payload))
+    result = build()
+    assert not marker.exists()
+    assert f"the cached kernel module {path} does not match its seal" in result.stderr
+    assert path.read_text() == genuine  # rebuilt
+    # The same planted module, reached through a symlink from the cache.
+    planted = tmp_path / "planted.py"
+    planted.write_text(_forge(genuine, payload))
+    path.unlink()
+    path.symlink_to(planted)
+    result = build()
+    assert not marker.exists()
+    assert f"the cached kernel module {path} is a symbolic link" in result.stderr
+    assert not path.is_symlink() and path.read_text() == genuine
+
+
+def test_a_module_sealed_for_another_key_is_not_served(private_cache):
+    other_text = "attention causal\n# another text, another key\nmask: causal\n"
+    stock = attngen.build(CAUSAL).path
+    other = attngen.build(other_text).path
+    shutil.copyfile(stock, other)  # a module attngen wrote, under another module's name
+    runtime._LOADED.clear()
+    with pytest.warns(RuntimeWarning, match=f"cached kernel module {other} does not match its seal"):
+        rebuilt = attngen.build(other_text)
+    assert "# another text, another key" in rebuilt.path.read_text()
+
+
+def test_cache_files_and_folders_are_private_whatever_the_umask(private_cache):
+    old = os.umask(0)
+    try:
+        path = attngen.build(CAUSAL).path
+    finally:
+        os.umask(old)
+    key = runtime.key_path()
+    assert key.is_relative_to(private_cache / "config")
+    for folder in (private_cache / "cache", private_cache / "config", key.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    for file in (path, key):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+
+
+def _others_can_write(cache: Path, monkeypatch) -> str:
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o777)
+    return "writable by group or others"
+
+
+def _someone_elses(cache: Path, monkeypatch) -> str:
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    cache.mkdir(mode=0o700)
+    os.chown(cache, 65534, 65534)
+    return "owned by uid 65534"
+
+
+def _a_symlink_to_a_folder_others_can_write(cache: Path, monkeypatch) -> str:
+    target = cache.parent / "theirs"
+    target.mkdir(mode=0o700)
+    target.chmod(0o757)
+    cache.symlink_to(target)
+    return "writable by group or others"
+
+
+def _the_keys_folder(cache: Path, monkeypatch) -> str:
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(runtime.key_path().parent))
+    return "holds attngen's seal key"
+
+
+@pytest.mark.parametrize("make", [_others_can_write, _someone_elses, _a_symlink_to_a_folder_others_can_write,
+                                  _the_keys_folder])
+def test_a_cache_directory_others_control_is_refused_with_one_warning(make, private_cache, monkeypatch):
+    why = make(private_cache / "cache", monkeypatch)
+    cache = Path(os.environ["ATTNGEN_CACHE_DIR"])
+    with pytest.warns(RuntimeWarning, match="cannot write kernel modules to the cache directory") as seen:
+        first = attngen.build(CAUSAL)
+        second = attngen.build(ROOT / "specs" / "sliding_window.attn")
+    assert [why in str(w.message) and str(cache) in str(w.message) for w in seen] == [True]
+    assert first.path.parent == second.path.parent != cache
+    assert not any(p.suffix == ".py" for p in cache.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["readable by others", "not a regular file", "owned by another user"])
+def test_a_key_others_could_read_or_plant_is_refused_with_one_warning(damage, private_cache):
+    attngen.build(CAUSAL)
+    key = runtime.key_path()
+    if damage == "readable by others":
+        key.chmod(0o644)
+    elif damage == "not a regular file":
+        theirs = private_cache / "their.key"
+        theirs.write_bytes(key.read_bytes())
+        theirs.chmod(0o600)
+        key.unlink()
+        key.symlink_to(theirs)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(key, 65534, 65534)
+    runtime._SECRET.clear()
+    runtime._LOADED.clear()
+    with pytest.warns(RuntimeWarning, match=f"cannot use the seal key {key}") as seen:
+        first = attngen.build(CAUSAL)
+        attngen.build(ROOT / "specs" / "sliding_window.attn")
+    assert len(seen) == 1
+    assert first.path.parent != private_cache / "cache"
 
 
 # --- a Spec's fields reach code and file names only validated -----------------------------------------
@@ -234,3 +366,20 @@ def test_smuggled_input_names_are_refused():
                      ir.Spec.model_construct(**{**dict(spec), "inputs": (bad,)})):
         with pytest.raises(attngen.ArgumentError, match="spec must be a valid Spec"):
             attngen.compile_source(smuggled)
+
+
+def test_the_cache_checks_file_names_with_no_assert(private_cache):
+    with pytest.raises(attngen.ArgumentError, match="must be"):
+        runtime.load("../../x", "0" * 24, lambda: "")
+    with pytest.raises(attngen.ArgumentError, match="must be"):
+        runtime.load("x", "../0", lambda: "")
+    # python -O removes asserts: the checks must not be asserts.
+    code = ("import attngen\n"
+            f"spec = attngen.parse_spec({CAUSAL!r}).model_copy(update={{'name': '../../x'}})\n"
+            "try:\n    attngen.build(spec)\nexcept attngen.ArgumentError as e:\n    print('refused:', e)\n")
+    env = {**os.environ, "ATTNGEN_CACHE_DIR": str(private_cache / "a" / "b" / "cache"),
+           "XDG_CONFIG_HOME": str(private_cache / "config")}
+    result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, env=env,
+                            cwd=private_cache, timeout=300)
+    assert "refused: spec must be a valid Spec" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert not list(private_cache.rglob("x_*.py"))
