@@ -84,6 +84,10 @@ class _Refused(Exception):
     message says why, as a predicate ("is a symbolic link")."""
 
 
+class _RefusedFolder(_Refused):
+    """The key's folder is refused, not the key."""
+
+
 def _why(e: Exception) -> str:
     return f"it {e}" if isinstance(e, _Refused) else str(e)
 
@@ -184,7 +188,10 @@ def _read_key() -> tuple[bytes, list[int]]:
     """This user's seal key, created (random, 0600) if there is none yet, and the (device, inode) of
     its folder."""
     path = key_path()
-    folder = _open_dir(path.parent)
+    try:
+        folder = _open_dir(path.parent)
+    except _Refused as e:
+        raise _RefusedFolder(f"is in a folder that {e}") from None
     try:
         try:
             key = _read(folder, path.name, private=True)
@@ -232,7 +239,8 @@ def _secret() -> bytes:
         except (OSError, _Refused) as e:
             key = secrets.token_bytes(_KEY_BYTES)
             _fall_back(f"cannot use the seal key {key_path()} ({_why(e)}); sealing with a key of this process's "
-                       f"own", "delete the key file and attngen writes a new one")
+                       f"own", "make its folder yours, mode 700" if isinstance(e, _RefusedFolder) else
+                       "delete the key file and attngen writes a new one")
         _SECRET.append(key)
     return _SECRET[0]
 

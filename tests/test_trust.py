@@ -304,12 +304,15 @@ def test_a_cache_directory_others_control_is_refused_with_one_warning(make, priv
     assert not any(p.suffix == ".py" for p in cache.iterdir())
 
 
-@pytest.mark.parametrize("damage", ["readable by others", "not a regular file", "owned by another user"])
+@pytest.mark.parametrize("damage", ["readable by others", "not a regular file", "owned by another user",
+                                    "in a folder others can write"])
 def test_a_key_others_could_read_or_plant_is_refused_with_one_warning(damage, private_cache):
     attngen.build(CAUSAL)
     key = runtime.key_path()
     if damage == "readable by others":
         key.chmod(0o644)
+    elif damage == "in a folder others can write":
+        key.parent.chmod(0o777)
     elif damage == "not a regular file":
         theirs = private_cache / "their.key"
         theirs.write_bytes(key.read_bytes())
