@@ -38,11 +38,24 @@ def load_spec(spec: SpecLike) -> tuple[ir.Spec, str]:
         if not path.is_file():
             raise ArgumentError(f"spec must be a path to an .attn file, spec text or a Spec, "
                                 f"got {str(spec)!r} (no such file)")
-        text = path.read_text()
+        text = _read_spec_file(path)
         return parse_spec(text, str(path)), text
     if isinstance(spec, str):
         return parse_spec(spec), spec
     raise ArgumentError(f"spec must be a path, spec text or a Spec, got {type(spec).__name__}")
+
+
+def _read_spec_file(path: Path) -> str:
+    """A spec file's text: UTF-8 whatever the locale, a leading byte order mark dropped."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        # The bytes before the bad one decode: count lines and characters in them.
+        before = data[:e.start].decode("utf-8-sig")
+        line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+        raise ArgumentError(f"spec file {str(path)!r} must be UTF-8 text, got byte 0x{data[e.start]:02x} at "
+                            f"line {line}, column {column} (byte offset {e.start})") from None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import json
 import keyword
 import re
 import sys
+from collections import Counter
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -193,8 +194,8 @@ class Spec(Node):
     def _references(self) -> "Spec":
         # A Spec may be built in Python, not only lowered from text: every name an expression uses
         # must be declared, with its declared type and arity, so later stages can trust the IR.
-        declared = [p.name for p in self.params] + [i.name for i in self.inputs]
-        twice = sorted({n for n in declared if declared.count(n) > 1})
+        declared = Counter([p.name for p in self.params] + [i.name for i in self.inputs])
+        twice = sorted(n for n, count in declared.items() if count > 1)
         if twice:
             raise ValueError(f"names must be declared once, got {', '.join(map(repr, twice))} twice")
         params = {p.name: p for p in self.params}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 import attngen
 from attngen.api import parse_spec
 from attngen.errors import ArgumentError
-from attngen.ir import Binary, Call, Const, InputDecl, Load, Param, ParamDecl, Score, Size, Spec, Unary, Var
+from attngen.frontend.parser import MAX_SOURCE_CHARS
+from attngen.frontend.printer import host_scale, to_source
+from attngen.ir import Binary, Call, Const, InputDecl, Load, Param, ParamDecl, Score, Size, Spec, Unary, Var, children
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 
@@ -468,6 +471,74 @@ def test_error_spanning_lines_gets_one_caret():
     err = info.value
     assert str(err).splitlines()[0] == "m.attn:2:8: min() takes 2 argument(s), got 1"
     assert caret_target(err) == ("score: min(", "m")
+
+
+# --- untrusted text: its size, its encoding, flat runs of one operator ---------------------------
+
+def _parse_seconds(n_params: int) -> float:
+    text = "attention t\n" + "".join(f"param p{n} = {n}\n" for n in range(n_params)) + "score: score + p0\n"
+    start = time.perf_counter()
+    parse_spec(text)
+    return time.perf_counter() - start
+
+
+def test_parsing_time_grows_linearly_with_the_number_of_items():
+    # 8x the items takes about 8x the time; it took 64x when each item was compared with all others.
+    assert _parse_seconds(8000) < 24 * min(_parse_seconds(1000) for _ in range(2))
+
+
+def test_spec_text_beyond_the_size_limit_is_an_error_where_the_limit_is_passed():
+    text = "attention t\n" + "# padding\n" * (MAX_SOURCE_CHARS // 10) + "mask: causal\n"
+    with pytest.raises(attngen.SpecError) as info:
+        parse_spec(text, "big.attn")
+    err = info.value
+    assert err.message == f"spec text must be at most {MAX_SOURCE_CHARS} characters, got {len(text)}"
+    lines = text[:MAX_SOURCE_CHARS].split("\n")
+    assert (err.position.line, err.position.column) == (len(lines), len(lines[-1]) + 1)
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    plain = parse_spec("attention t\nmask: causal\n")
+    assert parse_spec("\ufeffattention t\nmask: causal\n") == plain
+    path = tmp_path / "bom.attn"
+    path.write_bytes(b"\xef\xbb\xbfattention t\nmask: causal\n")
+    assert attngen.load_spec(path)[0] == plain
+
+
+def test_a_spec_file_that_is_not_utf8_is_an_error_naming_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.attn"
+    path.write_bytes("attention t\n# café\nmask: causal\n".encode("latin-1"))
+    with pytest.raises(ArgumentError) as info:
+        attngen.load_spec(path)
+    assert str(info.value) == (f"spec file {str(path)!r} must be UTF-8 text, got byte 0xe9 at line 2, column 6 "
+                               f"(byte offset 17)")
+
+
+def _depth(expr) -> int:
+    return 1 + max((_depth(child) for child in children(expr)), default=0)
+
+
+# 1000 operands nest 10 deep (2**10 >= 1000) over their own depth: 1 for a name, 2 for a comparison.
+@pytest.mark.parametrize("run, depth", [
+    (" + q" * 999, 11), (" - q + 1" * 500, 11), (" * 1.0" * 999, 11), (" and q > k" * 999, 12), (" or q > k" * 999, 12),
+])
+def test_a_long_run_of_one_operator_nests_as_a_balanced_tree(run, depth):
+    item = "score: score" if "q >" not in run else "mask: q > k"
+    spec = parse_spec(f"attention t\n{item}{run}\n")
+    assert _depth(spec.score or spec.mask) == depth
+    assert parse_spec(to_source(spec)) == spec  # printed with brackets, it reads back as the same tree
+
+
+def test_a_long_sum_keeps_its_value_and_its_signs():
+    # The scale runs on the host (printer.host_scale): the balanced sum must equal the text's value.
+    spec = parse_spec("attention t\nscale: (D" + " - 1 + D - D" * 300 + " + 300) / D + 0.5" + " - D / 4 + D / 4" * 400 + "\n")
+    assert [host_scale(spec.scale, {})(d) for d in (1, 7, 256)] == [1.5, 1.5, 1.5]
+
+
+def test_a_short_run_keeps_the_order_written():
+    x, y, z = (Load(type="float", input=n, index=()) for n in "xyz")
+    spec = body("input x: f32[]\ninput y: f32[]\ninput z: f32[]\nscore: x - y + z\n")
+    assert spec.score == b("add", b("sub", x, y, "float"), z, "float")
 
 
 # --- float constants are float32 numbers, and the scale has a range -------------------------------

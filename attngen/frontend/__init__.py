@@ -7,7 +7,9 @@ from attngen.frontend.parser import parse
 
 
 def parse_spec(text: str, filename: str = "<spec>") -> ir.Spec:
-    """Spec text to IR; a SpecError carries the file name, position and source line."""
+    """Spec text to IR; a SpecError carries the file name, position and source line. A leading
+    byte order mark (as some editors save UTF-8) is not part of the spec."""
+    text = text.removeprefix("\ufeff")
     try:
         return lower(parse(text))
     except SpecError as e:

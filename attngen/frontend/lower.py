@@ -23,6 +23,17 @@ _DIM_NAMES = ("B", "H", "HKV", "Q_LEN", "KV_LEN")
 # backward pass differentiates, which nests deeper): expressions nesting deeper than this are
 # refused, with the depth measured on the parse tree, without recursion, before lowering.
 MAX_DEPTH = 100
+# A run of one operator (`a + b - c + ...`, `a * b * ...`, `a and b and ...`, `a or b or ...`) of
+# more operands than this nests as a balanced tree, about log2(operands) deep, not as the
+# left-leaning chain the grammar reads: a sum of a thousand terms is flat text, and no stage
+# should recurse through it a thousand deep. Shorter runs keep the order written. A balanced sum
+# adds pairwise (in floats more accurately than left to right; ints are exact either way), and its
+# printed text reads back as the same tree while the run has at most 2**(_RUN - 1) operands.
+_RUN = 16
+# The grammar rules that continue a run, by the rule of its head: `-` continues a sum.
+_RUNS = {"add": ("add", "sub"), "sub": ("add", "sub"), "mul": ("mul",), "and_op": ("and_op",),
+         "or_op": ("or_op",)}
+_RUN_OPS = {"add": "add", "sub": "sub", "mul": "mul", "and_op": "and", "or_op": "or"}
 
 
 def position(node: Tree | Token) -> Position:
@@ -43,18 +54,59 @@ def _promote(*types: str) -> str:
     return "float" if "float" in types else "int"
 
 
+def _run(tree: Tree) -> list[tuple[str | None, Tree]]:
+    """The operands of the run of one operator that `tree` heads, x0 op1 x1 op2 x2 ..., each with
+    the rule joining it to those before it (None for x0); found without recursion."""
+    rules = _RUNS[tree.data]
+    tail, node = [], tree
+    while isinstance(node, Tree) and node.data in rules:
+        left, right = node.children
+        tail.append((node.data, right))
+        node = left
+    return [(None, node), *reversed(tail)]
+
+
+def _balanced(run: list, join):
+    """A run as a tree, `join(left, rule, right)` making each node: left-leaning as written up to
+    _RUN operands, else halved down to single operands."""
+    if len(run) <= _RUN:
+        tree = run[0][1]
+        for rule, operand in run[1:]:
+            tree = join(tree, rule, operand)
+        return tree
+    return _halves(run, join)
+
+
+def _halves(run: list, join):
+    if len(run) == 1:
+        return run[0][1]
+    middle = len(run) // 2
+    rule, first = run[middle]
+    # A `-` between the halves negates the whole right half: a - b - c + d = (a - b) - (c - d).
+    flip = {"add": "sub", "sub": "add"} if rule == "sub" else {}
+    right = [(None, first), *((flip.get(r, r), operand) for r, operand in run[middle + 1:])]
+    return join(_halves(run[:middle], join), rule, _halves(right, join))
+
+
 def _depth(tree: Tree) -> int:
-    """How deeply an expression's parse tree nests (a chained comparison of n parts nests n - 1 deep)."""
-    deepest = 0
-    stack = [(tree, 1)]
+    """How deeply an expression's IR nests, measured on its parse tree without recursion: a run
+    nests as `_balanced` builds it, a chained comparison of n parts n - 1 deeper than its parts."""
+    depths: dict[int, int] = {}
+    stack = [(tree, False)]
     while stack:
-        node, depth = stack.pop()
-        if isinstance(node, Tree):
-            if node.data == "compare":
-                depth += len(node.children) // 2 - 1
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in node.children)
-    return deepest
+        node, ready = stack.pop()
+        run = _run(node) if node.data in _RUNS else None
+        parts = [operand for _, operand in run] if run else [c for c in node.children if isinstance(c, Tree)]
+        if not ready:
+            stack.append((node, True))
+            stack.extend((part, False) for part in parts)
+        elif run:
+            depths[id(node)] = _balanced([(rule, depths[id(operand)]) for rule, operand in run],
+                                         lambda left, rule, right: 1 + max(left, right))
+        else:
+            extra = len(node.children) // 2 - 1 if node.data == "compare" else 0
+            depths[id(node)] = 1 + extra + max((depths[id(part)] for part in parts), default=0)
+    return depths[id(tree)]
 
 
 def _int64(value: int, what: str, token: Token) -> int:
@@ -89,9 +141,10 @@ class Lowerer:
     def start(self, tree: Tree) -> ir.Spec:
         header, *items = tree.children
         self.header(header)
-        # Declarations first, so an item may use a name declared below it.
+        # Declarations first, so an item may use a name declared below it (sorted by kind, not
+        # by `i not in declarations`: lark compares trees by value, which made this quadratic).
         declarations = [i for i in items if i.data in ("param_decl", "input_decl")]
-        for item in declarations + [i for i in items if i not in declarations]:
+        for item in declarations + [i for i in items if i.data not in ("param_decl", "input_decl")]:
             getattr(self, item.data)(item)
         spec = ir.Spec(
             name=self.spec_name,
@@ -323,9 +376,39 @@ class Lowerer:
             result = _promote(left.type, right.type)
         return ir.Binary(type=result, op=op, left=left, right=right)
 
-    def add(self, tree): return self._arithmetic("add", tree)
-    def sub(self, tree): return self._arithmetic("sub", tree)
-    def mul(self, tree): return self._arithmetic("mul", tree)
+    def _run_of(self, tree: Tree) -> ir.Expr:
+        """A run of one operator (`+` and `-`, `*`, `and`, `or`), lowered without recursion
+        through it and nested as `_balanced` says; each node it makes is placed at its operands' span."""
+        run = _run(tree)
+        lowered = []
+        for i, (_, node) in enumerate(run):
+            lowered.append((self.expr(node), node))
+            # Checked in the order the left-leaning chain checks them: the first two together.
+            for j in ((0, 1) if i == 1 else (i,) if i > 1 else ()):
+                self._run_operand(_RUN_OPS[run[max(j, 1)][0]], *lowered[j])
+
+        def join(left, rule, right):
+            (a, start, _), (b, _, end) = left, right
+            op = _RUN_OPS[rule]
+            node = ir.Binary(type="bool" if op in ("and", "or") else _promote(a.type, b.type), op=op, left=a, right=b)
+            span = Position(start.line, start.column, end.end_column if end.line == start.line else None)
+            self.positions.setdefault(id(node), (node, span))
+            return node, start, end
+
+        return _balanced([(rule, (expr, position(node), position(node))) for (rule, _), (expr, node)
+                          in zip(run, lowered)], join)[0]
+
+    @staticmethod
+    def _run_operand(op: str, expr: ir.Expr, node: Tree) -> None:
+        if op in ("and", "or"):
+            if expr.type != "bool":
+                raise SpecError(f"the operands of '{op}' must be booleans, got {expr.type}", position(node))
+        elif not _numeric(expr.type):
+            raise SpecError(f"the operands of '{_OP_TEXT[op]}' must be numbers, got {expr.type}", position(node))
+
+    def add(self, tree): return self._run_of(tree)
+    def sub(self, tree): return self._run_of(tree)
+    def mul(self, tree): return self._run_of(tree)
     def div(self, tree): return self._arithmetic("div", tree)
     def floordiv(self, tree): return self._arithmetic("floordiv", tree)
     def mod(self, tree): return self._arithmetic("mod", tree)
@@ -362,16 +445,8 @@ class Lowerer:
             result = term if result is None else ir.Binary(type="bool", op="and", left=result, right=term)
         return result
 
-    def _logical(self, op: str, tree: Tree) -> ir.Expr:
-        left_node, right_node = tree.children
-        left, right = self.expr(left_node), self.expr(right_node)
-        for e, node in ((left, left_node), (right, right_node)):
-            if e.type != "bool":
-                raise SpecError(f"the operands of '{op}' must be booleans, got {e.type}", position(node))
-        return ir.Binary(type="bool", op=op, left=left, right=right)
-
-    def and_op(self, tree): return self._logical("and", tree)
-    def or_op(self, tree): return self._logical("or", tree)
+    def and_op(self, tree): return self._run_of(tree)
+    def or_op(self, tree): return self._run_of(tree)
 
     def not_op(self, tree: Tree) -> ir.Expr:
         (node,) = tree.children

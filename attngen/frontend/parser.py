@@ -18,6 +18,9 @@ _TERMINAL_TEXT = {
     "PERCENT": "'%'", "COMP_OP": "a comparison", "LEARNABLE": "'learnable'",
 }
 _BRACKETS_OPEN = {"LPAR", "LSQB"}
+# Spec text is untrusted: its size is bounded, so that parsing and everything after it (linear in
+# the text) ends in seconds. A person's spec is a few hundred characters.
+MAX_SOURCE_CHARS = 1_000_000
 _BRACKETS_CLOSE = {"RPAR", "RSQB"}
 
 
@@ -40,7 +43,7 @@ class _JoinBracketedLines:
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    grammar = resources.files("attngen").joinpath("frontend/grammar/attn.lark").read_text()
+    grammar = resources.files("attngen").joinpath("frontend/grammar/attn.lark").read_text(encoding="utf-8")
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True,
                 postlex=_JoinBracketedLines())
 
@@ -85,7 +88,13 @@ def _token_text(token: Token) -> str:
 
 
 def parse(source: str) -> Tree:
-    """Parse spec text; raise SpecError at the first syntax error."""
+    """Parse spec text; raise SpecError at the first syntax error, or at the first character past
+    MAX_SOURCE_CHARS."""
+    if len(source) > MAX_SOURCE_CHARS:
+        line = source.count("\n", 0, MAX_SOURCE_CHARS) + 1
+        column = MAX_SOURCE_CHARS - source.rfind("\n", 0, MAX_SOURCE_CHARS)
+        raise SpecError(f"spec text must be at most {MAX_SOURCE_CHARS} characters, got {len(source)}",
+                        Position(line, column), source=source)
     try:
         return _parser().parse(source)
     except UnexpectedCharacters as e:
