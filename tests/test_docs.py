@@ -1,6 +1,7 @@
 """The documentation stays true: links resolve inside the repository, named specs and examples exist,
 spec blocks parse, and documented command-line options exist (no kernels run)."""
 
+import inspect
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -78,6 +79,17 @@ def _links(page: Path) -> list[str]:
 def test_docs_exist():
     names = {p.name for p in DOCS}
     assert {"README.md", "language.md", "tutorial.md", "api.md", "cli.md", "semantics.md"} <= names
+
+
+def test_no_page_says_the_call_refuses_an_argument_it_takes():
+    taken = [name for name, p in inspect.signature(attngen.Attention.__call__).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert "kv_len" in taken
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        for name in taken:
+            assert not re.search(rf"(not|never) accepts? `{name}=?`", text), \
+                f"{_rel(page)} says the call does not accept {name}=, which it takes"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
