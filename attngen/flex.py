@@ -176,7 +176,8 @@ class FlexVariant:
                    else "positions are int32 in the kernels")
             raise ArgumentError(f"Q_LEN and KV_LEN must be at most {self.max_length} ({why}), "
                                 f"got {Q_LEN} and {KV_LEN}")
-        return {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D}
+        # Flex's q_idx is the query's row: query 0 sits at position 0 (Q_OFFSET).
+        return {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D, "Q_OFFSET": 0}
 
     def _block_mask(self, mask_mod: MaskMod | None, q: Tensor, k: Tensor):
         if mask_mod is None:

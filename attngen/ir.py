@@ -38,7 +38,7 @@ FUNCTIONS: dict[str, tuple[int, str]] = {
 # Names the language itself gives a meaning: no param or input may take one.
 BUILTIN_NAMES = frozenset({"true", "false", "inf", "causal", "causal_bottom_right", "attention", "param",
                            "input", "mask", "score", "scale", "learnable", "and", "or", "not",
-                           *INDEX_VARS, *SIZES, *FUNCTIONS})
+                           *INDEX_VARS, *SIZES, "Q_OFFSET", *FUNCTIONS})
 # Inputs are passed by keyword beside these: attn(q, k, v, *, kv_len=..., q_offset=..., page_table=...,
 # return_lse=..., tile_tables=..., **inputs), and Attention.__call__ takes `self`; an input of one of
 # these names could never be passed.
@@ -102,10 +102,12 @@ class Var(Node):
 
 
 class Size(Node):
-    """A problem size known at call time: B, H, HKV, Q_LEN, KV_LEN or D."""
+    """A problem size known at call time: B, H, HKV, Q_LEN, KV_LEN or D; or Q_OFFSET, the position of
+    query row 0 (q_offset[b] in a cache call, 0 in training and packed calls), which no spec text names:
+    only `causal_bottom_right` reads it (BUILTIN_MASKS)."""
     kind: Literal["size"] = "size"
     type: ValueType = "int"
-    name: Literal["B", "H", "HKV", "Q_LEN", "KV_LEN", "D"]
+    name: Literal["B", "H", "HKV", "Q_LEN", "KV_LEN", "D", "Q_OFFSET"]
 
 
 class Score(Node):
@@ -155,6 +157,22 @@ Expr = Annotated[Union[Const, Var, Size, Score, Param, Load, Unary, Binary, Call
 
 for _cls in (Load, Unary, Binary, Call):
     _cls.model_rebuild()
+
+
+def _int(op: str, left: Expr, right: Expr) -> Binary:
+    return Binary(type="int", op=op, left=left, right=right)
+
+
+# The builtin masks. `causal_bottom_right` aligns the last query row with the last key: row
+# i = q - Q_OFFSET sees keys k <= i + KV_LEN - Q_LEN. Rows, not positions: a cache call has already
+# placed row i at position q_offset[b] + i, and shifting that position again would count the offset twice.
+BUILTIN_MASKS: dict[str, Expr] = {
+    "causal": Binary(type="bool", op="ge", left=Var(name="q"), right=Var(name="k")),
+    "causal_bottom_right": Binary(
+        type="bool", op="ge", left=_int("add", _int("sub", Var(name="q"), Size(name="Q_OFFSET")),
+                                        _int("sub", Size(name="KV_LEN"), Size(name="Q_LEN"))),
+        right=Var(name="k")),
+}
 
 Dim = Union[int, Literal["B", "H", "HKV", "Q_LEN", "KV_LEN", "*"]]
 

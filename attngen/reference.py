@@ -36,7 +36,8 @@ def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D
              q_offset: Tensor | None = None) -> Env:
     """The environment of the (B, H, Q_LEN, KV_LEN) grid: each index variable varies along its own axis.
     A cache call (`kv_len`, `q_offset`: (B,) ints) puts query i of row b at position q_offset[b] + i
-    and makes KV_LEN row b's kv_len[b]."""
+    (Q_OFFSET, which `causal_bottom_right` reads to find the row; 0 without q_offset) and makes
+    KV_LEN row b's kv_len[b]."""
     def axis(n: int, dim: int) -> Tensor:
         return torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
 
@@ -48,6 +49,7 @@ def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D
     values = {"b": axis(B, 0), "h": h, "hkv": h // (H // HKV), "q": q, "k": axis(KV_LEN, 3)}
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D}
     values |= {name: torch.tensor(n, device=device) for name, n in sizes.items()}
+    values["Q_OFFSET"] = torch.tensor(0, device=device) if q_offset is None else per_row(q_offset)
     if kv_len is not None:
         values["KV_LEN"] = per_row(kv_len)
     values |= {p.name: _constant(p.type, p.value, float_dtype, device) for p in spec.params}
@@ -106,7 +108,8 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     O has q's dtype, LSE that arithmetic dtype.
     A cache call: k and v hold MAX_KV keys of which row b uses the first kv_len[b] ((B,) ints), and
     query i of row b sits at position q_offset[b] + i (by default kv_len - Q_LEN: the newest tokens;
-    0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN.
+    0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN, and
+    `causal_bottom_right` lets row i see keys k <= i + kv_len[b] - Q_LEN (with the default offset, `causal`).
     """
     p, lse = _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

@@ -170,6 +170,33 @@ def test_causal_is_tight():
     assert bounds("causal_bottom_right", "k", (0, 15), q_len=16, kv_len=64) == ((None, 63), (None, 48))
 
 
+@pytest.mark.parametrize("mask", ["causal_bottom_right", "causal_bottom_right and q + KV_LEN - Q_LEN - k < w"])
+def test_key_bounds_are_sound_in_cache_calls(mask):
+    # The forward kernels' key bounds in a cache call: the query tile's ends are positions
+    # q_offset + row, KV_LEN is the row's kv_len and Q_OFFSET its q_offset.
+    spec = parse_spec(f"{HEADER}mask: {mask}\n")
+    reg = region(spec.mask, "k", spec.param_values)
+    q_len, max_kv = 7, 20
+    sizes = dict(B=1, H=1, HKV=1, Q_LEN=q_len, KV_LEN=max_kv, D=16)
+    inputs = {"prefix": torch.zeros(1, dtype=torch.int32)}
+    for kv_len, q_offset in [(20, 13), (9, 2), (9, 0), (12, 30), (3, 5)]:
+        cache = {"kv_len": torch.tensor([kv_len]), "q_offset": torch.tensor([q_offset])}
+        allowed = evaluate_expr(spec.mask, make_env(spec, **sizes, inputs=inputs, **cache))
+        allowed = (allowed & (torch.arange(max_kv) < kv_len)).expand(1, 1, q_len, max_kv)[0, 0]
+        env = uniform_env(spec, {**sizes, "KV_LEN": kv_len, "Q_OFFSET": q_offset}, 0, 0, inputs)
+        for t0 in range(q_len):
+            for t1 in range(t0, q_len):
+                tile = {"q0": q_offset + t0, "q1": q_offset + t1}
+                where = f"kv_len={kv_len} q_offset={q_offset} rows {t0}..{t1}"
+                visit = span_range(reg.visit, tile, env, kv_len)
+                some = allowed[t0:t1 + 1].any(0).nonzero().flatten().tolist()
+                assert all(j in visit for j in some), f"{where}: allowed keys {some} outside {visit}"
+                full = span_range(reg.full, tile, env, kv_len)
+                assert all(bool(allowed[t0:t1 + 1, j].all()) for j in full), f"{where}: {full} not all allowed"
+                if mask == "causal_bottom_right":  # as tight as the rows' own call (keys up to the last row's)
+                    assert max(visit.stop, 0) == max(0, min(kv_len, t1 + kv_len - q_len + 1))
+
+
 def test_sliding_window_is_tight():
     # causal and q - k < w: k in [q - w + 1, q]
     assert bounds("causal and q - k < w", "k", (16, 31), w=4) == ((13, 31), (28, 16))

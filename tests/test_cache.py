@@ -76,6 +76,65 @@ def test_the_reference_cache_semantics():
     torch.testing.assert_close(reference.evaluate(spec, q, k, v, q_offset=torch.zeros(2, dtype=torch.int32))[0], plain)
 
 
+def _bottom_right_by_hand(q, k, v, kv_len):
+    """O of `causal_bottom_right` in a cache call, written out: row i of batch b sees the keys
+    k <= i + kv_len[b] - Q_LEN below kv_len[b], wherever q_offset places the row; a row with no
+    such key gives 0."""
+    B, H, N, D = q.shape
+    M = k.shape[2]
+    k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    row, key = torch.arange(N).view(N, 1), torch.arange(M).view(1, M)
+    n = kv_len.long().view(B, 1, 1, 1).cpu()
+    allowed = ((key <= row + n - N) & (key < n)).to(q.device)
+    scores = (q @ k.transpose(-2, -1) / D ** 0.5).masked_fill(~allowed, float("-inf"))
+    p = torch.where(allowed.any(-1, keepdim=True), scores.softmax(-1), 0.0)
+    return p.to(v.dtype) @ v
+
+
+def test_the_reference_aligns_causal_bottom_right_by_row_in_cache_calls():
+    spec = attngen.parse_spec("attention c\nmask: causal_bottom_right\n")
+    q, k, v = testing.random_qkv(3, 4, 2, 5, 12, 8, 8, torch.float64)
+    kv_len = torch.tensor([12, 7, 3], dtype=torch.int32)  # row 2's first two queries see no key
+    want = _bottom_right_by_hand(q, k, v, kv_len)
+    for q_offset in (None, torch.tensor([0, 30, 5], dtype=torch.int32)):
+        out, _ = reference.evaluate(spec, q, k, v, kv_len=kv_len, q_offset=q_offset)
+        torch.testing.assert_close(out, want)
+    # With the default offset the queries sit at positions kv_len - Q_LEN + i: it is `causal`.
+    causal = attngen.parse_spec("attention c\nmask: causal\n")
+    torch.testing.assert_close(reference.evaluate(causal, q, k, v, kv_len=kv_len)[0], want)
+    # A training call is the cache call whose every row uses the whole cache.
+    full = torch.full((3,), 12, dtype=torch.int32)
+    torch.testing.assert_close(reference.evaluate(spec, q, k, v)[0], _bottom_right_by_hand(q, k, v, full))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_causal_bottom_right_cache_calls_align_rows(shape, page_size, build_small):
+    # Decoding (one query) and chunked prefill (several), by the decode family and the portable forward:
+    # a cache call is the plain call on the row's keys, whatever q_offset says, and never sees a later
+    # token of its own chunk.
+    attn = build_small("causal_bottom_right")
+    *sizes, M, D = shape
+    M = M if page_size is None else -(-M // page_size) * page_size
+    q, k, v, _, kv_len = _case(attn, (*sizes, M, D))
+    kc, vc, paging = k, v, {}
+    if page_size is not None:
+        kc, vc, table = strategies.paged(k, v, page_size, seed=1)
+        paging["page_table"] = table
+    plain = [attn(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], return_lse=True) for b, n in enumerate(kv_len)]
+    plain_out, plain_lse = (torch.cat(parts) for parts in zip(*plain))
+    q_offset = torch.tensor([0, 17, 3][:shape[0]], dtype=torch.int32, device=DEVICE)
+    for cache in ({"kv_len": kv_len}, {"kv_len": kv_len, "q_offset": q_offset}):
+        with torch.no_grad():
+            out, lse = attn(q, kc, vc, return_lse=True, **paging, **cache)
+        want, want_lse = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), **cache)
+        torch.testing.assert_close(want, _bottom_right_by_hand(q.double(), k.double(), v.double(), kv_len))
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, plain_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_rows_with_no_key_give_zero_and_minus_infinity(build_small):
     attn = build_small("causal")
     q, k, v = testing.random_qkv(2, 4, 2, 1, 40, 16, 16, torch.float32, device=DEVICE)

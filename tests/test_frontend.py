@@ -127,9 +127,15 @@ def test_dsl_examples_lower_to_the_expected_ir():
                                index=(Var(name="h"), b("floordiv", Q, i(128)), b("floordiv", K, i(128))))
 
 
-def test_causal_bottom_right_is_shifted_by_the_length_difference():
+def test_causal_bottom_right_shifts_the_row_by_the_length_difference():
+    # The row, q - Q_OFFSET: a cache call has placed row 0 at position q_offset[b] already.
+    row = b("sub", Q, Size(name="Q_OFFSET"))
     shift = b("sub", Size(name="KV_LEN"), Size(name="Q_LEN"))
-    assert body("mask: causal_bottom_right\n").mask == b("ge", b("add", Q, shift), K, "bool")
+    assert body("mask: causal_bottom_right\n").mask == b("ge", b("add", row, shift), K, "bool")
+    with pytest.raises(attngen.SpecError, match="unknown name 'Q_OFFSET'"):
+        body("mask: q - Q_OFFSET >= k\n")
+    with pytest.raises(attngen.SpecError, match="'Q_OFFSET' is a reserved name"):
+        body("param Q_OFFSET = 1\nmask: causal_bottom_right\n")
 
 
 def test_comments_blank_lines_and_items_in_any_order():

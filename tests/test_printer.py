@@ -51,7 +51,7 @@ def test_a_spec_prints_its_declarations_and_items():
                       "score: score + bias[h, k]\nmask: causal_bottom_right\n")
     assert to_source(spec) == DECLS + (
         "input bias: bf16[H, *] learnable\n"
-        "mask: q + (KV_LEN - Q_LEN) >= k\n"
+        "mask: causal_bottom_right\n"
         "score: score + bias[h, k]\n"
         "scale: c * rsqrt(D)\n")
     same(parse_spec(to_source(spec)), spec)
@@ -103,6 +103,8 @@ AS_WRITTEN = [
     "mask: -q < -k",
     "mask: q - k < w and false",
     "mask: where(flag, on[h], q >= k)",
+    "mask: causal_bottom_right",
+    "mask: not causal_bottom_right or q == k",
     "scale: 1.0 / sqrt(D) * c",
     "scale: 1e-30 * tiny",
     "scale: 1e+300",
@@ -124,7 +126,6 @@ REWRITTEN = {
     "mask: (flag or on[h]) or flag": "flag or on[h] or flag",
     "mask: not (q < k)": "not q < k",
     "mask: causal": "q >= k",
-    "mask: causal_bottom_right": "q + (KV_LEN - Q_LEN) >= k",
     "scale: 1e300": "1e+300",
     "scale: 1.": "1.0",
     "scale: .5": "0.5",

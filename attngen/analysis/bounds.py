@@ -41,8 +41,9 @@ def bound_value(bound: spans.Bound, tile: dict[str, int], env: Env) -> int | Non
 
 
 def uniform_env(spec: ir.Spec, sizes: dict[str, int], b: int, h: int, inputs=None) -> Env:
-    """What a bound may read at batch b, head h: sizes, params, b, h, hkv and the inputs (on the CPU)."""
-    values = {name: torch.tensor(n) for name, n in sizes.items()}
+    """What a bound may read at batch b, head h: sizes, params, b, h, hkv and the inputs (on the CPU).
+    Query 0 sits at position Q_OFFSET, 0 unless `sizes` says otherwise."""
+    values = {name: torch.tensor(n) for name, n in {"Q_OFFSET": 0, **sizes}.items()}
     hkv = h // (sizes["H"] // sizes["HKV"])
     values |= {"b": torch.tensor(b), "h": torch.tensor(h), "hkv": torch.tensor(hkv)}
     values |= {p.name: torch.tensor(p.value) for p in spec.params}

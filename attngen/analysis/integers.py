@@ -35,12 +35,13 @@ SATURATE = 2 ** 40
 
 
 def box(spec: ir.Spec, length: int) -> TileBox:
-    """Everything a call may bring, with Q_LEN and KV_LEN at most `length`."""
+    """Everything a call may bring, with Q_LEN and KV_LEN at most `length`; a cache call's query
+    positions q_offset + i too, which the module checks lie below `length`, so Q_OFFSET does."""
     length = max(1, min(length, MAX_LENGTH))
     heads = (1, MAX_BATCH_HEADS)
     return TileBox(q=(0, length - 1), k=(0, length - 1), params=spec.param_values,
                    sizes={"B": heads, "H": heads, "HKV": heads, "Q_LEN": (1, length), "KV_LEN": (1, length),
-                          "D": HEAD_DIMS},
+                          "D": HEAD_DIMS, "Q_OFFSET": (0, length - 1)},
                    uniform={}, dtypes={i.name: i.dtype for i in spec.inputs})
 
 

@@ -64,7 +64,8 @@ class TileBox:
     q: tuple[int, int]
     k: tuple[int, int]
     params: Mapping[str, int | float]
-    # Sizes (B, H, HKV, Q_LEN, KV_LEN, D): a value, an inclusive range, or missing (unknown).
+    # Sizes (B, H, HKV, Q_LEN, KV_LEN, D): a value, an inclusive range, or missing (unknown); and
+    # Q_OFFSET, the position of query 0, which is 0 when missing (rows are positions outside cache calls).
     sizes: Mapping[str, int | tuple[int, int]]
     uniform: Mapping[str, tuple[int, int]]  # ranges of b, h, hkv (missing: from the sizes, or unknown)
     # Int inputs' dtypes by name ("i32" or "i64"); a missing one may hold any int64.
@@ -132,7 +133,7 @@ def _var(name: str, box: TileBox) -> Num:
 
 
 def _size(name: str, box: TileBox) -> tuple[float, float]:
-    n = box.sizes.get(name)
+    n = box.sizes.get(name, 0 if name == "Q_OFFSET" else None)
     if n is None:
         return 1, INF
     return n if isinstance(n, tuple) else (n, n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
@@ -35,6 +36,22 @@ def int64(code: str) -> str:
     return f"tl.cast({code}, tl.int64)"
 
 
+def _pinned(e: ir.Expr, sizes: Mapping[str, int]) -> ir.Expr:
+    """`e` with the sizes in `sizes` as int constants (the very same object where it reads none)."""
+    if isinstance(e, ir.Size) and e.name in sizes:
+        return ir.Const(type="int", value=sizes[e.name])
+    if not sizes or not any(isinstance(n, ir.Size) and n.name in sizes for n in postorder(e)):
+        return e
+    kids = [_pinned(c, sizes) for c in ir.children(e)]
+    if isinstance(e, ir.Load):
+        return e.model_copy(update={"index": tuple(kids)})
+    if isinstance(e, ir.Unary):
+        return e.model_copy(update={"operand": kids[0]})
+    if isinstance(e, ir.Binary):
+        return e.model_copy(update={"left": kids[0], "right": kids[1]})
+    return e.model_copy(update={"args": tuple(kids)})
+
+
 @dataclass
 class Spelling:
     """How one kernel names the things an expression may use; `dims` says which index varies
@@ -51,6 +68,9 @@ class Spelling:
     # entry over the whole tile is then loaded once (`TritonEmitter.interval`).
     corners: tuple[str, str, str, str] | None = None
     corner_names: tuple[str, ...] = ()
+    # Sizes the kernel knows at compile time, folded as constants: a kernel that never runs a cache
+    # call has its query rows at positions 0 .. Q_LEN - 1, so Q_OFFSET is 0 there.
+    sizes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,7 +126,10 @@ class TritonEmitter:
 
     def emit(self, e: ir.Expr) -> str:
         """The name or literal that holds `e`, constant-folded (`fold`), after the statements it needs."""
-        return self._spell(fold(e, self.params))
+        return self._spell(self._fold(e))
+
+    def _fold(self, e: ir.Expr) -> ir.Expr:
+        return fold(_pinned(e, self.spelling.sizes), self.params)
 
     def _spell(self, e: ir.Expr) -> str:
         if e in self.memo:
@@ -193,7 +216,7 @@ class TritonEmitter:
 
     def varies_on_tile(self, index: tuple[ir.Expr, ...]) -> bool:
         """Whether a load's index varies along both tile axes (a gather an element, not a row or column)."""
-        dims = {d for i in index for n in postorder(fold(i, self.params)) if isinstance(n, (ir.Var, ir.Size))
+        dims = {d for i in index for n in postorder(self._fold(i)) if isinstance(n, (ir.Var, ir.Size))
                 for d in self.spelling.dims.get(n.name, ())}
         return dims == {"m", "n"}
 
@@ -226,7 +249,7 @@ class TritonEmitter:
         value the analysis did not bound within int32 (so sums of bounds cannot wrap int64)."""
         if self.spelling.corners is None:
             return None
-        return self._interval(fold(e, self.params))
+        return self._interval(self._fold(e))
 
     def _interval(self, e: ir.Expr) -> tuple[str, str] | None:
         key = ("interval", e)
@@ -424,7 +447,7 @@ class TritonEmitter:
         or a negation with its sign (so that `_sum` subtracts it), else the expression itself. The
         expression is not split further: `integers.exact_span` proved its value fits int64, not
         that of partial sums of its parts."""
-        e = None if e is None else fold(e, self.params)
+        e = None if e is None else self._fold(e)
         if e is None or (isinstance(e, ir.Const) and e.value == 0):
             return []
         if isinstance(e, ir.Const) and e.value < 0 and -e.value <= I64_RANGE[1]:

@@ -16,22 +16,26 @@ from attngen.frontend.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
 _UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
+# Kernels that run no cache call: query i sits at position i (Q_OFFSET, the position of query 0, is 0).
+_NO_OFFSET = {"Q_OFFSET": 0}
 # Forward and dQ tiles are (query, key); the dK/dV kernel works on transposed (key, query) tiles.
 ROW_MAJOR = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[:, None]", "k": "offs_n[None, :]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)", sizes=_NO_OFFSET)
 TRANSPOSED = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)", rows="n")
+    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)", rows="n", sizes=_NO_OFFSET)
 # The forward kernels also serve cache calls, whose query i sits at position pos_m = q_off + i
 # (q_off = q_offset[b], 0 otherwise); the backward kernels never see an offset.
 FORWARD_ROWS = Spelling(
-    names={**ROW_MAJOR.names, "q": "pos_m[:, None]"},
+    names={**ROW_MAJOR.names, "q": "pos_m[:, None]", "Q_OFFSET": "q_off"},
     dims=ROW_MAJOR.dims,
     zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
-BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0")
+BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0", sizes=_NO_OFFSET)
+# The forward kernels' bounds, for rows of a cache call too.
+FORWARD_BOUNDS = Spelling(names={**_SIZES, **_UNIFORM, "Q_OFFSET": "q_off"}, dims={}, zeros="0.0")
 # The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
 # (at position pos_m[r]) of head row_h[r], so the head varies along the rows.
 DECODE_ROWS = Spelling(
@@ -43,22 +47,22 @@ DECODE_ROWS = Spelling(
 # scores call tanh.approx.f32 (one MUFU op; the family takes 16-bit inputs only, where its 1e-5 relative
 # error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
 HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
-                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)")
+                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)", sizes=_NO_OFFSET)
 # Their score hooks know the tile's corners (the consumer's first row off_m, the key tile's start_n), for
 # point loads.
 HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
                         tanh="_tanh_approx",
                         corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
-                        corner_names=("off_m", "start_n"))
+                        corner_names=("off_m", "start_n"), sizes=_NO_OFFSET)
 # Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
 # the scores with the forward's tanh, so P is the one the forward's LSE normalised.
 HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
-                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n")
+                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n", sizes=_NO_OFFSET)
 HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
                             tanh="_tanh_approx", rows="n",
                             corners=("start_m", "start_m + BLOCK_M - 1",
                                      "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
-                            corner_names=("start_m", "start_n"))
+                            corner_names=("start_m", "start_n"), sizes=_NO_OFFSET)
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
@@ -127,9 +131,12 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
     if spelling is DECODE_ROWS:
-        return DECODE_ELEMENT_NAMES
-    names = FORWARD_ELEMENT_NAMES if spelling.names["q"] == FORWARD_ROWS.names["q"] else ELEMENT_NAMES
-    return (*names, *spelling.corner_names)
+        names = DECODE_ELEMENT_NAMES
+    else:
+        names = FORWARD_ELEMENT_NAMES if spelling.names["q"] == FORWARD_ROWS.names["q"] else ELEMENT_NAMES
+    # The position of query 0, where a cache call may move it (`causal_bottom_right` reads it).
+    offset = ("q_off",) if "Q_OFFSET" in spelling.names and "Q_OFFSET" not in spelling.sizes else ()
+    return (*names, *offset, *spelling.corner_names)
 
 
 def _score_hook(spec: ir.Spec, em: TritonEmitter) -> Hook:
@@ -269,14 +276,15 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
     ]
 
 
-def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
+def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True, spelling: Spelling = BOUNDS) -> Hook:
     """The element bounds of the loop over `loop` ('k' or 'q') for one tile of the other index.
 
     Bounds are scalars per tile, so they are computed in int64; the analysis made sure that cannot
     wrap either (`k < prefix[b]` with an i64 prefix bounds keys by prefix - 1). `with_full`: also the
-    bounds of the fully allowed elements (the table classifier needs only the visited ones)."""
+    bounds of the fully allowed elements (the table classifier needs only the visited ones).
+    `spelling`: FORWARD_BOUNDS in the forward kernels, whose query 0 sits at position q_off."""
     visit, full = facts.loop_bounds[loop].visit, facts.loop_bounds[loop].full
-    em = _emitter(facts, BOUNDS, "bd")
+    em = _emitter(facts, spelling, "bd")
     other = "q" if loop == "k" else "k"
     tile_vars = {f"{other}0": f"{other}_first", f"{other}1": f"{other}_last"}
     name = "kv" if loop == "k" else "q"
@@ -299,7 +307,8 @@ def _bounds_hook(facts: Analysis, loop: str, with_full: bool = True) -> Hook:
         assignments += [f"{name}_full_lo = {side(full.lo, '0', False)}",
                         f"{name}_full_hi = {side(full.hi, length, True)}"]
     parts = ("lo", "hi", "full_lo", "full_hi") if with_full else ("lo", "hi")
-    return Hook("bounds", (*tile_vars.values(), *POSITIONS), tuple(f"{name}_{part}" for part in parts),
+    offset = ("q_off",) if spelling is FORWARD_BOUNDS else ()
+    return Hook("bounds", (*tile_vars.values(), *POSITIONS, *offset), tuple(f"{name}_{part}" for part in parts),
                 "\n".join([*em.lines, *assignments]))
 
 
@@ -333,7 +342,7 @@ def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
     tile, block, other_block, length = (("start_m", "BLOCK_N", "BLOCK_M", "Q_LEN") if loop == "k"
                                         else ("start_n", "BLOCK_M", "BLOCK_N", "KV_LEN"))
     other = "q" if loop == "k" else "k"
-    bounds = _bounds_hook(facts, loop)
+    bounds = _bounds_hook(facts, loop, spelling=FORWARD_BOUNDS if offset else BOUNDS)
     lo, hi, full_lo, full_hi = bounds.outputs
     # The tile's first and last position, where the bounds read them (a full mask's do not): its
     # first and last index, plus the queries' offset in the forward kernel (`offset`).
@@ -387,7 +396,7 @@ def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
     """Hooks of the decode family's forward kernel: a block of rows holds queries of all the query
     heads of one key/value head, so its key bounds are those of its first and last query
     (plan.families.DECODE serves no mask whose bounds read the query head)."""
-    bounds = _bounds_hook(facts, "k")
+    bounds = _bounds_hook(facts, "k", spelling=FORWARD_BOUNDS)
     assert not _reads(bounds.code, "off_h"), "the decode family serves no mask whose bounds read h"
     ends = ["q_first = (block_row * BLOCK_M) // G + q_off",
             "q_last = tl.minimum((block_row * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1) + q_off"]

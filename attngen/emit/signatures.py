@@ -118,8 +118,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # table does not describe) and in every call of a spec without tables.
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
-            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_first", "offs_d", "offs_dv", "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
+            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_off", "q_first", "offs_d", "offs_dv",
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
             "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),

@@ -13,7 +13,7 @@ from attngen.errors import Position, SpecError
 from attngen.analysis.intervals import I64_RANGE
 
 _BUILTIN_CONSTANTS = {"true": ("bool", True), "false": ("bool", False), "inf": ("float", math.inf)}
-_BUILTIN_MASKS = ("causal", "causal_bottom_right")
+_BUILTIN_MASKS = tuple(ir.BUILTIN_MASKS)
 assert {*_BUILTIN_CONSTANTS, *_BUILTIN_MASKS} <= ir.BUILTIN_NAMES  # no input may shadow them
 _COMPARISONS = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
 _OP_TEXT = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
@@ -284,11 +284,8 @@ class Lowerer:
         if self.context == "scale" and name not in self.params and name != "D":
             raise SpecError(f"scale may use only D, params and numbers, got '{name}'", where)
         if name in _BUILTIN_MASKS:
-            q, k = ir.Var(name="q"), ir.Var(name="k")
-            if name == "causal_bottom_right":
-                shift = ir.Binary(type="int", op="sub", left=ir.Size(name="KV_LEN"), right=ir.Size(name="Q_LEN"))
-                q = ir.Binary(type="int", op="add", left=q, right=shift)
-            return ir.Binary(type="bool", op="ge", left=q, right=k)
+            # A copy of its own: positions are found by node identity.
+            return ir.BUILTIN_MASKS[name].model_copy(deep=True)
         if name in ir.INDEX_VARS:
             return ir.Var(name=name)
         if name in ir.SIZES:
