@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import ir, runtime, testing
+from attngen import ir, reference, runtime, testing
 from attngen.errors import SpecError
 
 ROOT = Path(__file__).parent.parent
@@ -386,3 +386,16 @@ def test_the_cache_checks_file_names_with_no_assert(private_cache):
                             cwd=private_cache, timeout=300)
     assert "refused: spec must be a valid Spec" in result.stdout, result.stdout + result.stderr[-2000:]
     assert not list(private_cache.rglob("x_*.py"))
+
+
+def test_float_constants_are_float32_in_the_kernels_and_the_reference():
+    # In float64, (1.0 + 1e-8 - 1.0) * 1e8 is about 1 and the term is k; in float32, where the kernels
+    # compute constants (and Python's float64 must not fold them for Triton), 1.0 + 1e-8 is 1.0 and the
+    # term is 0. The float64 truth computes it in float32 too, so both mean the plain causal scores.
+    text = "attention t\nmask: causal\nscore: score + (1.0 + 1e-8 - 1.0) * 1e8 * k\n"
+    spec = attngen.parse_spec(text)
+    q, k, v = testing.random_qkv(1, 2, 1, 20, 20, 16, 16, torch.float32)
+    wide = [x.double() for x in (q, k, v)]
+    plain = attngen.parse_spec("attention p\nmask: causal\n")
+    assert torch.equal(reference.modified_scores(spec, *wide), reference.modified_scores(plain, *wide))
+    testing.check_against_reference(spec, attngen.build(text), q, k, v)
