@@ -248,6 +248,22 @@ def _pad(n):
     return max(_MIN_BLOCK, _next_power_of_2(n))
 
 
+def _empty_in_layout(t, last, dtype=None):
+    """An empty tensor of t's shape but with last dim `last`, whose dims lie in memory in t's order
+    (outermost first by stride; ties keep their order), densely.
+
+    The layout contract of every family, and of the operators' fake implementations, which call this
+    same function: O follows q's layout, dQ, dK and dV follow q's, k's and v's. So a model's
+    transposed (B, N, H, D) projections get O and their gradients back as (B, N, H, D) memory, which
+    the output projection and the projections' backward read with no copy; and what torch.compile is
+    told of an output's strides is what the kernels write."""
+    n = t.dim()
+    order = sorted(range(n - 1), key=lambda d: -t.stride(d))  # q, k, v have a unit-stride last dim
+    shape = (*t.shape[:-1], last)
+    dense = torch.empty([shape[d] for d in order] + [last], dtype=dtype or t.dtype, device=t.device)
+    return dense.permute(*[order.index(d) for d in range(n - 1)], n - 1)
+
+
 def _tile_widths(D, DV, floor):
     """Tile widths of head dims D and DV: each rounded up to a power of two >= 16, and when either is
     not a power of two (its loads are masked), both at least `floor`."""
@@ -499,11 +515,11 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # ranges (masks the analysis bounds) or from a tile table's lists (FOLLOW_TABLE).
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
-               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_first, offs_d, offs_dv,
-               sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0,
-               size_prefix_0, pages, NUM_PAGES, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
+               stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_off, q_first, offs_d,
+               offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr,
+               stride_prefix_0, size_prefix_0, pages, NUM_PAGES, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, PAGED: tl.constexpr,
                PAGE_SIZE: tl.constexpr):
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
@@ -615,14 +631,14 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     q_first = start_m * BLOCK_M + q_off
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, masked_tiles, masked_lo, masked_hi, gap_at, gap, visits,
-                               offs_m, pos_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
+                               offs_m, pos_m, q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
                                off_hkv, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0,
                                pages, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
                                BLOCK_N, True, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
-                               q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                               Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, pages, NUM_PAGES,
+                               q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
+                               HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, pages, NUM_PAGES,
                                HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False,
                                COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
 
@@ -650,9 +666,9 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh
                     HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr):
     # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
     # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
-    # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the same rows of
-    # the dense fp32 (B, H, Q_LEN, HEAD_DIM) DqSum that a backward then adds dQ into, so that needs no
-    # launch of its own.
+    # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
+    # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
+    # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -1239,12 +1255,12 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, prefix_ptr, stride_prefix_0,
-                     size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr):
+                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work, n_m, sm_scale,
+                     qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                     DEFER_SCALE: tl.constexpr, WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -1345,8 +1361,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             tma.async_copy_shared_to_global(o_desc, [off_b, off_h, off_m, 0], _hopper_box(q_smem, o_desc))
             tma.store_wait(pendings=0)
         else:
-            _hopper_store_rows(Out, o.to(dtype), off_bh.to(gl.int64) * Q_LEN, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M,
-                               HEAD_DIM_V_PAD, o_layout)
+            _hopper_store_rows(Out, o.to(dtype), off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh,
+                               stride_om, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
         mbarrier.arrive(q_empty.index(slot), count=1)
         gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
@@ -1358,24 +1374,24 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 
 @gluon.jit
-def _hopper_store_rows(Out, tile, head_row, first_row, length, WIDTH: gl.constexpr, ROWS: gl.constexpr,
+def _hopper_store_rows(Out, tile, head, stride_row, first_row, length, WIDTH: gl.constexpr, ROWS: gl.constexpr,
                        WIDTH_PAD: gl.constexpr, layout: gl.constexpr):
-    # A tile's rows straight from its wgmma accumulator layout into a dense (rows, WIDTH) array from row
-    # head_row: the rows below `length` and the columns below WIDTH. For O where it is wider or narrower
-    # than Q's buffer (which stages the TMA store otherwise), and for dK and dV.
+    # A tile's rows straight from its wgmma accumulator layout into one head's rows (offset `head`, rows
+    # stride_row apart, columns unit-stride): the rows below `length` and the columns below WIDTH. For O
+    # where it is wider or narrower than Q's buffer (which stages the TMA store otherwise), and for dK and dV.
     rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, WIDTH_PAD, layout=gl.SliceLayout(0, layout))
-    ptrs = Out + head_row * WIDTH + gl.expand_dims(rows.to(gl.int64) * WIDTH, 1) + gl.expand_dims(cols, 0)
+    ptrs = Out + head + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, tile, mask=gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < WIDTH, 0))
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, work_counter, sm_scale, qk_scale, prefix_ptr,
-                       stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                       DEFER_SCALE: tl.constexpr):
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
+                       sm_scale, qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
+                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -1420,15 +1436,15 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, work_counter, s
     if PINGPONG:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, prefix_ptr,
-                                 stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
+                                 n_m, sm_scale, qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, prefix_ptr,
-                                 stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 1, NUM_CONSUMERS)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
+                                 n_m, sm_scale, qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, prefix_ptr,
                                  stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
@@ -1437,10 +1453,10 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, work_counter, s
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, Lse, work_ids, n_work, n_m, sm_scale, qk_scale, prefix_ptr,
-                                 stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
+                                 n_m, sm_scale, qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV,
+                                 Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, prefix_ptr,
                                  stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
@@ -1481,8 +1497,9 @@ def _hopper_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @triton.jit
 def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
-    # dQ = scale * the fp32 sum the backward's reduce-adds left, rounded to dQ's dtype. Both are dense and
-    # hold groups of 8 elements (head dims are multiples of 8), so the mask is per group and the pass reads
+    # dQ = scale * the fp32 sum the backward's reduce-adds left, rounded to dQ's dtype. Both are laid out
+    # alike (q's layout, densely), so the pass walks their memory; it holds groups of 8 elements (head
+    # dims are multiples of 8, and the last dim is innermost), so the mask is per group and the pass reads
     # 32 and writes 16 bytes a group (torch.mul with a dtype change does not vectorize).
     groups = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -1659,8 +1676,9 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 
 @gluon.jit
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN,
-                         KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
+                         empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
+                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
+                         prefix_ptr, stride_prefix_0, size_prefix_0, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                          FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr):
@@ -1706,16 +1724,18 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                       FOLLOW_TABLE, SPLIT_D, dk_layout, dv_layout)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
-    kv_bh = off_b * HKV + off_hkv
-    _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty), kv_bh.to(gl.int64) * KV_LEN, start_n * BLOCK_N,
-                       KV_LEN, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, dk_layout)
-    _hopper_store_rows(DV, dv.to(DV.dtype.element_ty), kv_bh.to(gl.int64) * KV_LEN, start_n * BLOCK_N, KV_LEN,
-                       HEAD_DIM_V, BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
+    _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty),
+                       off_b.to(gl.int64) * stride_dkz + off_hkv.to(gl.int64) * stride_dkh, stride_dkn,
+                       start_n * BLOCK_N, KV_LEN, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, dk_layout)
+    _hopper_store_rows(DV, dv.to(DV.dtype.element_ty),
+                       off_b.to(gl.int64) * stride_dvz + off_hkv.to(gl.int64) * stride_dvh, stride_dvn,
+                       start_n * BLOCK_N, KV_LEN, HEAD_DIM_V, BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
 
 
 @gluon.jit
-def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, sm_scale,
-                       qk_scale, prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
+def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale,
+                       prefix_ptr, stride_prefix_0, size_prefix_0, B, H, HKV, Q_LEN, KV_LEN,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr):
@@ -1752,7 +1772,8 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     fence_async_shared()
     gl.warp_specialize([
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
-                                 kv_bar, ready, empty, dq_desc, DK, DV, start_n, off_b, off_hkv, sm_scale,
+                                 kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
+                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
                                  qk_scale, B, H, HKV, Q_LEN, KV_LEN, prefix_ptr, stride_prefix_0, size_prefix_0,
                                  HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
                                  FOLLOW_TABLE, SPLIT_D)),
@@ -1884,9 +1905,10 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, Lse, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr,
-                    HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, H, Q_LEN, n_rows, SPLITS,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
+    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -1908,8 +1930,11 @@ def _decode_combine(OutPart, LsePart, Out, Lse, n_rows, SPLITS, HEAD_DIM_V: tl.c
     has_keys = total > 0.0
     total_safe = tl.where(has_keys, total, 1.0)
     lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
-    tl.store(Out + rows.to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-             (acc / total_safe[:, None]).to(Out.dtype.element_ty), mask=tile_ok)
+    out_rows = rows.to(tl.int64)
+    out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
+               + out_rows % Q_LEN * stride_om)
+    tl.store(Out + out_row[:, None] + offs_dv[None, :], (acc / total_safe[:, None]).to(Out.dtype.element_ty),
+             mask=tile_ok)
     tl.store(Lse + rows, lse, mask=row_ok)
 
 
@@ -1920,7 +1945,25 @@ def _widths(D, DV):
 
 
 def _fail(message):
+    if torch.compiler.is_compiling():
+        _raise_while_tracing(f"{SPEC_NAME}: {message}")
     raise ValueError(f"{SPEC_NAME}: {message}")
+
+
+# A `raise` in code dynamo traces is, under fullgraph=True, dynamo's own "Observed exception", with
+# the message only in its __cause__. A function dynamo calls instead of tracing (one marked
+# assume_constant_result) raises past it, and dynamo hands an error that is also its UserError to the
+# caller unwrapped (it adds the user code's lines to the message). So the caller of a compiled
+# function gets the eager ValueError, with or without fullgraph, and the successful path is unchanged.
+def _raise_while_tracing(message):
+    from torch._dynamo.exc import UserError, UserErrorType  # loaded already: dynamo is tracing
+
+    error = type("ValueError", (UserError, ValueError), {})  # UserError first: its __init__; named as the eager error
+    raise error(UserErrorType.INVALID_INPUT, message)
+
+
+# What torch.compiler.assume_constant_result sets, without importing dynamo (seconds) in every process.
+_raise_while_tracing._dynamo_marked_constant = True
 
 
 def _check(q, k, v, inputs):
@@ -2013,6 +2056,17 @@ def _plan_site(plan, *site):
     `site` tells apart the launches of one kernel in a call: it names the site and anything of the call
     besides the plan's facts that its arguments depend on."""
     return None if plan is None else (plan.launches, site)
+
+
+def _autocast(q, k, v):
+    """q, k and v as torch.autocast hands them to scaled_dot_product_attention, which it runs in the
+    lower precision on CUDA and the CPU: float tensors cast to the autocast dtype, while autocast is on for
+    q's device. The custom operators have no autocast rule, so the cast is Python here, traced under
+    torch.compile; .to() is differentiable, so gradients come back in the caller's dtypes."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else t for t in (q, k, v))
 
 
 def _check_tensors(q, k, v):
@@ -2353,7 +2407,7 @@ def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_tab
     B, H, Q_LEN, D = q.shape
     DV = v.shape[3]
     sm_scale = softmax_scale(D)
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
     block_m, block_n, warps, stages = _tiles(q, v, 0)
@@ -2410,8 +2464,9 @@ def _row_terms(out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
     """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
     (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
     rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, a
-    dense fp32 (B, H, Q_LEN, D) tensor, is zeroed in the same pass. `plan`: the backward's (_backward_plan)."""
+    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, an
+    fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is zeroed in the
+    same pass. `plan`: the backward's (_backward_plan)."""
     B, H, Q_LEN, DV = out.shape
     D = dq_sum.shape[-1] if dq_sum is not None else DV
     dlse = dlse.contiguous() if dlse is not None else None
@@ -2453,9 +2508,7 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     do = do.contiguous() if do.stride(-1) != 1 else do
     delta, _ = _row_terms(out, do, dlse, plan=plan)
     tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
     grads = _input_grads(tensors, q.device)
     grad_args = [g for g in grads if g is not None]
     visits = visits or {}
@@ -2534,7 +2587,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "62243eabf973bebc"
+MODULE_DIGEST = "5960f0f5830bd8aa"
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name):
@@ -2555,10 +2608,12 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         known = dict(zip(_table_kernels(True), _pairs(tables)))
         return _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
 
+    # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
+    # torch.compile plans with are the ones the kernels write.
     @forward_op.register_fake
     def _(q, k, v, tensors, tables):
         B, H, Q_LEN, _ = q.shape
-        return q.new_empty((B, H, Q_LEN, v.shape[3])), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        return _empty_in_layout(q, v.shape[3]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{backward_name}", mutates_args=())
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -2573,7 +2628,8 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @backward_op.register_fake
     def _(q, k, v, out, lse, do, dlse, tensors, tables):
         grads = [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+        return (_empty_in_layout(q, q.shape[3]), _empty_in_layout(k, k.shape[3]), _empty_in_layout(v, v.shape[3]),
+                grads)
 
     def setup_context(ctx, inputs, output):
         q, k, v, tensors, tables = inputs
@@ -2602,7 +2658,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
     @cache_op.register_fake
     def _(q, k, v, tensors, kv_len, q_offset, pages):
         B, H, Q_LEN, _ = q.shape
-        return q.new_empty((B, H, Q_LEN, v.shape[3])), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
 
 def _operators():
@@ -2644,8 +2700,10 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     required (at most MAX_PAGES * PAGE_SIZE).
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
-    Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS.
+    Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
+    torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
     """
+    q, k, v = _autocast(q, k, v)
     if page_table is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
         return (out, lse) if return_lse else out
@@ -2774,11 +2832,14 @@ def tile_tables(q, k, v, **inputs):
     calls skip building them. Build them again whenever the values the mask reads change (a table
     cannot tell), as with FlexAttention's BlockMask. A spec whose mask needs no tables gets an
     empty object, so code can pass one whatever the spec."""
+    q, k, v = _autocast(q, k, v)  # the call's dtype decides the tiles
     B, H, HKV, Q_LEN, KV_LEN, _, _ = _check(q, k, v, inputs)
     sizes = (B, H, HKV, Q_LEN, KV_LEN)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     known = {}
-    _resolve(_table_kernels(True), q, v, known, _builder(sizes, q.device, tensors))
+    # Under torch.compile the table operator builds them, as in a call (the kernels' launch is not traceable).
+    build = _operator_builder(q, k, tensors) if torch.compiler.is_compiling() else _builder(sizes, q.device, tensors)
+    _resolve(_table_kernels(True), q, v, known, build)
     keys = {kernel: _table_key(q, v, kernel) for kernel in _table_kernels(True)}
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
@@ -2787,6 +2848,7 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
     The rules read the call's shapes: kv_len's and q_offset's values do not change the choice."""
+    q, k, v = _autocast(q, k, v)
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
@@ -2798,6 +2860,7 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
 def backward_family(q, k, v, **inputs):
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
     or the family of BACKWARD_FAMILIES whose per-call rule admits it."""
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, inputs)
     return _backward_family(q, k, v)[0]
 
@@ -2807,6 +2870,7 @@ def visit_counts(q, k, v, **inputs):
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
     "dkdv": (B, H, key tiles, query tiles)} int32 tensors, one entry per tile: 0 skipped,
     1 visited with mask code, 16 visited without; any other value would be a repeated visit."""
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, inputs)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     B, H, Q_LEN, _ = q.shape
@@ -2925,11 +2989,12 @@ def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
         bind=_plan_site(plan, "decode"))
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
     n_rows = B * H * Q_LEN
     block_r = 16
-    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, lse, n_rows, splits, HEAD_DIM_V=DV,
+    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse, H, Q_LEN, n_rows,
+            splits, HEAD_DIM_V=DV,
             HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
     return out, lse
 
@@ -3037,10 +3102,6 @@ def _hopper_descriptor(t, rows, width):
     return _HopperDescriptor(t, t.shape, _hopper_tma_strides(t), box, _hopper_layout(box, t.dtype))
 
 
-def _dense_like(t):
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 def _hopper_row_descriptor(t, rows):
     """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
     one head's `rows` rows."""
@@ -3070,7 +3131,7 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     B, H, Q_LEN, D = q.shape
     HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
     d_pad, dv_pad = _widths(D, DV)
-    out = torch.empty((B, H, Q_LEN, DV), dtype=q.dtype, device=q.device)
+    out = _empty_in_layout(q, DV)
     lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
@@ -3084,8 +3145,8 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
 
     def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, lse, work_counter, sm_scale,
-                sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
+        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
+                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
                 HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
@@ -3119,14 +3180,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
         do = do.clone(memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
     # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
-    # scaled and rounded once at the end.
-    dq_sum = torch.empty((B, H, Q_LEN, D), dtype=torch.float32, device=q.device)
+    # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
+    dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
-    # Dense, whatever the layout of k and v: the kernel writes dK and dV rows by pointer at dense offsets.
-    dk, dv = _dense_like(k), _dense_like(v)
+    dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
     grads = _input_grads(tensors, q.device)
     num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
     descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
@@ -3135,12 +3195,13 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
     _launch(
-        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
+        *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
         bind=_plan_site(plan, "hopper backward", bool(table)))
-    dq = _dense_like(q)  # as dq_sum, which the pass reads element by element
+    dq = _empty_in_layout(q, D)
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
     return dq, dk, dv, _in_input_dtypes(grads, tensors)
