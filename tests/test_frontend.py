@@ -10,7 +10,7 @@ import pytest
 
 import attngen
 from attngen.api import parse_spec
-from attngen.errors import ArgumentError
+from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.parser import MAX_SOURCE_CHARS
 from attngen.frontend.printer import host_scale, to_source
 from attngen.ir import Binary, Call, Const, InputDecl, Load, Param, ParamDecl, Score, Size, Spec, Unary, Var, children
@@ -526,7 +526,7 @@ def _depth(expr) -> int:
 
 # 1000 operands nest 10 deep (2**10 >= 1000) over their own depth: 1 for a name, 2 for a comparison.
 @pytest.mark.parametrize("run, depth", [
-    (" + q" * 999, 11), (" - q + 1" * 500, 11), (" * 1.0" * 999, 11), (" and q > k" * 999, 12), (" or q > k" * 999, 12),
+    (" + score" * 999, 11), (" - 0.5 + 1.5" * 500, 11), (" * 1.0" * 999, 11), (" and q > k" * 999, 12), (" or q > k" * 999, 12),
 ])
 def test_a_long_run_of_one_operator_nests_as_a_balanced_tree(run, depth):
     item = "score: score" if "q >" not in run else "mask: q > k"
@@ -539,6 +539,17 @@ def test_a_long_sum_keeps_its_value_and_its_signs():
     # The scale runs on the host (printer.host_scale): the balanced sum must equal the text's value.
     spec = parse_spec("attention t\nscale: (D" + " - 1 + D - D" * 300 + " + 300) / D + 0.5" + " - D / 4 + D / 4" * 400 + "\n")
     assert [host_scale(spec.scale, {})(d) for d in (1, 7, 256)] == [1.5, 1.5, 1.5]
+
+
+def test_a_long_run_mixing_ints_and_floats_keeps_the_order_written():
+    # Left to right, an int after a float is added as a float: grouping floor(score * 3) with ceil(score * 2)
+    # would make an int difference of two unbounded ints, which int64 cannot hold.
+    terms = " + floor(score * 3) - ceil(score * 2) + 0.5" * 6
+    spec = parse_spec(f"attention t\nscore: score{terms}\n")
+    assert _depth(spec.score) == 19 + 2  # a left-leaning chain of 19 operands, over floor(score * 3)'s depth
+    too_long = " + q + 0.5" * 60
+    with pytest.raises(SpecError, match=r"2:8: expression nests too deeply \(121 levels; at most 100\): a run of"):
+        parse_spec(f"attention t\nscore: score{too_long}\n")
 
 
 def test_a_short_run_keeps_the_order_written():

@@ -26,9 +26,13 @@ MAX_DEPTH = 100
 # A run of one operator (`a + b - c + ...`, `a * b * ...`, `a and b and ...`, `a or b or ...`) of
 # more operands than this nests as a balanced tree, about log2(operands) deep, not as the
 # left-leaning chain the grammar reads: a sum of a thousand terms is flat text, and no stage
-# should recurse through it a thousand deep. Shorter runs keep the order written. A balanced sum
-# adds pairwise (in floats more accurately than left to right; ints are exact either way), and its
-# printed text reads back as the same tree while the run has at most 2**(_RUN - 1) operands.
+# should recurse through it a thousand deep. Shorter runs keep the order written, and so do runs
+# mixing int and float operands: left to right, an int operand after a float one is added as a float,
+# and grouping it with other ints would make an int sum of them (which may not fit in int64). A
+# balanced sum adds pairwise (in floats more accurately than left to right; ints are exact either
+# way), and its printed text reads back as the same tree while the run has at most 2**(_RUN - 1)
+# operands. The depth of what lowering built is checked again (_ir_depth): a long mixed run nests
+# as deep as it is long.
 _RUN = 16
 # The grammar rules that continue a run, by the rule of its head: `-` continues a sum.
 _RUNS = {"add": ("add", "sub"), "sub": ("add", "sub"), "mul": ("mul",), "and_op": ("and_op",),
@@ -66,10 +70,10 @@ def _run(tree: Tree) -> list[tuple[str | None, Tree]]:
     return [(None, node), *reversed(tail)]
 
 
-def _balanced(run: list, join):
+def _balanced(run: list, join, balance: bool = True):
     """A run as a tree, `join(left, rule, right)` making each node: left-leaning as written up to
-    _RUN operands, else halved down to single operands."""
-    if len(run) <= _RUN:
+    _RUN operands (or whenever `balance` is false), else halved down to single operands."""
+    if len(run) <= _RUN or not balance:
         tree = run[0][1]
         for rule, operand in run[1:]:
             tree = join(tree, rule, operand)
@@ -107,6 +111,16 @@ def _depth(tree: Tree) -> int:
             extra = len(node.children) // 2 - 1 if node.data == "compare" else 0
             depths[id(node)] = 1 + extra + max((depths[id(part)] for part in parts), default=0)
     return depths[id(tree)]
+
+
+def _ir_depth(expr: ir.Expr) -> int:
+    """How deeply a lowered expression nests, without recursion."""
+    deepest, stack = 0, [(expr, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ir.children(node))
+    return deepest
 
 
 def _int64(value: int, what: str, token: Token) -> int:
@@ -235,6 +249,11 @@ class Lowerer:
             raise SpecError(f"expression nests too deeply ({depth} levels; at most {MAX_DEPTH})",
                             position(tree.children[0]))
         expr = self.expr(tree.children[0])
+        depth = _ir_depth(expr)
+        if depth > MAX_DEPTH:
+            raise SpecError(f"expression nests too deeply ({depth} levels; at most {MAX_DEPTH}): a run of "
+                            f"'+', '-' or '*' mixing int and float operands keeps its written order, one level "
+                            f"an operand", position(tree.children[0]))
         self.items[kind] = (expr, position(tree))
         return expr
 
@@ -393,7 +412,7 @@ class Lowerer:
             return node, start, end
 
         return _balanced([(rule, (expr, position(node), position(node))) for (rule, _), (expr, node)
-                          in zip(run, lowered)], join)[0]
+                          in zip(run, lowered)], join, balance=len({expr.type for expr, _ in lowered}) == 1)[0]
 
     @staticmethod
     def _run_operand(op: str, expr: ir.Expr, node: Tree) -> None:
