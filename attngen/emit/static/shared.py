@@ -56,9 +56,12 @@ def _empty_in_layout(t, last, dtype=None):
     transposed (B, N, H, D) projections get O and their gradients back as (B, N, H, D) memory, which
     the output projection and the projections' backward read with no copy; and what torch.compile is
     told of an output's strides is what the kernels write."""
-    n = t.dim()
-    order = sorted(range(n - 1), key=lambda d: -t.stride(d))  # q, k, v have a unit-stride last dim
     shape = (*t.shape[:-1], last)
+    if t.is_contiguous():  # the dims' own order; a quarter of the general path's host time
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
+    n = t.dim()
+    # Largest stride first; sorted is stable with reverse=True too. q, k, v have a unit-stride last dim.
+    order = sorted(range(n - 1), key=t.stride().__getitem__, reverse=True)
     dense = torch.empty([shape[d] for d in order] + [last], dtype=dtype or t.dtype, device=t.device)
     return dense.permute(*[order.index(d) for d in range(n - 1)], n - 1)
 
