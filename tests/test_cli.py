@@ -263,3 +263,15 @@ def test_help_still_works_and_python_m_uses_the_same_entry_point(monkeypatch, ca
     result = _run("-m", "attngen.cli", "explain", CAUSAL, "--q-len", "1e10")
     assert result.returncode == 2 and result.stderr.startswith("error: Invalid value for '--q-len'")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+
+@pytest.mark.parametrize("q_len, head_dim, dtype, wording", [
+    ("8", "256", "f32", "(1.5x more)"), ("64", "256", "f32", "(about the same)"), ("4096", "128", "bf16", "(3.8x less)")])
+def test_explain_says_whether_traffic_is_more_or_less_than_standard_attention(monkeypatch, capsys, q_len, head_dim,
+                                                                               dtype, wording):
+    # Short sequences with wide f32 heads move more bytes than the N x N matrices they avoid.
+    status, out, err = _attngen(monkeypatch, capsys, "explain", CAUSAL, "--q-len", q_len, "--head-dim", head_dim,
+                                "--dtype", dtype, "--target", "h200")
+    assert status == 0, err
+    assert out.rstrip().endswith(wording)

@@ -134,8 +134,17 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"({100 * costs.flops / costs.dense_flops:.1f}%)",
               f"  HBM traffic (predicted): {describe_bytes(costs.hbm_bytes)} against "
               f"{describe_bytes(costs.standard_hbm_bytes)} for standard attention, which writes and reads "
-              f"the N x N scores and probabilities ({costs.standard_hbm_bytes / costs.hbm_bytes:.1f}x less)"]
+              f"the N x N scores and probabilities ({_how_much(costs.hbm_bytes, costs.standard_hbm_bytes)})"]
     return "\n".join(lines), maps
+
+
+def _how_much(bytes_: float, standard: float) -> str:
+    """How the kernels' traffic compares with standard attention's: short sequences with wide heads
+    can move more bytes than the N x N matrices they avoid."""
+    ratio = max(bytes_, standard) / min(bytes_, standard)
+    if f"{ratio:.1f}" == "1.0":
+        return "about the same"
+    return f"{ratio:.1f}x {'less' if bytes_ < standard else 'more'}"
 
 
 def plot(maps: dict[str, TileMap], title: str, path: Path) -> None:
