@@ -22,6 +22,11 @@ _BRACKETS_OPEN = {"LPAR", "LSQB"}
 # the text) ends in seconds. A person's spec is a few hundred characters.
 MAX_SOURCE_CHARS = 1_000_000
 _BRACKETS_CLOSE = {"RPAR", "RSQB"}
+# Operators of C, Python's bitwise ones and conditional expressions, which the language spells in words:
+# (what was written, what to write instead), longest first.
+_FOREIGN_OPERATORS = [("&&", "'and'"), ("||", "'or'"), ("&", "'and'"), ("|", "'or'"), ("!", "'not'"),
+                      ("~", "'not'"), ("?", "where(cond, a, b)")]
+_FOREIGN_WORDS = {"if": "where(cond, a, b)", "else": "where(cond, a, b)"}
 
 
 class _JoinBracketedLines:
@@ -87,6 +92,17 @@ def _token_text(token: Token) -> str:
     return f"'{token}'"
 
 
+def _foreign_word(source: str, at: Token) -> Token | None:
+    """The first 'if' or 'else' up to the token a syntax error stopped at: a conditional expression,
+    which reads as names (they can never be declared: they are Python keywords) until it breaks."""
+    for token in _parser().lex(source):
+        if token.type == "NAME" and token.value in _FOREIGN_WORDS:
+            return token
+        if token.start_pos is not None and at.start_pos is not None and token.start_pos >= at.start_pos:
+            return None
+    return None
+
+
 def parse(source: str) -> Tree:
     """Parse spec text; raise SpecError at the first syntax error, or at the first character past
     MAX_SOURCE_CHARS."""
@@ -99,10 +115,18 @@ def parse(source: str) -> Tree:
         return _parser().parse(source)
     except UnexpectedCharacters as e:
         char = source[e.pos_in_stream] if e.pos_in_stream < len(source) else ""
+        for written, instead in _FOREIGN_OPERATORS:
+            if source.startswith(written, e.pos_in_stream):
+                raise SpecError(f"unexpected '{written}'; use {instead}",
+                                Position(e.line, e.column, e.column + len(written)), source=source) from None
         raise SpecError(f"unexpected character {char!r}", Position(e.line, e.column, e.column + 1),
                         source=source) from None
     except UnexpectedToken as e:
         token = e.token
+        word = _foreign_word(source, token)
+        if word is not None:
+            raise SpecError(f"unexpected '{word}'; use {_FOREIGN_WORDS[word.value]}",
+                            Position(word.line, word.column, word.column + len(word)), source=source) from None
         # accepts (what the parser state really takes) is exact; expected may list terminals
         # of merged LALR states, such as ')' where no bracket is open.
         expected = _describe_expected(e.accepts or e.expected)
