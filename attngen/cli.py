@@ -11,6 +11,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from attngen.errors import SpecError
+from attngen.version import __version__
 from attngen.analysis.integers import MAX_LENGTH
 from attngen.plan import DTYPES, HEAD_DIMS
 
@@ -27,6 +28,19 @@ DefineOption = Annotated[Optional[list[str]], typer.Option(
     "-D", "--define", metavar="NAME=VALUE", help="Override a param of the spec (repeatable).")]
 TargetOption = Annotated[Optional[str], typer.Option(
     help="Plan for this GPU: a100, h100, h200 or interpreter (default: the GPU here, else the interpreter).")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"attngen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print attngen's version and exit.")] = False,
+) -> None:
+    """Compile attention variants written in the .attn language into fused Triton kernels."""
 
 
 def _usage_error(message: str) -> NoReturn:

@@ -105,6 +105,11 @@ def test_wheel_carries_grammar_templates_and_static_code(tmp_path):
             for p in package.glob(pattern)}
     assert "attngen/frontend/grammar/attn.lark" in data and any(n.endswith("fwd.py.jinja") for n in data)
     assert data <= names, f"missing from the wheel: {sorted(data - names)}"
+    # The package ships its type hints, and the wheel states its license and carries its text.
+    assert "attngen/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)[-10:]
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: MIT" in metadata
 
 
 def test_explain_prints_the_ir_plan_tile_map_and_costs(tmp_path):
@@ -275,3 +280,9 @@ def test_explain_says_whether_traffic_is_more_or_less_than_standard_attention(mo
                                 "--dtype", dtype, "--target", "h200")
     assert status == 0, err
     assert out.rstrip().endswith(wording)
+
+
+def test_version_prints_the_package_version(monkeypatch, capsys):
+    from attngen.version import __version__
+
+    assert _attngen(monkeypatch, capsys, "--version") == (0, f"attngen {__version__}\n", "")
