@@ -215,3 +215,22 @@ def test_command_lines_use_existing_options(page):
         for option in OPTION.findall(rest):
             assert _has_option(command, option), \
                 f"{_rel(page)}: `attngen {command} ... {option}`: {option} is not an option of `attngen {command}`"
+
+
+COMPILE_RUN = re.compile(r"^\$ attngen compile (.+)\nwrote (\S+) \((\d+) lines\)$", re.M)
+
+
+@pytest.mark.parametrize("page", [ROOT / "docs" / "tutorial.md", ROOT / "docs" / "cli.md"], ids=_rel)
+def test_compile_outputs_state_about_the_lines_it_writes(page):
+    # The pages were run on a CPU: without --target, the interpreter's plan. The count moves with
+    # every template change, so the figure shown must only be near it.
+    runs = COMPILE_RUN.findall(page.read_text())
+    assert runs, f"{_rel(page)} shows no `attngen compile` run"
+    for command, _, stated in runs:
+        words = command.split()
+        params = {name: int(value) for name, value in
+                  (words[i + 1].split("=") for i, w in enumerate(words) if w in ("-D", "--define"))}
+        target = words[words.index("--target") + 1] if "--target" in words else "interpreter"
+        lines = len(attngen.compile_source(ROOT / words[0], params=params, target=target).splitlines())
+        assert abs(int(stated) - lines) <= lines / 10, (
+            f"{_rel(page)}: `attngen compile {command}` writes {lines} lines, the page says {stated}")
