@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -396,9 +397,16 @@ def bench_command(
         raise typer.Exit(1)
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    # A user of the command runs no Python of their own: where the warning was raised is noise.
+    return f"warning: {message}\n"
+
+
 def main() -> int:
     """The console script: typer's own usage errors (not an integer, a missing or unknown option) come
-    out as one `error:` line with exit status 2, like attngen's checks, instead of typer's panel."""
+    out as one `error:` line with exit status 2, like attngen's checks, instead of typer's panel;
+    warnings as one `warning:` line each."""
+    warnings.formatwarning = _format_warning
     try:
         # A bare `attngen` shows the help, as `attngen --help` does.
         return app(args=sys.argv[1:] or ["--help"], standalone_mode=False) or 0

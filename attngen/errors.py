@@ -53,3 +53,7 @@ class ArgumentError(ValueError):
 class IndexOutOfRange(ArgumentError):
     """The reference met an input indexed outside its extent (say `doc[q]` with doc sized KV_LEN and
     Q_LEN > KV_LEN): the spec does not define attention for these sizes and inputs."""
+
+
+class SpecWarning(UserWarning):
+    """A spec that is legal but almost certainly not what was meant (a mask that allows no key)."""

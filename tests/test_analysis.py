@@ -240,3 +240,41 @@ def test_is_narrow_tells_banded_and_element_wise_masks_from_dense_ones(mask, nar
     header = "input l: bool[H, *, *]\ninput doc: i32[KV_LEN]\ninput lens: i32[B]\n"
     assert is_narrow(parse_spec(f"attention a\n{header}mask: {mask}\n").mask, {}) is narrow
     assert is_narrow(None, {}) is False
+
+
+@pytest.mark.parametrize("mask, nothing", [
+    ("causal and q - k < window", True),                 # window = 0: a band of no diagonal
+    ("causal and q - k < window + 1", False),
+    ("q > k and k > q", True),
+    ("q == k + 1 and k == q", True),                      # empty over the integers only
+    ("not (q >= k or q < k)", True),
+    ("(q < k and k < q) or causal", False),
+    ("(q < k and k < q) or q < window", True),            # q >= 0
+    ("causal and q - k < window and (q - k) % 2 == 0", True),  # the non-affine term is dropped
+    ("k > q + 1000", False),                              # KV_LEN may exceed Q_LEN
+    ("k < KV_LEN - Q_LEN + q and q < k", False),          # not proven: a size in the offset
+    ("false", True),
+    ("causal", False),
+])
+def test_allows_nothing_is_proven_only_for_empty_masks(mask, nothing):
+    from attngen.analysis.spans import allows_nothing
+
+    spec = parse_spec(f"attention a\nparam window = 0\nmask: {mask}\n")
+    assert allows_nothing(spec.mask, spec.param_values) == nothing
+    # Sound: the mask then allows no element of a grid, nor of a cache call's shifted rows.
+    if nothing:
+        assert not allowed_grid(spec, 24, 40, [0])[1].any()
+
+
+def test_a_param_that_empties_the_mask_is_a_warning_naming_it():
+    import warnings
+
+    from attngen.analysis import analyze
+    from attngen.errors import SpecWarning
+
+    spec = parse_spec("attention sw\nparam window = 8\nmask: causal and q - k < window\n")
+    with pytest.warns(SpecWarning, match=r"'sw': the mask allows no key to any query, at every length with window=-5"):
+        analyze(spec.with_params({"window": -5}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analyze(spec.with_params({"window": 1}))

@@ -286,3 +286,12 @@ def test_version_prints_the_package_version(monkeypatch, capsys):
     from attngen.version import __version__
 
     assert _attngen(monkeypatch, capsys, "--version") == (0, f"attngen {__version__}\n", "")
+
+
+
+def test_a_define_that_empties_the_mask_is_one_warning_line(tmp_path):
+    result = _run("-m", "attngen.cli", "compile", str(ROOT / "specs" / "sliding_window.attn"),
+                  "-o", str(tmp_path / "k.py"), "-D", "window=-5")
+    assert result.returncode == 0 and result.stdout.startswith("wrote "), result.stderr
+    assert result.stderr == ("warning: spec 'sliding_window': the mask allows no key to any query, at every length "
+                             "with window=-5: every output row is 0 and its LSE -inf\n")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
 from attngen import ir
+from attngen.errors import SpecWarning
 from attngen.analysis import spans
 from attngen.analysis import derivatives
 from attngen.analysis import integers
@@ -54,9 +56,18 @@ class Analysis:
     ranges: integers.Ranges
 
 
+def _warn_mask_allows_nothing(spec: ir.Spec) -> None:
+    read = [f"{p.name}={p.value}" for p in spec.params if ir.uses(spec.mask, ir.Param, p.name)]
+    warnings.warn(SpecWarning(
+        f"spec {spec.name!r}: the mask allows no key to any query, at every length"
+        f"{' with ' + ', '.join(read) if read else ''}: every output row is 0 and its LSE -inf"), stacklevel=3)
+
+
 def analyze(spec: ir.Spec) -> Analysis:
     """Every fact about `spec` that planning, emission and the reports use."""
     params = spec.param_values
+    if spans.allows_nothing(spec.mask, params):
+        _warn_mask_allows_nothing(spec)
     limit, culprit = integers.length_limit(spec)
     regions = spans.regions(spec.mask, params)
     steps = spans.block_steps(spec.mask, params)

@@ -19,6 +19,7 @@ from fractions import Fraction
 from typing import Mapping
 
 from attngen import ir
+from attngen.analysis import intervals
 
 # A gate's sentinels: far outside any sequence, so a closed gate empties a span and an open one
 # leaves the other side of a min/max in charge. Kernels clamp bounds to [0, LEN] afterwards.
@@ -404,3 +405,69 @@ def block_steps(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[st
     if mask is not None:
         visit(mask)
     return {name: 0 if name in broken else (math.gcd(*ds) if ds else None) for name, ds in divisors.items()}
+
+
+def _constant(expr: ir.Expr | None, params: Mapping[str, int | float]) -> int | None:
+    """An atom's constant, when its interval is one int (it reads no size, input or head)."""
+    if expr is None:
+        return 0
+    box = intervals.TileBox((0, 0), (0, 0), params, {}, {})
+    v = intervals.value(expr, box)
+    return int(v.lo) if isinstance(v, intervals.Num) and v.lo == v.hi and not v.is_float else None
+
+
+def _conjuncts(mask: ir.Expr) -> list[ir.Expr]:
+    """The terms of a conjunction, `not` pushed down where it can be."""
+    if isinstance(mask, ir.Binary) and mask.op == "and":
+        return _conjuncts(mask.left) + _conjuncts(mask.right)
+    if isinstance(mask, ir.Unary) and mask.op == "not":
+        pushed = _negate(mask.operand)
+        if pushed is not None:
+            return _conjuncts(pushed)
+    return [mask]
+
+
+def allows_nothing(mask: ir.Expr | None, params: Mapping[str, int | float]) -> bool:
+    """Whether no query is allowed any key, at every length and position: proven over the mask's
+    affine comparisons of q and k with constant offsets (others are dropped, which only widens the
+    allowed set), by Fourier-Motzkin elimination of k over q, k >= 0, each inequality first tightened
+    to its integer points. False means not proven, not that some key is allowed."""
+    if mask is None:
+        return False
+    if isinstance(mask, ir.Const):
+        return not mask.value
+    if isinstance(mask, ir.Binary) and mask.op == "or":
+        return allows_nothing(mask.left, params) and allows_nothing(mask.right, params)
+    rows = [(1, 0, 0), (0, 1, 0)]  # a*q + b*k + c >= 0
+    for term in _conjuncts(mask):
+        if isinstance(term, ir.Const) or (isinstance(term, ir.Binary) and term.op == "or"):
+            if allows_nothing(term, params):
+                return True
+            continue
+        for atom in atoms_ge_zero(term, params) or []:
+            c = _constant(atom.const, params)
+            if c is not None and atom.tq == Term("q") and atom.tk == Term("k"):
+                rows.append((atom.cq, atom.ck, c))
+    return not _feasible(rows)
+
+
+def _tight(a: int, b: int, c: int) -> tuple[int, int, int]:
+    g = math.gcd(a, b)
+    return (a // g, b // g, c // g) if g else (0, 0, c)
+
+
+def _feasible(rows: list[tuple[int, int, int]]) -> bool:
+    """Whether integers q, k satisfy every a*q + b*k + c >= 0 (False only when proven not)."""
+    rows = [_tight(*r) for r in rows]
+    up, down = [r for r in rows if r[1] > 0], [r for r in rows if r[1] < 0]
+    q_rows = [r for r in rows if r[1] == 0]
+    q_rows += [_tight(a1 * -b2 + a2 * b1, 0, c1 * -b2 + c2 * b1) for a1, b1, c1 in up for a2, b2, c2 in down]
+    lo, hi = -math.inf, math.inf
+    for a, _, c in q_rows:
+        if a == 0 and c < 0:
+            return False
+        if a > 0:
+            lo = max(lo, -(c // a))  # q >= ceil(-c / a)
+        elif a < 0:
+            hi = min(hi, c // -a)  # q <= floor(c / -a)
+    return lo <= hi
