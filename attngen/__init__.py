@@ -1,8 +1,16 @@
 """attngen: compile attention variants written in a small language into fused Triton kernels."""
 
+import importlib as _importlib
 import os as _os
+import sys as _sys
 
 from attngen.version import __version__
+
+# The public names, each from the module that defines it. They load on first use, so that the
+# command line's help and spec errors do not wait seconds for torch and triton.
+_PUBLIC = {"Attention": "attngen.api", "build": "attngen.api", "compile_source": "attngen.api",
+           "load_spec": "attngen.api", "parse_spec": "attngen.api", "ArgumentError": "attngen.errors",
+           "SpecError": "attngen.errors", "to_flex": "attngen.flex", "Spec": "attngen.ir", "merge": "attngen.merge"}
 
 
 def _interpret_without_gpu() -> None:
@@ -15,13 +23,35 @@ def _interpret_without_gpu() -> None:
             _os.environ["TRITON_INTERPRET"] = "1"
 
 
-_interpret_without_gpu()
+class _BeforeTriton:
+    """Decides TRITON_INTERPRET when triton is first imported, by attngen or anything else after it,
+    rather than when attngen is: asking torch whether there is a GPU takes seconds."""
 
-from attngen.api import Attention, build, compile_source, load_spec, parse_spec  # noqa: E402
-from attngen.errors import ArgumentError, SpecError  # noqa: E402
-from attngen.flex import to_flex  # noqa: E402
-from attngen.ir import Spec  # noqa: E402
-from attngen.merge import merge  # noqa: E402
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "triton":
+            _sys.meta_path.remove(_BeforeTriton)
+            _interpret_without_gpu()
+        return None  # the ordinary finders import it
+
+
+if "triton" in _sys.modules:  # too late to choose; api.interpreter_problem says so when it matters
+    _interpret_without_gpu()
+elif _BeforeTriton not in _sys.meta_path:
+    _sys.meta_path.insert(0, _BeforeTriton)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])
+
 
 __all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source", "merge",
            "load_spec", "parse_spec", "to_flex", "__version__"]

@@ -13,8 +13,6 @@ import typer
 
 from attngen.errors import SpecError
 from attngen.version import __version__
-from attngen.analysis.integers import MAX_LENGTH
-from attngen.plan import DTYPES, HEAD_DIMS
 
 try:  # typer >= 0.26 vendors click; its usage errors derive from TyperException
     from typer import TyperException as UsageFailure
@@ -87,6 +85,18 @@ def _fail(error: Exception) -> NoReturn:
     _usage_error(str(error))
 
 
+def _read_spec_first(spec: Path, define: list[str] | None) -> None:
+    """Reads the spec and its overrides before anything imports torch and triton (seconds): a wrong
+    spec is reported at once. Reading it again later costs milliseconds."""
+    from attngen.errors import ArgumentError
+    from attngen.frontend import load_spec
+
+    try:
+        load_spec(spec)[0].with_params(_defines(define))
+    except (SpecError, ArgumentError, ValueError) as e:
+        _fail(e)
+
+
 @app.command("compile")
 def compile_command(
     spec: Annotated[Path, typer.Argument(help="The .attn spec file.")],
@@ -95,6 +105,7 @@ def compile_command(
     target: TargetOption = None,
 ) -> None:
     """Write a standalone, readable kernel module (imports only torch and triton) exposing attn()."""
+    _read_spec_first(spec, define)
     from attngen import ArgumentError, SpecError, compile_source
 
     _check_output("--output", output)
@@ -121,6 +132,9 @@ def run_command(
     check: Annotated[bool, typer.Option(help="Compare forward, LSE and all gradients with the float64 reference.")] = True,
 ) -> None:
     """Build a spec and run it forward and backward on random data, checked against the reference."""
+    _read_spec_first(spec, define)
+    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.plan import HEAD_DIMS
     import torch
 
     import attngen
@@ -197,6 +211,9 @@ def explain_command(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the tile maps into this image (needs matplotlib).")] = None,
 ) -> None:
     """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
+    _read_spec_first(spec, define)
+    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.plan import DTYPES, HEAD_DIMS
     from attngen import ArgumentError, SpecError, api
     from attngen.report import explain
 
@@ -235,6 +252,9 @@ def check_command(
     """Fuzz a spec's kernels against the float64 reference over random shapes and inputs, in plain calls
     and KV-cache calls (contiguous and paged, where the spec takes them); on failure, print the
     smallest failing case and a command that reruns it, and exit 1."""
+    _read_spec_first(spec, define)
+    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.plan import HEAD_DIMS
     import torch
 
     import attngen
@@ -330,6 +350,8 @@ def bench_command(
 ) -> None:
     """Time a spec's kernels on the GPU, forward and forward+backward, beside FlexAttention running the same
     variant (attngen.to_flex, torch.compile) and, for plain attention, SDPA's flash and cuDNN backends."""
+    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.plan import HEAD_DIMS
     import torch
 
     from attngen import ArgumentError, SpecError, bench, load_spec

@@ -295,3 +295,36 @@ def test_a_define_that_empties_the_mask_is_one_warning_line(tmp_path):
     assert result.returncode == 0 and result.stdout.startswith("wrote "), result.stderr
     assert result.stderr == ("warning: spec 'sliding_window': the mask allows no key to any query, at every length "
                              "with window=-5: every output row is 0 and its LSE -inf\n")
+
+
+def test_help_and_spec_errors_do_not_import_torch_or_triton(tmp_path):
+    # Importing torch takes seconds; a user's first `--help` or typo should not wait for it.
+    bad = tmp_path / "bad.attn"
+    bad.write_text("attention t\nparam window = 4\nmask: causal && q - k < windw\n")
+    script = f"""
+import sys
+from attngen.cli import main
+for args in (["--help"], ["--version"], ["compile", {str(bad)!r}, "-o", {str(tmp_path / "k.py")!r}]):
+    sys.argv = ["attngen", *args]
+    status = main()
+    print("status", status, sorted(m for m in ("torch", "triton") if m in sys.modules))
+"""
+    result = _run("-c", script)
+    assert result.stdout.count("status") == 3, result.stderr
+    assert "status 0 []" in result.stdout and "status 1 []" in result.stdout, result.stdout
+    assert "unexpected '&&'; use 'and'" in result.stderr
+
+
+def test_attngen_asks_for_the_interpreter_when_triton_is_first_imported(tmp_path):
+    script = """
+import os, sys, attngen
+assert "torch" not in sys.modules and "triton" not in sys.modules
+import triton
+import torch
+print(os.environ.get("TRITON_INTERPRET"), torch.cuda.is_available())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    value, gpu = result.stdout.split()
+    assert value == ("None" if gpu == "True" else "1")

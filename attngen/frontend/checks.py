@@ -10,13 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from attngen import ir
 from attngen.errors import ArgumentError
 from attngen.analysis.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
 from attngen.frontend.printer import expr_to_source, host_scale
-from attngen.reference import Env, evaluate_expr
 
 # A spec whose ints overflow int64 below this length is rejected: it could serve only toy
 # sequences, so the overflow is more likely a mistake than a design. Above it, the generated
@@ -29,7 +26,6 @@ _DIVIDES = {"div": "/", "floordiv": "//", "mod": "%"}
 # With |scale| <= 2**15, q and k whose entries lie within +-1 (|q.k| <= D <= 256) give base-2 scores
 # below 2**15 * log2(e) * 2**8 < 2**24.
 MAX_SCALE = 2.0 ** 15
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -105,6 +101,12 @@ def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
     (`reference.Env.constant_dtype`, `emit.fold`): one finite in float64 but not in float32 (`1e39`,
     `1e20 * 1e20`, `exp(100.0)`) would turn the spec's finite number into inf, so it is rejected
     (innermost first; inf itself, and what inf makes, are the spec's own)."""
+    # Imported here: a spec that fails before its numbers are checked is reported without torch.
+    import torch
+
+    from attngen.reference import Env, evaluate_expr
+
+    float32_max = float(torch.finfo(torch.float32).max)
     params = {p.name: torch.tensor(p.value, dtype={"int": torch.int64, "float": torch.float64}[p.type])
               for p in spec.params}
     found, flagged = [], set()
@@ -120,7 +122,7 @@ def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
             if math.isfinite(wide) and not math.isfinite(narrow):
                 flagged.add(id(node))
                 found.append(Problem(node, f"'{expr_to_source(node)}' must be finite in float32, the precision "
-                                           f"of the kernels' float constants (|x| <= {_FLOAT32_MAX:.8g}), "
+                                           f"of the kernels' float constants (|x| <= {float32_max:.8g}), "
                                            f"got {narrow} ({_number(wide)} in float64)"))
     return found
 
