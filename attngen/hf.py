@@ -6,6 +6,14 @@ sliding-window causal or bidirectional), the offset between query and key positi
 padding mask aligned to the keys. The attention function (`attention_forward`) maps that and the
 call's scaling, softcap and sliding_window to a spec, built once per distinct combination.
 
+The pattern is recognised from what the mask function computes, through transformers' documented
+contract (f(batch_idx, head_idx, q_idx, kv_idx) -> bool on index tensors) and the mask interface's
+local_size (the window of sliding layers): the function is called at a few of the call's positions
+to find the pattern, then checked at a sample of (batch, query, key) points (every pair for calls of
+at most 64 keys). So a function written afresh is recognised as transformers' own are, and one that
+differs anywhere in the sample (chunked, packed-sequence, sinks, a window other than local_size) is
+refused with the point where it differs (see _recognised).
+
 Positions are transformers' own: query row i is at q_offset + i, key j at kv_offset + j (a
 sliding-window cache layer keeps only the newest keys, so its kv_offset grows). The specs read
 `offset = q_offset - kv_offset` as an `i32[]` input, so one kernel serves prefill and every
@@ -16,10 +24,10 @@ token) gets 0, as with sdpa; eager averages every key there. Only padding positi
 
 Under torch.compile a forward (prefill or decoding step) of transformers' models has no graph break,
 so fullgraph=True works: kernels are built, and the mask functions the forward makes are read, while
-dynamo traces (see _build). Every value that picks a kernel is one dynamo guards on, so a call with
-another window, padding, scale or cap recompiles; a mask function made outside the compiled code,
-whose window dynamo would not guard on, is read in eager after a graph break. Refusals are the
-eager ones, fullgraph=True or not (see _refused).
+dynamo traces (see _build, _constant_pattern). Every value that picks a kernel is one dynamo guards
+on, so a call with another window, padding, scale or cap recompiles; a mask function made outside the
+compiled code, or over traced values, which dynamo would not guard on, is read in eager after a graph
+break. Refusals are the eager ones, fullgraph=True or not (see _refused).
 
 On a machine without a GPU, import attngen.hf before transformers' model classes: those import
 triton, which must see the TRITON_INTERPRET=1 that attngen sets (register() says so if not).
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import types
 from dataclasses import dataclass
 
@@ -50,8 +59,9 @@ _INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "outpu
 class AttngenMask:
     """What the attention calls of one forward need, in place of a 4-D mask.
 
-    causal: keys after the query are masked; window: keys `window` or more positions behind the
-    query are masked too (None: no window); offset: i32[] tensor q_offset - kv_offset, so query row
+    causal: keys after the query are masked (None: the call has one key, where causal and
+    bidirectional agree, so the attention call's is_causal decides); window: keys `window` or more
+    positions behind the query are masked too (None: no window); offset: i32[] tensor q_offset - kv_offset, so query row
     q and key k are q + offset - k apart; keep: bool (B, kv_length), the padding mask aligned to
     the keys (None: no padding).
     """
@@ -105,6 +115,9 @@ def spec_text(causal: bool, window: int | None, padded: bool, scale: float, soft
     return "\n".join(lines) + "\n"
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _int(value, name: str) -> str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _refused(f"{name} must be a positive int, got {value!r}")
@@ -112,9 +125,10 @@ def _int(value, name: str) -> str:
 
 
 def _float(value, name: str, positive: bool = False) -> str:
+    # Finite in float32: the kernels hold float constants as float32 numbers (the language refuses others).
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or (positive and value <= 0)):
-        raise _refused(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
+            or abs(value) > _FLOAT32_MAX or (positive and value <= 0)):
+        raise _refused(f"{name} must be a finite {'positive ' if positive else ''}number (float32), got {value!r}")
     return repr(float(value))  # the shortest text that reads back as the same double; the grammar's NUMBER
 
 
@@ -151,94 +165,161 @@ def _build(text: str) -> str:
     return name
 
 
-# transformers' mask functions are closures: the code object of each factory's inner function
-# identifies the pattern exactly, and its closure cells hold the parts and the window.
-_AND_CODE = mu.and_masks(mu.causal_mask_function).__code__
-_WINDOW_CODE = mu.sliding_window_overlay(1).__code__
+# Masks are recognised by calling them, as transformers' mask interfaces do: a mask function is
+# f(batch_idx, head_idx, q_idx, kv_idx) -> bool over broadcastable index tensors (here flat CPU ones, so
+# an index-only function costs no device sync). The pattern is read at a few positions, then checked at
+# a sample of (batch, query, key) points: corners, the diagonal and the window's edges of many rows,
+# and pseudo-random pairs (every pair when the call has at most _EVERY_PAIR keys).
+_EVERY_PAIR = 64
+_SYNTHETIC_KEYS = 2**31 - 1  # the positions a function dynamo rebuilt from constants is read at (see _pattern)
 
 
-def _pattern(mask_function, local_size) -> tuple[bool, int | None]:
-    """(causal, window) of one of transformers' mask functions; anything else is refused."""
-    if mask_function is mu.causal_mask_function:
-        return True, None
-    if mask_function is mu.bidirectional_mask_function:
-        return False, None
-    window = None
-    if getattr(mask_function, "__code__", None) is _AND_CODE:  # under dynamo too, which cannot read __closure__
-        window = _traced_window(mask_function) if torch.compiler.is_compiling() else _window(mask_function)
-    if window is None:
-        name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
-        raise _refused(f"mask_function must be transformers' causal, sliding-window causal or bidirectional "
-                            f"mask, got {name} (chunked, packed-sequence and or/and-combined masks are not "
-                            f"supported by attngen.hf)")
-    _int(window, "the mask function's sliding_window")
-    if local_size is not None and local_size != window:
-        raise _refused(f"local_size must equal the mask function's sliding window {window}, got {local_size!r}")
-    return True, window
+def _pattern(mask_function, local_size, batch_size: int, kv_offset: int, kv_length: int):
+    """(causal, window) of mask_function, as _recognised finds them; anything else is refused."""
+    if torch.compiler.is_compiling():
+        # A closure over values dynamo traces (tensors, symbolic ints: packed-sequence and chunked masks,
+        # a window made symbolic by a recompile) cannot be handed to _constant_pattern; repr() of one is
+        # a graph break, after which this call runs in eager and _eager_pattern reads it.
+        repr(mask_function)
+        exact, found = _constant_pattern(mask_function, mask_function, local_size)
+        if not exact:
+            found = _eager_pattern(mask_function, local_size, batch_size, kv_offset, kv_length)
+    else:
+        found = _recognised(mask_function, local_size, batch_size, kv_offset, kv_length)
+    if isinstance(found, str):
+        raise _refused(found)
+    return found
 
 
-def _window(mask_function) -> int | None:
-    """w when mask_function, an and_masks closure, is exactly and_masks(sliding_window_overlay(w),
-    causal_mask_function) in either order (transformers' sliding_window_causal_mask_function, or an
-    and_mask_function overlay on the causal mask); None for any other."""
-    parts = _cell(mask_function, _AND_CODE, "mask_functions")
-    if len(parts) != 2 or mu.causal_mask_function not in parts:
-        return None
-    return _cell(parts[1] if parts[0] is mu.causal_mask_function else parts[0], _WINDOW_CODE, "sliding_window")
+def _recognised(mask_function, local_size, batch_size: int, first: int, count: int):
+    """(causal, window) when mask_function is causal, sliding-window causal or bidirectional at the key
+    positions first .. first + count - 1 (those of the call, at which it may read tensors of that size)
+    for every batch row, else the message refusing it. causal is None when there is one key, where the
+    two agree; local_size, when given, must be the window."""
+    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1):
+        return f"local_size must be a positive int, got {local_size!r}"
+    last = first + count - 1
+    try:
+        # One call: the first query and the last key, the last query and the first key, and the last
+        # query's keys on either side of local_size's window edge.
+        edge = [] if local_size is None or local_size >= count else [last - local_size + 1, last - local_size]
+        seen = _allowed(mask_function, 1, [first, last] + [last] * len(edge), [last, first] + edge).tolist()
+        causal = None if count == 1 else not seen[0]
+        window = None
+        if causal and not seen[1] and (local_size is None or seen[2:] != [True, False]):
+            window = _first_masked_distance(mask_function, last, count - 1)
+        if local_size is not None and causal is not False:
+            if causal and seen[1] and local_size < count:
+                return (f"local_size must equal the mask function's sliding window, got {local_size!r}, but the "
+                        f"query at position {last} sees the key {count - 1} positions behind it")
+            if window is not None and window != local_size:
+                return f"local_size must equal the mask function's sliding window {window}, got {local_size!r}"
+            window = local_size
+        q, k = _sample(first, last, window)
+        got = _allowed(mask_function, batch_size, q, k).reshape(batch_size, -1)
+    except Exception as error:  # any function that is not index-based: say what it raised
+        return (f"mask_function must be an index-based mask f(batch_idx, head_idx, q_idx, kv_idx), got {name}, "
+                f"which raised {type(error).__name__}: {error}")
+    want = ((k <= q) if causal is not False else torch.ones_like(q, dtype=torch.bool))
+    if window is not None:
+        want = want & (q - k < window)
+    wrong = (got != want).nonzero()
+    if len(wrong):
+        b, i = wrong[0].tolist()
+        seen = ("causal" if causal is not False else "bidirectional") + (f" with window {window}" if window else "")
+        return (f"mask_function must be a causal, sliding-window causal or bidirectional mask, got {name}, which "
+                f"gives {bool(got[b, i])} at (batch_idx, q_idx, kv_idx) = ({b}, {int(q[i])}, {int(k[i])}) where "
+                f"the {seen} mask it otherwise matches gives {bool(want[i])} (chunked, packed-sequence and other "
+                f"combined masks are not supported by attngen.hf)")
+    return causal, window
 
 
-def _cell(fn, code, name: str):
-    if getattr(fn, "__code__", None) is not code:
-        return None
-    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+def _allowed(mask_function, batch_size: int, q, k) -> torch.Tensor:
+    """mask_function at every batch row and (q[i], k[i]) pair, as bool (batch_size * len(q),)."""
+    q, k = torch.as_tensor(q, dtype=torch.long), torch.as_tensor(k, dtype=torch.long)
+    b = torch.zeros_like(q)
+    if batch_size > 1:
+        b = torch.arange(batch_size).repeat_interleave(len(q))
+        q, k = q.repeat(batch_size), k.repeat(batch_size)
+    out = mask_function(b, torch.zeros_like(b), q, k)
+    return torch.as_tensor(out).to(device="cpu", dtype=torch.bool).expand(b.shape)
 
 
-def _traced_window(mask_function) -> int | None:
-    """_window(mask_function) while dynamo traces: a constant where that is exact, else read in eager."""
-    # _constant_window needs the closure as a constant, which dynamo cannot make of one over tensors
-    # (packed-sequence and chunked masks): it fails inside dynamo then, with no word of the mask. repr()
-    # of such a closure is a graph break instead, after which this call runs in eager and refuses it.
-    repr(mask_function)
-    exact, window = _constant_window(mask_function, mask_function)
-    return window if exact else _eager_window(mask_function)
+def _first_masked_distance(mask_function, query: int, masked: int) -> int:
+    """The smallest d such that the query at `query` masks the key d positions behind it, knowing it masks
+    the one `masked` behind (a window's edge: every row of the sample checks the keys on either side)."""
+    seen = 0
+    while masked - seen > 1:
+        distances = torch.arange(seen + 1, masked, max(1, -(-(masked - seen - 1) // 64)))
+        hits = (~_allowed(mask_function, 1, torch.full_like(distances, query), query - distances)).nonzero()
+        if len(hits):
+            masked = int(distances[hits[0, 0]])
+            seen = int(distances[hits[0, 0] - 1]) if hits[0, 0] > 0 else seen
+        else:
+            seen = int(distances[-1])
+    return masked
+
+
+def _sample(first: int, last: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k): every pair of positions in first .. last when there are at most _EVERY_PAIR, else for
+    the first, last, middle, window-edge and 16 pseudo-random rows the keys at both ends, beside the
+    diagonal, at both sides of the window's edge and at 8 pseudo-random positions."""
+    if last - first < _EVERY_PAIR:
+        positions = torch.arange(first, last + 1)
+        return positions.repeat_interleave(len(positions)), positions.repeat(len(positions))
+    draw = random.Random(0).randint  # the same sample every call
+    edges = [] if window is None else [first + window - 1, first + window, first + window + 1]
+    rows = [first, first + 1, (first + last) // 2, last - 1, last] + edges + [draw(first, last) for _ in range(16)]
+    near = [0, -1, 1] + ([] if window is None else [1 - window, -window])
+    pairs = [(q, min(max(key, first), last)) for q in (min(r, last) for r in rows)
+             for key in [q + d for d in near] + [first, last] + [draw(first, last) for _ in range(8)]]
+    return torch.tensor(pairs).T
 
 
 @torch.compiler.assume_constant_result
-def _constant_window(mask_function, same_mask_function) -> tuple[bool, int | None]:
-    """(exact, _window(mask_function)), called by dynamo with one traced function as both arguments.
+def _constant_pattern(mask_function, same_mask_function, local_size) -> tuple[bool, object]:
+    """(exact, _recognised(mask_function) at _SYNTHETIC_KEYS positions), called by dynamo with one traced
+    function as both arguments, and kept as a constant.
 
-    Dynamo passes a function made in the traced code (transformers makes its masks in the forward)
-    as a new function for each argument, rebuilt from the cell values it traced, which it guards on.
-    A function made outside it arrives as itself, the same object twice, and dynamo guards only its
-    code, not the cells this call reads: its window could change unseen, so the result is not exact
-    and the window is read in eager. _window reads the cells of mask_function and of its parts, no
-    deeper, so those are the functions checked.
+    Dynamo passes a function made in the traced code (transformers makes its masks in the forward) as a
+    new function for each argument, rebuilt from the values it traced, which it guards on; such a
+    function reads no tensor, so any positions may be read. A function made outside arrives as itself,
+    the same object twice, and dynamo guards only its code, not what it closes over: what it computes
+    could change unseen, so the result is not exact and the function is read in eager.
     """
-    parts = zip(_cell(mask_function, _AND_CODE, "mask_functions"),
-                _cell(same_mask_function, _AND_CODE, "mask_functions"))
-    exact = _rebuilt(mask_function, same_mask_function) and all(_rebuilt(a, b) for a, b in parts)
-    return exact, _window(mask_function)
+    if not _rebuilt(mask_function, same_mask_function):
+        return False, None
+    return True, _recognised(mask_function, local_size, 1, 0, _SYNTHETIC_KEYS)
 
 
 def _rebuilt(first, second) -> bool:
-    """Whether two arguments of one _constant_window call are dynamo's two copies of one traced
-    function, or a function with no cells, which has nothing dynamo would need to guard."""
-    functions = isinstance(first, types.FunctionType) and isinstance(second, types.FunctionType)
-    return functions and (first is not second or first.__closure__ is None)
+    """Whether dynamo guards all that two copies of one traced function compute with: every function
+    among them and what they close over (tuples too) is one dynamo rebuilt (two distinct copies) or
+    closes over nothing (a plain function, which dynamo guards by identity). This reads closures only
+    to ask dynamo's question; the mask itself is recognised by calling it."""
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        return len(first) == len(second) and all(_rebuilt(a, b) for a, b in zip(first, second))
+    if not isinstance(first, types.FunctionType):
+        return not callable(first)
+    if not isinstance(second, types.FunctionType) or (first is second and first.__closure__ is not None):
+        return False
+    cells = zip(first.__closure__ or (), second.__closure__ or ())
+    return all(_rebuilt(a.cell_contents, b.cell_contents) for a, b in cells)
 
 
-_eager_window = torch.compiler.disable(_window)  # a graph break: for the closures _constant_window cannot trust
+_eager_pattern = torch.compiler.disable(_recognised)  # a graph break: for the functions dynamo does not rebuild
 
 
 def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                  mask_function=mu.causal_mask_function, attention_mask: torch.Tensor | None = None,
                  local_size: int | None = None, device=None, **kwargs) -> AttngenMask:
     """transformers' mask interface: the AttngenMask of queries at q_offset + i and keys at kv_offset + j."""
-    causal, window = _pattern(mask_function, local_size)
-    if isinstance(attention_mask, AttngenMask):
-        return _prepared(attention_mask, batch_size, q_length, kv_length, causal, window)
     if isinstance(kv_offset, bool) or not isinstance(kv_offset, int):
         raise _refused(f"kv_offset must be an int, got {kv_offset!r}")
+    causal, window = _pattern(mask_function, local_size, batch_size, kv_offset, kv_length)
+    if isinstance(attention_mask, AttngenMask):
+        return _prepared(attention_mask, batch_size, q_length, kv_length, causal, window)
     device = torch.device(device if device is not None else "cpu")
     if isinstance(q_offset, torch.Tensor):  # a static cache's length stays on the device: no sync
         offset = (q_offset.to(device) - kv_offset).to(torch.int32).reshape(())
@@ -310,7 +391,7 @@ def _mask_inputs(mask, query, key, causal: bool, sliding_window):
     if (mask.batch_size, mask.q_length, mask.kv_length) != (B, Q_LEN, KV_LEN):
         raise _refused(f"attention_mask must be built for (B, Q_LEN, KV_LEN) = {(B, Q_LEN, KV_LEN)}, "
                             f"got one for {(mask.batch_size, mask.q_length, mask.kv_length)}")
-    if mask.causal != causal:
+    if mask.causal is not None and mask.causal != causal:
         # transformers' own backends disagree on such a call: eager follows the mask, sdpa and flash is_causal.
         raise _refused(f"is_causal (or module.is_causal) must agree with the mask transformers built "
                             f"({'causal' if mask.causal else 'bidirectional'}), got {causal!r}")
@@ -324,16 +405,6 @@ def _brief(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-D {value.dtype} tensor of shape {tuple(value.shape)}"
     return repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
-
-
-def _check_transformers_semantics() -> None:
-    # The specs say `k <= q + offset` and `q + offset - k < window`: stop if this transformers means otherwise.
-    window, overlay = 3, mu.sliding_window_overlay(3)
-    for q in range(8):
-        for k in range(8):
-            if bool(mu.causal_mask_function(0, 0, q, k)) != (k <= q) or bool(overlay(0, 0, q, k)) != (q - k < window):
-                raise RuntimeError(f"transformers' causal or sliding-window mask at q={q}, k={k} differs from "
-                                   f"attngen.hf's specs: this transformers version is not supported")
 
 
 def register(name: str = "attngen") -> None:
@@ -350,6 +421,5 @@ def register(name: str = "attngen") -> None:
         raise RuntimeError("triton was imported before attngen could ask for its interpreter (transformers' "
                            "model classes import it): import attngen.hf first, or set TRITON_INTERPRET=1 "
                            "in the environment")
-    _check_transformers_semantics()
     AttentionInterface.register(name, attention_forward)
     mu.AttentionMaskInterface.register(name, prepare_mask)

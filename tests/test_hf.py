@@ -290,10 +290,11 @@ def test_spec_text_is_a_fixed_template_with_checked_numbers():
         "scale: 0.25\n"
         "score: softcap(score, 1.5)\n")
     assert hf.spec_text(False, None, False, 1e-05, None) == "attention hf_full\nscale: 1e-05\n"
-    for scale, cap in ((0.1 + 0.2, 2**-0.5), (1e-300, 50), (3, 1e300)):  # every number reads back as given
+    for scale, cap in ((0.1 + 0.2, 2**-0.5), (1e-300, 50), (3, 3e38)):  # every number reads back as given
         spec = attngen.parse_spec(hf.spec_text(True, None, False, scale, cap))
         assert spec.scale.value == scale and spec.score.args[1].value == cap
     bad = [dict(scale=float("nan")), dict(scale="0.25"), dict(softcap=float("inf")), dict(softcap=0.0),
+           dict(softcap=1e300),  # finite, but not in float32, where the kernels hold it
            dict(softcap="1.0) or true"), dict(window=2.5), dict(window=True), dict(window=0),
            dict(window="6 or true")]
     for overrides in bad:
@@ -395,6 +396,76 @@ def test_call_level_refusals():
         hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, attention_mask=window_mask)
 
 
+def _first_key(batch_idx, head_idx, q_idx, kv_idx):
+    """An attention sink's mask overlay: every query sees the first key."""
+    return kv_idx == 0
+
+
+def _recognised(mask_function, length=20, local_size=None):
+    mask = hf.prepare_mask(batch_size=2, q_length=length, kv_length=length, mask_function=mask_function,
+                           local_size=local_size)
+    return mask.causal, mask.window
+
+
+def test_masks_are_recognised_by_what_they_compute():
+    """Functions written afresh, and transformers' own combined differently, are recognised as the masks
+    they compute, at every length: the window from local_size where the call's keys cannot show it."""
+    def window(w):
+        return lambda b, h, q, k: (k <= q) & (k > q - w)
+
+    same = {
+        (True, None): [mu.causal_mask_function, lambda b, h, q, k: q >= k,
+                       mu.or_masks(mu.causal_mask_function, mu.and_masks(mu.causal_mask_function, _first_key))],
+        (False, None): [mu.bidirectional_mask_function, lambda b, h, q, k: torch.ones_like(q, dtype=torch.bool),
+                        mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3))],  # allows every key
+        (True, WINDOW): [mu.sliding_window_causal_mask_function(WINDOW), window(WINDOW),
+                         mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(WINDOW + 2), window(WINDOW))],
+    }
+    for (causal, w), functions in same.items():
+        for function in functions:
+            for length in (3, 20, 1000):  # 1000: a sample of the pairs, not every one
+                local_size = w if w is not None and length <= w else None
+                assert _recognised(function, length, local_size) == (causal, w), (function, length)
+    assert _recognised(window(4096), 1000, local_size=4096) == (True, 4096)
+    assert _recognised(mu.causal_mask_function, 1) == (None, None)  # one key: causal or not, the same
+
+
+def test_model_with_its_own_mask_functions_matches_eager(models, monkeypatch):
+    """Mistral's sliding-window mask made by a function written afresh, for attngen and eager alike."""
+    def sliding_window_causal_mask_function(sliding_window):
+        return lambda b, h, q, k: (q - k >= 0) & (q - k < sliding_window)
+
+    monkeypatch.setattr(mu, "sliding_window_causal_mask_function", sliding_window_causal_mask_function)
+    ids, mask = _inputs(20, "left")
+    actual, eager = (_logits(models["mistral"], implementation, ids, mask) for implementation in ("attngen", "eager"))
+    _assert_close_logits("mistral logits", actual[mask.bool()], eager[mask.bool()])
+
+
+@pytest.mark.parametrize("length", [20, 1000])
+def test_masks_that_only_look_alike_are_refused(length):
+    """Chunked, packed-sequence and sink masks agree with a causal or windowed mask at many pairs but not
+    all; a window is refused when local_size says another."""
+    half = torch.tensor([[0] * (length // 2) + [1] * (length - length // 2)] * 2)
+    chunk = length // 5
+    refused = {
+        "chunked": (mu.chunked_causal_mask_function(chunk, torch.zeros(2, dtype=torch.long)), chunk,
+                    "mask_function must be a causal, sliding-window causal or bidirectional mask"),
+        "chunked, left-padded": (mu.chunked_causal_mask_function(chunk, torch.tensor([0, 3])), chunk,
+                                 "mask_function must be a causal"),
+        "packed": (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(half)), None,
+                   r"mask_function must be a causal.* gives False at \(batch_idx, q_idx, kv_idx\)"),
+        "window and sink": (mu.or_masks(mu.sliding_window_causal_mask_function(WINDOW), _first_key), WINDOW,
+                            "(mask_function|local_size) must"),  # the first key is seen from afar
+        "another window": (mu.sliding_window_causal_mask_function(WINDOW), WINDOW - 1,
+                           f"local_size must equal the mask function's sliding window {WINDOW}, got {WINDOW - 1}"),
+        "no window": (mu.causal_mask_function, WINDOW, "local_size must equal .* sees the key"),
+        "not index-based": (lambda b, h, q, k: bool(k <= q), None, "mask_function must be an index-based mask"),
+    }
+    for case, (function, local_size, message) in refused.items():
+        with pytest.raises(attngen.ArgumentError, match=message):
+            _recognised(function, length, local_size)
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -483,7 +554,8 @@ def test_compiled_calls_run_each_calls_kernel(fresh_dynamo):
 
 
 def _compiled_window(mask_function, local_size=None):
-    return hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, mask_function=mask_function,
+    """The window of a call with 8 keys, more than any window below: there every window shows."""
+    return hf.prepare_mask(batch_size=1, q_length=8, kv_length=8, mask_function=mask_function,
                            local_size=local_size).window
 
 
@@ -512,14 +584,14 @@ def test_compiled_refusals_are_the_eager_ones(fresh_dynamo):
         "packed": (lambda x: _compiled_window(mu.and_masks(mu.causal_mask_function,
                                                            mu.packed_sequence_mask_function(x))), "mask_function must"),
         "chunked": (lambda x: _compiled_window(mu.chunked_causal_mask_function(2, x[:, 0])), "mask_function must"),
-        "or": (lambda x: _compiled_window(mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3))),
+        "or": (lambda x: _compiled_window(mu.or_masks(mu.sliding_window_causal_mask_function(3), _first_key)),
                "mask_function must"),
         "local_size": (lambda x: _compiled_window(mu.sliding_window_causal_mask_function(3), 4), "local_size must"),
     }
     for case, (function, message) in refused.items():
         torch._dynamo.reset()
         with pytest.raises(attngen.ArgumentError, match=message):
-            torch.compile(function, backend="aot_eager")(torch.zeros(1, 4, dtype=torch.long))
+            torch.compile(function, backend="aot_eager")(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]))  # 2 sequences
 
 
 def test_compiled_refusals_are_the_eager_ones_with_fullgraph(fresh_dynamo):
@@ -527,7 +599,7 @@ def test_compiled_refusals_are_the_eager_ones_with_fullgraph(fresh_dynamo):
     q, k, v = testing.random_qkv(1, 4, 2, 4, 4, 16, 16, torch.float32, device="cpu", seed=5)
     causal = SimpleNamespace(training=False, is_causal=True)
     refused = {
-        "or": (lambda x: _compiled_window(mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3))),
+        "or": (lambda x: _compiled_window(mu.or_masks(mu.sliding_window_causal_mask_function(3), _first_key)),
                "mask_function must"),
         "local_size": (lambda x: _compiled_window(mu.sliding_window_causal_mask_function(3), 4), "local_size must"),
         "sliding_window": (lambda x: hf.attention_forward(causal, x, k, v, hf.prepare_mask(1, 4, 4), sliding_window=3),
