@@ -27,10 +27,11 @@ class Attention:
     module: ModuleType
     path: Path
 
-    def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse: bool = False,
-                 tile_tables=None, **inputs):
+    def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None, **inputs):
         return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
-                                return_lse=return_lse, tile_tables=tile_tables, **inputs)
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables, **inputs)
 
     def tile_tables(self, q, k, v, **inputs):
         """The tile tables of these mask inputs, to pass as attn(q, k, v, tile_tables=..., **inputs)
@@ -38,17 +39,21 @@ class Attention:
         again whenever the values the mask reads change: a call cannot tell they are stale."""
         return self.module.tile_tables(q, k, v, **inputs)
 
-    def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs) -> str:
+    def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs) -> str:
         """The kernel family whose forward kernel a call with these arguments runs ("decode", "hopper"
         or "portable"): each family's rule on the call's shapes and device picks it (`attngen explain`
-        lists them)."""
+        lists them); a packed call runs the portable kernels."""
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
-                                          **inputs)
+                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **inputs)
 
-    def backward_family(self, q, k, v, **inputs) -> str:
+    def backward_family(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, **inputs) -> str:
         """The kernel family whose backward kernels a training call with these arguments runs
         ("hopper" or "portable"), by the same kind of per-call rule as forward_family."""
-        return self.module.backward_family(q, k, v, **inputs)
+        return self.module.backward_family(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **inputs)
 
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""

@@ -30,14 +30,25 @@ class Env:
     constant_dtype: torch.dtype = torch.float32
 
 
+@dataclass(frozen=True)
+class PackedRow:
+    """One sequence of a packed call, evaluated as a batch of one row: its index `b` among `B` sequences, and
+    the call's max_seqlen_q/k, the length of an input dim declared Q_LEN/KV_LEN."""
+    b: int
+    B: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D: int,
              inputs: Mapping[str, Tensor] | None = None, float_dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", kv_len: Tensor | None = None,
-             q_offset: Tensor | None = None) -> Env:
+             q_offset: Tensor | None = None, row: PackedRow | None = None) -> Env:
     """The environment of the (B, H, Q_LEN, KV_LEN) grid: each index variable varies along its own axis.
     A cache call (`kv_len`, `q_offset`: (B,) ints) puts query i of row b at position q_offset[b] + i
     (Q_OFFSET, which `causal_bottom_right` reads to find the row; 0 without q_offset) and makes
-    KV_LEN row b's kv_len[b]."""
+    KV_LEN row b's kv_len[b]. `row`: the grid (B = 1) is that sequence of a packed call, whose `b` and `B`
+    it gives."""
     def axis(n: int, dim: int) -> Tensor:
         return torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
 
@@ -49,6 +60,8 @@ def make_env(spec: Spec, *, B: int, H: int, HKV: int, Q_LEN: int, KV_LEN: int, D
     values = {"b": axis(B, 0), "h": h, "hkv": h // (H // HKV), "q": q, "k": axis(KV_LEN, 3)}
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "D": D}
     values |= {name: torch.tensor(n, device=device) for name, n in sizes.items()}
+    if row is not None:
+        values |= {"b": torch.full((1, 1, 1, 1), row.b, device=device), "B": torch.tensor(row.B, device=device)}
     values["Q_OFFSET"] = torch.tensor(0, device=device) if q_offset is None else per_row(q_offset)
     if kv_len is not None:
         values["KV_LEN"] = per_row(kv_len)
@@ -100,7 +113,8 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 
 
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
-             kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             kv_len: Tensor | None = None, q_offset: Tensor | None = None,
+             row: PackedRow | None = None) -> tuple[Tensor, Tensor]:
     """(O, LSE) of the spec, exactly as DSL.md defines them; differentiable in q, k, v and the inputs.
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
@@ -110,30 +124,56 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     query i of row b sits at position q_offset[b] + i (by default kv_len - Q_LEN: the newest tokens;
     0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN, and
     `causal_bottom_right` lets row i see keys k <= i + kv_len[b] - Q_LEN (with the default offset, `causal`).
+    `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
     """
-    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))
+    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row))
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
 
+def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+    """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
+    k (TOTAL_K, HKV, D), v (TOTAL_K, HKV, DV); sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+    of q (and by cu_seqlens_k of k and v), evaluated on its own as a batch row: positions from 0, `b` its
+    index, Q_LEN and KV_LEN its lengths; inputs are the call's (a dim declared Q_LEN or KV_LEN is
+    max_seqlen_q or max_seqlen_k long). Differentiable, as `evaluate`."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    B = len(starts_q) - 1
+    outs, lses = [], []
+    for b in range(B):
+        rows = [t[s:e].transpose(0, 1).unsqueeze(0) for t, s, e in
+                ((q, starts_q[b], starts_q[b + 1]), (k, starts_k[b], starts_k[b + 1]), (v, starts_k[b], starts_k[b + 1]))]
+        out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k))
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
 def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
-                  kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> Tensor:
+                  kv_len: Tensor | None = None, q_offset: Tensor | None = None, row: PackedRow | None = None) -> Tensor:
     """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
-    return _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))[0]
+    return _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row))[0]
 
 
 def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
-                    kv_len: Tensor | None = None, q_offset: Tensor | None = None) -> Tensor:
+                    kv_len: Tensor | None = None, q_offset: Tensor | None = None,
+                    row: PackedRow | None = None) -> Tensor:
     """score' of every (b, h, q, k), -inf where the mask forbids the key (or it lies at or past
-    kv_len[b] in a cache call, as `evaluate` says)."""
+    kv_len[b] in a cache call, as `evaluate` says). `row`: q, k and v (a batch of one) are that sequence
+    of a packed call (evaluate_packed)."""
     B, H, Q_LEN, D = _check_qkv(q, k, v)
     HKV, KV_LEN = k.shape[1], k.shape[2]
     float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-    inputs = _check_inputs(spec, inputs, {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN})
+    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    if row is not None:
+        sizes |= {"B": row.B, "Q_LEN": row.max_seqlen_q, "KV_LEN": row.max_seqlen_k}
+    inputs = _check_inputs(spec, inputs, sizes)
     if kv_len is not None and q_offset is None:
         q_offset = kv_len.long() - Q_LEN
     env = make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
-                   float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset)
+                   float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset, row=row)
     shape = (B, H, Q_LEN, KV_LEN)
 
     k = k.repeat_interleave(H // HKV, dim=1)

@@ -324,14 +324,13 @@ def _tile_range_hook(facts: Analysis, loop: str, offset: str = "") -> Hook:
         "n_full = tl.load(TblNum + 2 * trow + 1)",
         "full_tiles, full_lo, full_hi = masked_tiles + tbl_cols - n_full, 0, n_full",
     ]
-    if facts.tile_table and not offset:
-        return Hook("tile_range", (tile, *POSITIONS), TILE_RANGE, "\n".join(table))
     closed = _closed_tile_range(facts, loop, offset)
     if not facts.tile_table:
         return closed
-    # The forward kernel also runs cache calls, whose query positions a table built for rows 0 ..
-    # Q_LEN - 1 does not describe: those (FOLLOW_TABLE off) visit the closed-form hull of the mask,
-    # every tile with mask code, which is exact, only without skipping the tiles inside the hull.
+    # Calls whose rows a table built for rows 0 .. Q_LEN - 1 of every batch row does not describe (the
+    # forward's cache calls, every kernel's packed calls) follow none (FOLLOW_TABLE off): they visit the
+    # closed-form hull of the mask, every tile with mask code, which is exact, only without skipping the
+    # tiles inside the hull.
     code = ["if FOLLOW_TABLE:", *("    " + line for line in table),
             "else:", *("    " + line for line in closed.code.splitlines())]
     return Hook("tile_range", closed.inputs, TILE_RANGE, "\n".join(code))

@@ -78,6 +78,9 @@ CACHE_FLAGS = ("HAS_KV_LEN", "HAS_Q_OFFSET")
 # the page size are constexprs (K and V then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)).
 PAGE_TABLE = ("PageTable", "stride_pt", "NUM_PAGES")
 PAGING = ("PAGED", "PAGE_SIZE")
+# A packed call's cumulative sequence lengths ((B + 1,) int32) and its number of query tokens (LSE's row
+# length), read when VARLEN is set; Q_LEN and KV_LEN then arrive as the longest sequence's lengths.
+PACKED = ("CuSeqlensQ", "CuSeqlensK", "TOTAL_Q")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -123,31 +126,36 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
             "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
-            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE),
+            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
+            *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
-             *PAGING)),
+             *PAGING, "VARLEN")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *inputs), _INNER_CONSTANTS),
+            "qk_scale", *POSITIONS, *SIZES, *inputs), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dkdv_program": sig("_bwd_dkdv_program", (
             "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
-            *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits"), _PROGRAM_CONSTANTS),
+            *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads), _INNER_CONSTANTS),
+            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dq_program": sig("_bwd_dq_program", (
             "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
-            *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits"), _PROGRAM_CONSTANTS),
+            *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "bwd_kernel": sig("_bwd_kernel", (
             "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
-            *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ"),
-            (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION")),
+            *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
+            *PACKED),
+            (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
+             "FOLLOW_TABLE", "VARLEN")),
         "decode_fwd": sig("_decode_fwd_kernel", (
             "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
@@ -190,7 +198,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             *SIZES),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
-                                ("BLOCK_M", "BLOCK_N")),
+                                ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
             "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "q_bufs", "do_bufs", "lse_bufs",
             "delta_bufs", "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,

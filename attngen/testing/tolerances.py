@@ -23,8 +23,8 @@ from torch import Tensor
 
 from attngen.emit.static import shared
 from attngen.ir import Load, Spec, walk
-from attngen.reference import (evaluate, evaluate_expr, make_env, modified_scores, probabilities,
-                               scale_value)
+from attngen.reference import (PackedRow, evaluate, evaluate_expr, evaluate_packed, make_env, modified_scores,
+                               probabilities, scale_value)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
            "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
@@ -114,13 +114,15 @@ class ReferenceRun:
 
 def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
                     dtype: torch.dtype | None = None, *, dout: Tensor | None = None,
-                    dlse: Tensor | None = None, cache: Mapping[str, Tensor] | None = None) -> ReferenceRun:
+                    dlse: Tensor | None = None, cache: Mapping[str, Tensor] | None = None,
+                    packed: Mapping | None = None) -> ReferenceRun:
     """Run the reference in float64 (the truth) and in `dtype` (default q's dtype), forward, and
     backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf).
 
     q, k and v are cast to each precision. Tensor inputs enter the low-precision run as given, since the
     kernel reads them so, and the truth with float inputs in float64; learnable ones get gradients.
-    `cache`: a cache call's kv_len and q_offset (reference.evaluate's), if any.
+    `cache`: a cache call's kv_len and q_offset (reference.evaluate's), if any; `packed`: a packed call's
+    cu_seqlens_q/k and max_seqlen_q/k (reference.evaluate_packed's), if any.
     """
     dtype = dtype or q.dtype
     cache = dict(cache or {})
@@ -136,7 +138,10 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
             if x.is_floating_point() and run_dtype == torch.float64:
                 x = x.double()
             run_inputs[name] = x.clone().requires_grad_(grad and name in learnable)
-        out, lse = evaluate(spec, *qkv, run_inputs, **cache)
+        if packed:
+            out, lse = evaluate_packed(spec, *qkv, run_inputs, **packed)
+        else:
+            out, lse = evaluate(spec, *qkv, run_inputs, **cache)
         result = {"out": out.detach(), "lse": lse.detach()}
         if grad:
             outputs, grads_out = [out], [dout.to(out.dtype)]
@@ -221,14 +226,14 @@ FP32_EPS = torch.finfo(torch.float32).eps
 
 def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
                      *, dout: Tensor | None = None, dlse: Tensor | None = None,
-                     cache: Mapping[str, Tensor] | None = None) -> dict[str, float]:
+                     cache: Mapping[str, Tensor] | None = None, row: PackedRow | None = None) -> dict[str, float]:
     """For out, dq, dk and dv: the largest sum of absolute terms the kernel adds up in fp32 for one entry.
 
     Rounding in a sum is proportional to the sum of the absolute values of its terms, not to the
     result: the backward forms dS = P * (dP - delta + dLSE) from dP and delta, which cancel (with a
     single key they cancel exactly), so dq and dk can be tiny while their rounding is not. The
     floor of the tolerance adds FLOOR_ULPS fp32 ulps of these scales (the kernels accumulate in
-    fp32 whatever their input dtype).
+    fp32 whatever their input dtype). `row`: q, k and v are that sequence of a packed call.
     """
     with torch.no_grad():
         qd, kd, vd = (x.detach().to("cpu", torch.float64) for x in (q, k, v))
@@ -236,7 +241,7 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
                for n, x in (inputs or {}).items()}
         group = q.shape[1] // k.shape[1]
         cached = {name: t.detach().cpu() for name, t in (cache or {}).items()}
-        p = probabilities(spec, qd, kd, vd, ins, **cached)
+        p = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
         k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
         out_terms = p @ v_abs
         scales = {"out": out_terms}
@@ -255,7 +260,7 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
 
 
 def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None,
-                        out: Tensor, dout: Tensor) -> dict[str, float]:
+                        out: Tensor, dout: Tensor, *, row: PackedRow | None = None) -> dict[str, float]:
     """For dq, dk and each learnable input's gradient: how far the kernel's own output error moves them.
 
     The backward forms dS = P * (dP - delta) with delta = rowsum(dO * O) read from the forward's
@@ -272,7 +277,7 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
                   for name, x in zip("qkv", (q, k, v)))
     ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()).requires_grad_(n in learnable)
            for n, x in (inputs or {}).items()}
-    score = modified_scores(spec, qd, kd, vd, ins)
+    score = modified_scores(spec, qd, kd, vd, ins, row=row)
     with torch.no_grad():
         p = torch.softmax(score, dim=-1).nan_to_num(0.0)  # rows with no allowed key are all 0
         group = q.shape[1] // k.shape[1]
@@ -283,6 +288,30 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
     effects = _grads([score], leaves, [ds])
     names = ["dq", "dk"] + [f"d_{name}" for name in learnable]
     return {name: float(x.abs().max()) if x.numel() else 0.0 for name, x in zip(names, effects)}
+
+
+def _packed_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor], packed: Mapping,
+                   out: Tensor, dout: Tensor | None, dlse: Tensor | None,
+                   grads: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """summation_scales and output_error_effect of a packed call (check_against_reference's `packed`), from
+    its sequences' own: the largest of each, except a learnable input's effect, which adds up over the
+    sequences as its gradient does."""
+    starts_q, starts_k = packed["cu_seqlens_q"].tolist(), packed["cu_seqlens_k"].tolist()
+    B = len(starts_q) - 1
+    scales = {"lse": 1.0 + math.sqrt(packed["max_seqlen_k"])}  # check_against_reference says why
+    effects: dict[str, float] = {}
+    for b in range(B):
+        row = PackedRow(b, B, packed["max_seqlen_q"], packed["max_seqlen_k"])
+        sq, sk = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        rows = [t.detach()[span].transpose(0, 1).unsqueeze(0) for t, span in ((q, sq), (k, sk), (v, sk))]
+        per_row = lambda t: t.detach()[sq].transpose(0, 1).unsqueeze(0) if t is not None else None  # noqa: E731
+        dl = dlse.detach()[:, sq].unsqueeze(0) if dlse is not None else None
+        for name, x in summation_scales(spec, *rows, inputs, dout=per_row(dout), dlse=dl, row=row).items():
+            scales[name] = max(scales.get(name, 0.0), x)
+        if grads:
+            for name, x in output_error_effect(spec, *rows, inputs, per_row(out), per_row(dout), row=row).items():
+                effects[name] = effects.get(name, 0.0) + x if name.startswith("d_") else max(effects.get(name, 0.0), x)
+    return scales, effects
 
 
 def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tensor]) -> tuple[Tensor, ...]:
@@ -300,12 +329,15 @@ def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tenso
 def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
                             v: Tensor, inputs: Mapping[str, Tensor] | None = None, *, grads: bool = True,
                             factor: float = DEFAULT_FACTOR, seed: int = 0,
-                            cache: Mapping[str, Tensor] | None = None) -> None:
+                            cache: Mapping[str, Tensor] | None = None, packed: Mapping | None = None) -> None:
     """Assert that kernel `fn` computes `spec`: out and lse, and with `grads` dq, dk, dv and the gradient
     of every learnable input, each within the data-derived tolerance of the float64 reference.
 
     `fn` is called as `fn(q, k, v, return_lse=True, **inputs)` (an `attngen.build` callable). The
     backward pass gets a random dO and a random dLSE on the rows where the kernel's LSE is finite.
+    `cache`: a cache call's keywords (no gradients); `packed`: a packed call's (cu_seqlens_q/k,
+    max_seqlen_q/k), whose q, k and v are (TOTAL, heads, D): each sequence is checked against the
+    reference of that sequence alone, its tolerances derived from that sequence's data.
     """
     __tracebackhide__ = True
     inputs = dict(inputs or {})
@@ -315,7 +347,8 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
                      for name, x in inputs.items()}
     cache = dict(cache or {})
     assert not (cache and grads), "cache calls have no backward pass"
-    out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache)
+    packed = dict(packed or {})
+    out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache, **packed)
 
     expected_lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     for name, x, want in (("out", out, q.dtype), ("lse", lse, expected_lse_dtype)):
@@ -328,21 +361,25 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         dout = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
         dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
         dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
-    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache)
-    scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse, cache=cache)
+    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache, packed=packed)
+    if packed:
+        scales, effects = _packed_scales(spec, q, k, v, inputs, packed, out, dout, dlse, grads)
+    else:
+        scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse, cache=cache)
+        # LSE is a logarithm computed in fp32 (through exp2/log2 with log2(e) folded in): even where it is
+        # exactly 0 (one allowed key with score 0) it is only good to ulps of 1, whatever max|LSE| is. Its
+        # argument sums up to KV_LEN exponentials in fp32, whose rounding grows like sqrt(KV_LEN) ulps of
+        # the sum: that many ulps of LSE. (The H200 fuzz found an LSE 12 ulps off at KV_LEN 512 with a
+        # score that ignores q and k, so the reference's own low-precision error, usually far larger, was
+        # near 0.)
+        scales["lse"] = 1.0 + math.sqrt(k.shape[2])
+        effects = output_error_effect(spec, q, k, v, inputs, out, dout) if grads else {}
 
     actual = {"out": out, "lse": lse}
     if grads:
         leaves = qkv + [kernel_inputs[name] for name in learnable]
         kernel_grads = _grads([out, lse], leaves, [dout, dlse])
         actual |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], kernel_grads))
-    # LSE is a logarithm computed in fp32 (through exp2/log2 with log2(e) folded in): even where it is
-    # exactly 0 (one allowed key with score 0) it is only good to ulps of 1, whatever max|LSE| is. Its
-    # argument sums up to KV_LEN exponentials in fp32, whose rounding grows like sqrt(KV_LEN) ulps of the
-    # sum: that many ulps of LSE. (The H200 fuzz found an LSE 12 ulps off at KV_LEN 512 with a score that
-    # ignores q and k, so the reference's own low-precision error, usually far larger, was near 0.)
-    scales["lse"] = 1.0 + math.sqrt(k.shape[2])
-    effects = output_error_effect(spec, q, k, v, inputs, out, dout) if grads else {}
     for name, x in actual.items():
         floor = (default_floor(ref.truth[name], x.dtype) + FLOOR_ULPS * FP32_EPS * scales.get(name, 0.0)
                  + effects.get(name, 0.0))
