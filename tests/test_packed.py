@@ -1,0 +1,150 @@
+"""Packed calls: attn(q, k, v, cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=...) in
+FlashAttention's varlen layout, against the float64 reference of each sequence alone; the grid follows
+the sequences (no program reads another's tokens); their errors; torch.compile."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import reference, testing
+
+SPECS = Path(__file__).parent.parent / "specs"
+CATALOG = sorted(p.stem for p in SPECS.glob("*.attn"))
+H, HKV, D = 4, 2, 16  # GQA
+# Query and key lengths of each sequence: empty ones on either side, single tokens, lengths across tiles.
+LENGTHS_Q = [5, 0, 1, 37, 18, 3]
+LENGTHS_K = [9, 3, 1, 37, 0, 20]
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _case(attn, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, seed=0):
+    """Packed q (TOTAL_Q, H, D), k, v (TOTAL_K, HKV, D), the spec's inputs for the call and its keywords."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), H, D, generator=g)
+    k, v = (torch.randn(sum(lengths_k), HKV, D, generator=g) for _ in range(2))
+    packed = dict(cu_seqlens_q=_offsets(lengths_q), cu_seqlens_k=_offsets(lengths_k),
+                  max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    inputs = testing.random_inputs(attn.spec, len(lengths_q), H, HKV, max(lengths_q), max(lengths_k), seed=seed)
+    return q, k, v, inputs, packed
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_packed_calls_match_the_reference_of_each_sequence(name, build_small):
+    attn = build_small(name)
+    q, k, v, inputs, packed = _case(attn)
+    assert attn.forward_family(q, k, v, **inputs, **packed) == "portable"
+    assert attn.backward_family(q, k, v, **inputs, **packed) == "portable"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+
+
+def test_a_sequence_of_a_packed_call_is_the_call_of_that_sequence_alone(build_small):
+    attn = build_small("alibi_causal")
+    q, k, v, inputs, packed = _case(attn)
+    out, lse = attn(q, k, v, return_lse=True, **inputs, **packed)
+    b = 3
+    start_q, start_k = sum(LENGTHS_Q[:b]), sum(LENGTHS_K[:b])
+    alone = [t.transpose(0, 1).unsqueeze(0) for t in (q[start_q:start_q + LENGTHS_Q[b]],
+                                                      k[start_k:start_k + LENGTHS_K[b]],
+                                                      v[start_k:start_k + LENGTHS_K[b]])]
+    want, want_lse = attn(*alone, return_lse=True, slopes=inputs["slopes"])
+    torch.testing.assert_close(out[start_q:start_q + LENGTHS_Q[b]], want[0].transpose(0, 1))
+    torch.testing.assert_close(lse[:, start_q:start_q + LENGTHS_Q[b]], want_lse[0])
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the other sequences' own rows, in the interpreter
+def test_no_program_reads_another_sequence(build_small):
+    """Every other sequence's tokens are NaN: a program that loaded one would spread it."""
+    attn = build_small("full")
+    q, k, v, inputs, packed = _case(attn)
+    b = 3
+    keep_q = torch.zeros(q.shape[0], dtype=torch.bool)
+    keep_k = torch.zeros(k.shape[0], dtype=torch.bool)
+    keep_q[sum(LENGTHS_Q[:b]):sum(LENGTHS_Q[:b + 1])] = True
+    keep_k[sum(LENGTHS_K[:b]):sum(LENGTHS_K[:b + 1])] = True
+    q, k, v = (torch.where(keep[:, None, None], t, float("nan")).requires_grad_()
+               for t, keep in ((q, keep_q), (k, keep_k), (v, keep_k)))
+    out, lse = attn(q, k, v, return_lse=True, **packed)
+    (out[keep_q].sum() + lse[:, keep_q].sum()).backward()
+    for name, t in (("out", out[keep_q]), ("lse", lse[:, keep_q]), ("dq", q.grad[keep_q]), ("dk", k.grad[keep_k]),
+                    ("dv", v.grad[keep_k])):
+        assert torch.isfinite(t).all(), f"{name} of sequence {b} read another sequence's NaN"
+
+
+def test_the_grid_visits_each_sequences_own_tiles_only(build_small):
+    attn = build_small("full")
+    q, k, v, inputs, packed = _case(attn)
+    counts = attn.visit_counts(q, k, v, **packed)
+    module = attn.module
+    for kernel, number in {"fwd": 0, "dkdv": 1, "dq": 2}.items():
+        block_m, block_n = module._tiles(module._packed_view(q), module._packed_view(v), number)[:2]
+        block_rows, block_cols = (block_n, block_m) if kernel == "dkdv" else (block_m, block_n)
+        for b, (n_q, n_k) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
+            rows, cols = (n_k, n_q) if kernel == "dkdv" else (n_q, n_k)
+            want = torch.zeros_like(counts[kernel][b])
+            # A full mask: every tile of the sequence once, with mask code only where it runs past the end.
+            want[:, :-(-rows // block_rows), :-(-cols // block_cols)] = 1 if rows and cols else 0
+            assert torch.equal(counts[kernel][b] > 0, want > 0), f"{kernel}: sequence {b} visits other tiles"
+            assert set(counts[kernel][b].unique().tolist()) <= {0, 1, 16}, f"{kernel}: a tile visited twice"
+
+
+def test_the_packed_reference_is_the_batch_reference_for_equal_lengths(build_small):
+    attn = build_small("prefix_lm")
+    q, k, v, inputs, packed = _case(attn, [6, 6], [9, 9])
+    out, lse = reference.evaluate_packed(attn.spec, q, k, v, inputs, **packed)
+    batch = [t.view(2, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+    want, want_lse = reference.evaluate(attn.spec, *batch, inputs)
+    torch.testing.assert_close(out, want.transpose(1, 2).reshape(out.shape))
+    torch.testing.assert_close(lse, want_lse.transpose(0, 1).reshape(lse.shape))
+
+
+def test_packed_call_errors(build_small):
+    attn = build_small("document_causal")
+    q, k, v, inputs, packed = _case(attn)
+
+    def call(q=q, k=k, v=v, **changes):
+        return attn(q, k, v, **inputs, **{**packed, **changes})
+
+    with pytest.raises(ValueError, match=r"q must have 3 dims \(TOTAL, heads, head_dim\) in a packed call"):
+        call(q=q[None])
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
+        call(cu_seqlens_q=packed["cu_seqlens_q"].long())
+    with pytest.raises(ValueError, match="cu_seqlens_k must have 7 offsets like cu_seqlens_q"):
+        call(cu_seqlens_k=packed["cu_seqlens_k"][:-1])
+    with pytest.raises(ValueError, match="max_seqlen_q must be a Python int"):
+        call(max_seqlen_q=torch.tensor(37))
+    with pytest.raises(ValueError, match=r"max_seqlen_k must lie in \[1, "):
+        call(max_seqlen_k=0)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must rise from 0 to TOTAL = 64 \(q.shape\[0\]\)"):
+        call(cu_seqlens_q=packed["cu_seqlens_q"].flip(0))
+    with pytest.raises(ValueError, match="max_seqlen_q must be at least every sequence's length, got 36"):
+        call(max_seqlen_q=36)
+    with pytest.raises(ValueError, match=r"input 'doc' must have shape \(37\) \(i32\[KV_LEN\]\), got \(20,\)"):  # KV_LEN is max_seqlen_k
+        attn(q, k, v, doc=inputs["doc"][:20], **packed)
+    with pytest.raises(ValueError, match="kv_len, q_offset and page_table must be None in a packed call"):
+        call(kv_len=torch.ones(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="tile_tables must be None in a packed call"):
+        call(tile_tables=object())
+
+
+def test_packed_calls_under_torch_compile(build_small):
+    torch._dynamo.reset()
+    attn = build_small("learned_rel_bias")
+    q, k, v, inputs, packed = _case(attn, [5, 0, 17], [9, 3, 17])
+
+    def loss(q, k, v, table):
+        out, lse = attn(q, k, v, return_lse=True, table=table, **packed)
+        return out.square().sum() + torch.where(lse.isfinite(), lse, 0).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, inputs["table"])]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager)
+    torch._dynamo.reset()
