@@ -28,7 +28,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "DV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DLse": "*fp32", "Visits": "*i32", "VisitsKV": "*i32",
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
-            "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16"}
+            "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
+            "CuSeqlensK": "*i32"}
 FLOATS = {"sm_scale", "qk_scale", "scale"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -46,8 +47,8 @@ def _type(name: str, inputs: dict) -> str:
 
 
 def _label(constants: dict) -> str:
-    """What tells apart launches of one kernel: the backward's PARTS, or a LABEL of our own."""
-    return str(constants.get("PARTS", constants.get("LABEL", "")))
+    """What tells apart launches of one kernel: the backward's PARTS and a LABEL of our own."""
+    return f"{constants.get('PARTS', '')}{constants.get('LABEL', '')}"
 
 
 def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None, head_dim: int = 128) -> dict:
@@ -64,15 +65,19 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     plan = module.PLAN[(head_dim, head_dim, "bf16")]
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
                 COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
-                PAGE_SIZE=1)
+                PAGE_SIZE=1, VARLEN=False)
     forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.TILE_TABLE))
-    # Also a cache call over pages of 16 keys: no tile table, per-row lengths and offsets.
+    # Also a cache call over pages of 16 keys (no tile table, per-row lengths and offsets) and a packed call.
     launches = [("_fwd_kernel", forward, plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
-                                     PAGE_SIZE=16, LABEL="_paged"), plan[0])]
-    backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1])
+                                     PAGE_SIZE=16, LABEL="_paged"), plan[0]),
+                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0])]
+    backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
+                    FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
+    launches.append(("_bwd_kernel", dict(backward, PARTS=3, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
+                     max(plan[1], plan[2])))
     for family, tiles in module.FAMILY_TILES.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
