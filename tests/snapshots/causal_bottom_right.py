@@ -256,9 +256,12 @@ def _empty_in_layout(t, last, dtype=None):
     transposed (B, N, H, D) projections get O and their gradients back as (B, N, H, D) memory, which
     the output projection and the projections' backward read with no copy; and what torch.compile is
     told of an output's strides is what the kernels write."""
-    n = t.dim()
-    order = sorted(range(n - 1), key=lambda d: -t.stride(d))  # q, k, v have a unit-stride last dim
     shape = (*t.shape[:-1], last)
+    if t.is_contiguous():  # the dims' own order; a quarter of the general path's host time
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
+    n = t.dim()
+    # Largest stride first; sorted is stable with reverse=True too. q, k, v have a unit-stride last dim.
+    order = sorted(range(n - 1), key=t.stride().__getitem__, reverse=True)
     dense = torch.empty([shape[d] for d in order] + [last], dtype=dtype or t.dtype, device=t.device)
     return dense.permute(*[order.index(d) for d in range(n - 1)], n - 1)
 
@@ -571,16 +574,38 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
                 stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
                 stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable,
-                stride_pt, NUM_PAGES, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
+    visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
+        (KV_LEN + BLOCK_N - 1) // BLOCK_N)
+    lse_row = off_bh.to(tl.int64) * Q_LEN
+# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
+    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
+    # and become this sequence's, so every bound below is the sequence's and no tile of another
+    # sequence is visited; a program past the end of its sequence has nothing to do.
+    q_start = 0
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + off_b)
+        k_start = tl.load(CuSeqlensK + off_b)
+        Q_LEN = tl.load(CuSeqlensQ + off_b + 1) - q_start
+        KV_LEN = tl.load(CuSeqlensK + off_b + 1) - k_start
+        if start_m * BLOCK_M >= Q_LEN:
+            return
+        Q += q_start.to(tl.int64) * stride_qm
+        Out += q_start.to(tl.int64) * stride_om
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+
+    if VARLEN:  # LSE (H, TOTAL_Q): the sequence's rows of the head's row
+        lse_row = off_h.to(tl.int64) * TOTAL_Q + q_start
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -595,8 +620,6 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
         V_head += off_b.to(tl.int64) * stride_vz
     q = _load_tile(Q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
                    offs_m[:, None] < Q_LEN, offs_d[None, :] < HEAD_DIM, True, HEAD_DIM != HEAD_DIM_PAD)
-    visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
-        (KV_LEN + BLOCK_N - 1) // BLOCK_N)
     # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
     # kv_len[b] (clamped to the cache, so no value can reach past its memory).
     q_off = 0
@@ -648,7 +671,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(Lse + off_bh.to(tl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
+    tl.store(Lse + lse_row + offs_m, lse, mask=offs_m < Q_LEN)
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -706,14 +729,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
                     sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
     # Works on transposed tiles (keys along rows), so dK and dV need no transpose of P.
-    start_m = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
+    start_m = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_M, FOLLOW_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_m, BLOCK_M, MASKED, COUNT_VISITS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        next_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, TILE_TABLE)
+        next_m = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_M, FOLLOW_TABLE)
         qT = _load_tile(Q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qk,
                         offs_m[None, :] < Q_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         do = _load_tile(DO_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok,
@@ -748,14 +771,36 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                       stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
                       stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
                       stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
-                      stride_dvk, B, H, HKV, Q_LEN, KV_LEN, Visits, HEAD_DIM: tl.constexpr,
-                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      stride_dvk, B, H, HKV, Q_LEN, KV_LEN, Visits, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                      HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                      VARLEN: tl.constexpr):
     # dK and dV of key tile start_n of one (batch, kv head).
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
     group = H // HKV
+    n_k_tiles = (KV_LEN + BLOCK_N - 1) // BLOCK_N
+    n_q_tiles = (Q_LEN + BLOCK_M - 1) // BLOCK_M
+# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
+    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
+    # and become this sequence's, so every bound below is the sequence's and no tile of another
+    # sequence is visited; a program past the end of its sequence has nothing to do.
+    q_start = 0
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + off_b)
+        k_start = tl.load(CuSeqlensK + off_b)
+        Q_LEN = tl.load(CuSeqlensQ + off_b + 1) - q_start
+        KV_LEN = tl.load(CuSeqlensK + off_b + 1) - k_start
+        if start_n * BLOCK_N >= KV_LEN:
+            return
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
+
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_first = start_n * BLOCK_N
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -768,14 +813,14 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                    offs_n[:, None] < KV_LEN, offs_dv[None, :] < HEAD_DIM_V, True, HEAD_DIM_V != HEAD_DIM_V_PAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
-    n_k_tiles = (KV_LEN + BLOCK_N - 1) // BLOCK_N
     for g in range(0, group):
         off_h = off_hkv * group + g
         row = (off_b * H + off_h).to(tl.int64) * Q_LEN
+        if VARLEN:  # LSE and delta (H, TOTAL_Q): the sequence's rows of the head's row
+            row = off_h.to(tl.int64) * TOTAL_Q + q_start
         Q_head = Q + off_b.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
-        visits = Visits + ((off_b * H + off_h).to(tl.int64) * n_k_tiles + start_n) * (
-            (Q_LEN + BLOCK_M - 1) // BLOCK_M)
+        visits = Visits + ((off_b * H + off_h).to(tl.int64) * n_k_tiles + start_n) * n_q_tiles
         k_first = start_n * BLOCK_N
         k_last = tl.minimum(start_n * BLOCK_N + BLOCK_N, KV_LEN) - 1
         bd0 = tl.cast(k_first, tl.int64)
@@ -796,12 +841,13 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                                  stride_dom, stride_dok, masked_tiles, masked_lo, masked_hi, gap_at, gap,
                                  visits, offs_n, k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION)
+                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION,
+                                 FOLLOW_TABLE)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, full_tiles, full_lo, full_hi, 0, 0, visits, offs_n,
                                  k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
                                  Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                 BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
+                                 BLOCK_N, False, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE)
     ok_k = (offs_n[:, None] < KV_LEN) & (offs_d[None, :] < HEAD_DIM)
     ok_v = (offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(DK + off_b.to(tl.int64) * stride_dkz + off_hkv.to(tl.int64) * stride_dkh
@@ -819,13 +865,13 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
                   off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
+                  DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # The next tile's start, read now so a table's index load overlaps this tile's work.
-        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, TILE_TABLE)
+        next_n = _tile_start(tiles, j + 1, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
         kT = _load_tile(K_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
                         offs_n[None, :] < KV_LEN, offs_d[:, None] < HEAD_DIM, MASKED, HEAD_DIM != HEAD_DIM_PAD)
         vT = _load_tile(V_head + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vk,
@@ -857,15 +903,38 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
 def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, stride_qz, stride_qh,
                     stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
                     stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz,
-                    stride_dqh, stride_dqm, stride_dqk, B, H, HKV, Q_LEN, KV_LEN, Visits,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    stride_dqh, stride_dqm, stride_dqk, B, H, HKV, Q_LEN, KV_LEN, Visits, CuSeqlensQ,
+                    CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
     # dQ of query tile start_m of one (batch, head).
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // (H // HKV)
     row = off_bh.to(tl.int64) * Q_LEN
+    visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
+        (KV_LEN + BLOCK_N - 1) // BLOCK_N)
+# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
+    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
+    # and become this sequence's, so every bound below is the sequence's and no tile of another
+    # sequence is visited; a program past the end of its sequence has nothing to do.
+    q_start = 0
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + off_b)
+        k_start = tl.load(CuSeqlensK + off_b)
+        Q_LEN = tl.load(CuSeqlensQ + off_b + 1) - q_start
+        KV_LEN = tl.load(CuSeqlensK + off_b + 1) - k_start
+        if start_m * BLOCK_M >= Q_LEN:
+            return
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        DQ += q_start.to(tl.int64) * stride_dqm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+
+    if VARLEN:  # LSE and delta (H, TOTAL_Q): the sequence's rows of the head's row
+        row = off_h.to(tl.int64) * TOTAL_Q + q_start
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_first = start_m * BLOCK_M
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -881,8 +950,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
     V_head = V + off_b.to(tl.int64) * stride_vz + off_hkv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
-        (KV_LEN + BLOCK_N - 1) // BLOCK_N)
     q_first = start_m * BLOCK_M
     q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1
     bd0 = tl.cast(q_last, tl.int64)
@@ -903,11 +970,12 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
                        masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, q_first, offs_d,
                        offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM,
                        HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
-                       DOT_PRECISION)
+                       DOT_PRECISION, FOLLOW_TABLE)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, q_first, offs_d, offs_dv, sm_scale,
                        qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                       HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION)
+                       HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION,
+                       FOLLOW_TABLE)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
@@ -924,10 +992,11 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                 stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
                 stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm,
                 stride_dqk, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
-                stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, VisitsQ, HEAD_DIM: tl.constexpr,
-                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                PARTS: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, PARTS: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
     pid = tl.program_id(0)
     off_bhkv = tl.program_id(1)
     if PARTS == 1:
@@ -935,8 +1004,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                           stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
                           stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
                           stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh,
-                          stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, HEAD_DIM, HEAD_DIM_V,
-                          HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION)
+                          stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, CuSeqlensQ, CuSeqlensK,
+                          TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1,
+                          COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN)
     elif PARTS == 2:
         # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
         n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
@@ -945,8 +1015,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                         stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
                         stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
                         stride_dqz, stride_dqh, stride_dqm, stride_dqk, B, H, HKV, Q_LEN, KV_LEN, VisitsQ,
-                        HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS,
-                        DOT_PRECISION)
+                        CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                        BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN)
     else:
         n_kv_tiles = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1
         if pid < n_kv_tiles:
@@ -954,9 +1024,10 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                               stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
                               stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
                               stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz,
-                              stride_dvh, stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, HEAD_DIM,
-                              HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS,
-                              DOT_PRECISION)
+                              stride_dvh, stride_dvn, stride_dvk, B, H, HKV, Q_LEN, KV_LEN, VisitsKV,
+                              CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                              HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE,
+                              VARLEN)
         else:
             # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
             n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
@@ -965,8 +1036,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                             qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh,
                             stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz,
                             stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                            B, H, HKV, Q_LEN, KV_LEN, VisitsQ, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                            HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION)
+                            B, H, HKV, Q_LEN, KV_LEN, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM,
+                            HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS,
+                            DOT_PRECISION, FOLLOW_TABLE, VARLEN)
 
 
 # No tile tables (TILE_TABLE is off): the host never launches their kernels.
@@ -1484,7 +1556,7 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
 
 @gluon.jit
 def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
     # The query tiles key tile start_n visits for query head off_h, with mask code and without (TILE_RANGE):
     # the dK/dV kernel's tile range, over this family's tiles.
     k_first = start_n * BLOCK_N
@@ -1526,7 +1598,8 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     for g in range(group):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
-            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N)
+            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
+                                   FOLLOW_TABLE)
         n_masked = masked_hi - masked_lo
         for i in range(n_masked + (full_hi - full_lo)):
             start_m = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
@@ -1668,7 +1741,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
     for g in range(group):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
-            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N)
+            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
+                                   FOLLOW_TABLE)
         n_masked = masked_hi - masked_lo
         n_steps = n_masked + (full_hi - full_lo)
         n_checked = n_masked
@@ -2363,29 +2437,59 @@ def _cache_launch(cache, placeholder):
     return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
-def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None):
+def _packed_launch(packed, placeholder):
+    """A portable kernel's packed-call arguments: (CuSeqlensQ, CuSeqlensK, TOTAL_Q) and its VARLEN flag;
+    `packed` is a packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), or None
+    (then `placeholder` stands in for the offsets, never read)."""
+    if packed is None:
+        return [placeholder, placeholder, 0], dict(VARLEN=False)
+    return [packed[0], packed[1], packed[4]], dict(VARLEN=True)
+
+
+def _batch_strides(t, packed):
+    """t's strides as a kernel takes them: (batch, head, row, column), the batch stride 0 in a packed call,
+    whose (1, heads, TOTAL, D) view a program enters at its sequence's first token instead."""
+    return (0, *t.stride()[1:]) if packed is not None else t.stride()
+
+
+def _call_sizes(q, k, packed):
+    """(B, H, HKV, Q_LEN, KV_LEN) as the portable kernels take them: a packed call's B is its number of
+    sequences and its lengths the longest sequence's (the grid's)."""
+    if packed is None:
+        return _sizes(q, k)
+    return (packed[0].shape[0] - 1, q.shape[1], k.shape[1], packed[2], packed[3])
+
+
+def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None):
     """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-    `cache`, `page_table` and `plan` as for _forward."""
-    B, H, Q_LEN, D = q.shape
+    `cache`, `page_table` and `plan` as for _forward; `packed` a packed call's (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views (_packed_view);
+    its LSE is (1, H, TOTAL_Q)."""
+    _, H, Q_ROWS, D = q.shape
     DV = v.shape[3]
     sm_scale = softmax_scale(D)
     out = _empty_in_layout(q, DV)
-    lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], H, Q_ROWS), dtype=torch.float32, device=q.device)
     HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
+    B, Q_LEN = q.shape[0], Q_ROWS
+    if packed is not None:
+        B, _, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
+        k_strides, v_strides = _batch_strides(k, packed), _batch_strides(v, packed)
     block_m, block_n, warps, stages = _tiles(q, v, 0)
     d_pad, dv_pad = _widths(D, DV)
     grid = (_cdiv(Q_LEN, block_m), B * H)
     cache_args, cache_flags = _cache_launch(cache, lse)
+    packed_args, packed_flags = _packed_launch(packed, lse)
     table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
     _launch(
         _fwd_kernel, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
-        *q.stride(), *k_strides, *v_strides, *out.stride(),
+        *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
         *_input_args(tensors), *table_args,
-        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args,
+        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
         HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
-        bind=_plan_site(plan, "forward", bool(table)))
+        **packed_flags, bind=_plan_site(plan, "forward", bool(table)))
     return out, lse
 
 
@@ -2456,12 +2560,12 @@ def _in_input_dtypes(grads, tensors):
     return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
 
 
-def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None):
+def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None):
     """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
-    backward's (_backward_plan; never with visits). Returns dq, dk, dv and one gradient per input (None
-    for inputs that are not learnable)."""
-    B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward.
+    Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+    D, DV = q.shape[3], v.shape[3]
+    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
     sm_scale = softmax_scale(D)
     sizes = _sizes(q, k)
     # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
@@ -2477,15 +2581,19 @@ def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None
     bm1, bn1, warps1, stages1 = _tiles(q, v, 1)
     bm2, bn2, warps2, stages2 = _tiles(q, v, 2)
     n_kv_tiles, n_q_tiles = _cdiv(KV_LEN, bn1), _cdiv(Q_LEN, bm2) * (H // HKV)
-    table_args = [_table_args(_table_key(q, v, kernel), table, sizes) for kernel, table in zip((1, 2), tables)]
+    table_args = [_table_args(_table_key(q, v, kernel), table, sizes, placeholder=delta)
+                  for kernel, table in zip((1, 2), tables)]
+    packed_args, packed_flags = _packed_launch(packed, delta)
     args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
+            *[stride for t in (q, k, v, do, dq, dk, dv) for stride in _batch_strides(t, packed)],
             *_input_args(tensors), *grad_args, *table_args[0], *table_args[1],
-            B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta))
+            B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta), *packed_args)
     d_pad, dv_pad = _widths(D, DV)
+    # The two kernels follow their tables together: both are built, or neither (a packed call).
     constants = dict(HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
                      BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
-                     COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype))
+                     COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype),
+                     FOLLOW_TABLE=all(tabled) and TILE_TABLE, **packed_flags)
     if ONE_LAUNCH_BACKWARD:
         _launch(_bwd_kernel, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
                 num_stages=max(stages1, stages2), **constants, bind=_plan_site(plan, "backward", 3, tabled))
@@ -2542,17 +2650,18 @@ class _Attention(torch.autograd.Function):
 
 
 # --- torch.compile: the kernels as custom operators ------------------------------------------------
-# Under torch.compile the kernels run as four opaque custom operators (torch.library.custom_op:
-# table, forward, backward, and the forward of cache calls, which has no backward) with fake
+# Under torch.compile the kernels run as opaque custom operators (torch.library.custom_op: table,
+# forward, backward, the forward of cache calls, which has no backward, and a packed call's forward and
+# backward, which its eager calls run too) with fake
 # implementations that give shapes, and an autograd formula that calls the backward operator, so a compiled model has no graph break and dynamic lengths need
 # no recompile. The host code is the same Python as in eager; eager calls skip the dispatcher,
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "30bd749921f71b0f"
+MODULE_DIGEST = "e03e10c6e4618bbd"
 
 
-def _define_operators(table_name, forward_name, backward_name, cache_name):
+def _define_operators(table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name):
     @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
     def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
                  block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2622,10 +2731,59 @@ def _define_operators(table_name, forward_name, backward_name, cache_name):
         B, H, Q_LEN, _ = q.shape
         return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
+    # Packed calls, eager or compiled, run these two: q, k, v, O and the gradients are (TOTAL, heads, D),
+    # LSE (H, TOTAL_Q); max_seqlen_q/k size the grid.
+    @torch.library.custom_op(f"attngen::{packed_name}", mutates_args=())
+    def packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
+        out, lse = _portable_forward(*map(_packed_view, (q, k, v)), tensors, (), packed=packed)
+        return _unpacked(out), lse[0]
+
+    @packed_op.register_fake
+    def _(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return (_unpacked(_empty_in_layout(_packed_view(q), v.shape[-1])),
+                q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+    @torch.library.custom_op(f"attngen::{packed_backward_name}", mutates_args=())
+    def packed_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor],
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                           max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
+        dq, dk, dv, input_grads = _portable_backward(
+            *map(_packed_view, (q, k, v, out)), lse[None], _packed_view(do), dlse[None], tensors, ((), ()),
+            packed=packed)
+        return _unpacked(dq), _unpacked(dk), _unpacked(dv), [g for g in input_grads if g is not None]
+
+    @packed_backward_op.register_fake
+    def _(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        grads = [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
+        return (*(_unpacked(_empty_in_layout(_packed_view(t), t.shape[-1])) for t in (q, k, v)), grads)
+
+    def packed_setup_context(ctx, inputs, output):
+        q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
+        ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *tensors)
+        ctx.max_seqlens = max_seqlen_q, max_seqlen_k
+
+    def packed_backward(ctx, do, dlse):
+        _no_double_backward()
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
+        dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
+                                               cu_seqlens_k, *ctx.max_seqlens)
+        grads = iter(grads)
+        input_grads = [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
+        return dq, dk, dv, input_grads, None, None, None, None
+
+    packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
+
 
 def _operators():
-    """The (table, forward, backward, cache forward) custom operators of this module's kernels."""
-    names = [f"{SPEC_NAME}_{MODULE_DIGEST}_{part}" for part in ("table", "forward", "backward", "cache")]
+    """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of
+    this module's kernels."""
+    names = [f"{SPEC_NAME}_{MODULE_DIGEST}_{part}"
+             for part in ("table", "forward", "backward", "cache", "packed", "packed_backward")]
     if not all(hasattr(torch.ops.attngen, name) for name in names):
         _define_operators(*names)
     return tuple(getattr(torch.ops.attngen, name).default for name in names)
@@ -2647,7 +2805,8 @@ def _compiled_attention(q, k, v, tensors, known):
     return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
 
 
-def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=False, tile_tables=None, **inputs):
+def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+         max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
     """This module's attention: softmax over the allowed keys of the modified scores, times V.
 
     Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
@@ -2660,12 +2819,28 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     A paged cache: k and v are pages (NUM_PAGES, PAGE_SIZE, HKV, D/DV), PAGE_SIZE a multiple of 16;
     page_table ((B, MAX_PAGES) int32) maps row b's logical page p to a physical one; kv_len is
     required (at most MAX_PAGES * PAGE_SIZE).
+    A packed call (FlashAttention's varlen layout): q (TOTAL_Q, H, D), k and v (TOTAL_K, HKV, D/DV);
+    sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v by
+    cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
+    length) size the grid. Positions restart at 0 in every sequence, b is its index and Q_LEN/KV_LEN its
+    lengths; an input dim declared Q_LEN or KV_LEN is max_seqlen_q or max_seqlen_k long. Returns out
+    (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs the portable kernels, with no tile tables.
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
     Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
     torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
     """
     q, k, v = _autocast(q, k, v)
+    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if any(x is not None for x in packed):
+        if kv_len is not None or q_offset is not None or page_table is not None:
+            _fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
+                  "packed calls are training and prefill calls, positions restarting at 0 in every sequence")
+        if tile_tables is not None:
+            _fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
+                  "equal lengths, and packed calls run without them")
+        out, lse = _packed_attention(q, k, v, inputs, *packed)
+        return (out, lse) if return_lse else out
     if page_table is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
         return (out, lse) if return_lse else out
@@ -2678,12 +2853,7 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
     if kv_len is not None or q_offset is not None:
         out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
         return (out, lse) if return_lse else out
-    if torch.is_grad_enabled():
-        for name, (_, _, learnable) in INPUTS.items():
-            if inputs[name].requires_grad and not learnable:
-                _fail(f"input '{name}' requires grad, but the spec does not declare it learnable, so it would "
-                      f"get no gradient: declare it `input {name}: {_declared(name)} learnable`, or pass it "
-                      f"detached")
+    _check_learnable(inputs)
     known = {} if tile_tables is None else _checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
     if known:
         plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
@@ -2696,6 +2866,93 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, return_lse=Fal
         out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors, plan),
                                         plan)
     return (out, lse) if return_lse else out
+
+
+def _check_learnable(inputs):
+    if torch.is_grad_enabled():
+        for name, (_, _, learnable) in INPUTS.items():
+            if inputs[name].requires_grad and not learnable:
+                _fail(f"input '{name}' requires grad, but the spec does not declare it learnable, so it would "
+                      f"get no gradient: declare it `input {name}: {_declared(name)} learnable`, or pass it "
+                      f"detached")
+
+
+# --- packed calls: sequences of any lengths in FlashAttention's varlen layout ------------------------
+def _packed_view(t):
+    """A packed (TOTAL, heads, D) tensor as the (1, heads, TOTAL, D) view the portable kernels read."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _unpacked(t):
+    """_packed_view's inverse: (1, heads, TOTAL, D) back to (TOTAL, heads, D)."""
+    return t.squeeze(0).transpose(0, 1)
+
+
+def _packed_attention(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k): checked, then the packed operator, whose
+    autograd runs the packed backward."""
+    _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+    _check_learnable(inputs)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
+    # captured or under torch.compile.
+    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    tensors = [inputs[name].contiguous() for name in INPUTS]
+    return OPERATORS[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
+    """A packed call's tensors, offsets' tensors and sizes; returns (B, H, HKV, max_seqlen_q, max_seqlen_k,
+    D, DV), B its number of sequences."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            _fail(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
+        if t.dim() != 3:
+            _fail(f"{name} must have 3 dims (TOTAL, heads, head_dim) in a packed call (cu_seqlens_q=...), "
+                  f"got shape {tuple(t.shape)}")
+    _check_tensors(*map(_packed_view, (q, k, v)))
+    TOTAL_K, HKV = k.shape[0], k.shape[1]
+    if v.shape[0] != TOTAL_K or v.shape[1] != HKV:
+        _fail(f"v must have {TOTAL_K} tokens of {HKV} heads like k, got shape {tuple(v.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and t.shape[0] >= 2
+                and t.device == q.device):
+            _fail(f"{name} must be a 1-D int32 tensor of B + 1 >= 2 offsets on {q.device}, got "
+                  + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        _fail(f"cu_seqlens_k must have {cu_seqlens_q.shape[0]} offsets like cu_seqlens_q (one sequence each), "
+              f"got {cu_seqlens_k.shape[0]}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, (int, torch.SymInt)) or isinstance(n, bool):
+            _fail(f"{name} must be a Python int (the longest sequence's length), got {type(n).__name__}")
+        if not 1 <= n <= MAX_LENGTH:
+            _fail(f"{name} must lie in [1, {MAX_LENGTH}] ({MAX_LENGTH_REASON}), got {n}")
+    B = cu_seqlens_q.shape[0] - 1
+    _check_sizes(B, q.shape[1], HKV, max_seqlen_q, max_seqlen_k, q.shape[2], v.shape[2], inputs, q.device)
+    return B, q.shape[1], HKV, max_seqlen_q, max_seqlen_k, q.shape[2], v.shape[2]
+
+
+def _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """A packed call's offsets: each from 0 to its tensor's TOTAL, non-decreasing, no sequence longer than
+    its max_seqlen; every flag computed on the device, read in one sync."""
+    checks = (("q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("k", cu_seqlens_k, k.shape[0], max_seqlen_k))
+    flags = []
+    for _, cu, total, longest in checks:
+        lengths = cu[1:] - cu[:-1]
+        flags += [(cu[0] != 0) | (cu[-1] != total) | (lengths < 0).any(), (lengths > longest).any()]
+    bad = torch.stack(flags).tolist()
+    for n, (name, cu, total, longest) in enumerate(checks):
+        if bad[2 * n]:
+            shown = cu.tolist()
+            shown = shown if len(shown) <= 8 else [*shown[:4], "...", *shown[-3:]]
+            _fail(f"cu_seqlens_{name} must rise from 0 to TOTAL = {total} ({name}.shape[0]) without decreasing, "
+                  f"got {shown}")
+        if bad[2 * n + 1]:
+            _fail(f"max_seqlen_{name} must be at least every sequence's length, got {longest} for a sequence of "
+                  f"{int((cu[1:] - cu[:-1]).max())}")
 
 
 def _check_paged(q, k, v, page_table, kv_len, inputs):
@@ -2806,11 +3063,16 @@ def tile_tables(q, k, v, **inputs):
     return TileTables(sizes, q.device, _built_for(q, v), keys, known)
 
 
-def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **inputs):
+def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                   max_seqlen_q=None, max_seqlen_k=None, **inputs):
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
-    The rules read the call's shapes: kv_len's and q_offset's values do not change the choice."""
+    The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
+    A packed call (cu_seqlens_q=...) runs the portable kernels."""
     q, k, v = _autocast(q, k, v)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+        return "portable"
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
@@ -2819,24 +3081,36 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, **in
     return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
 
 
-def backward_family(q, k, v, **inputs):
+def backward_family(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    **inputs):
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
-    or the family of BACKWARD_FAMILIES whose per-call rule admits it."""
+    or the family of BACKWARD_FAMILIES whose per-call rule admits it; "portable" for a packed call."""
     q, k, v = _autocast(q, k, v)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+        return "portable"
     _check(q, k, v, inputs)
     return _backward_family(q, k, v)[0]
 
 
-def visit_counts(q, k, v, **inputs):
+def visit_counts(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs):
     """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
     counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
     "dkdv": (B, H, key tiles, query tiles)} int32 tensors, one entry per tile: 0 skipped,
-    1 visited with mask code, 16 visited without; any other value would be a repeated visit."""
+    1 visited with mask code, 16 visited without; any other value would be a repeated visit.
+    A packed call's: B is its number of sequences, its tiles those of max_seqlen_q/k, counted from each
+    sequence's first token."""
     q, k, v = _autocast(q, k, v)
-    _check(q, k, v, inputs)
+    packed = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+        _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, q.shape[0])
+        q, k, v = map(_packed_view, (q, k, v))
+    else:
+        _check(q, k, v, inputs)
     tensors = [inputs[name].contiguous() for name in INPUTS]
-    B, H, Q_LEN, _ = q.shape
-    KV_LEN = k.shape[2]
+    B, H, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
 
     def counters(kernel, by_query):
         block_m, block_n = _tiles(q, v, kernel)[:2]
@@ -2845,11 +3119,11 @@ def visit_counts(q, k, v, **inputs):
         return torch.zeros(shape, dtype=torch.int32, device=q.device)
 
     counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
-    tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors))
+    tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors)) if packed is None else [()] * 3
     with torch.no_grad():
-        out, lse = _forward(q, k, v, tensors, {0: tables[0]}, visits=counts["fwd"])
+        out, lse = _portable_forward(q, k, v, tensors, tables[0], visits=counts["fwd"], packed=packed)
         _portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
-                           visits={"dkdv": counts["dkdv"], "dq": counts["dq"]})
+                           visits={"dkdv": counts["dkdv"], "dq": counts["dq"]}, packed=packed)
     return counts
 
 
