@@ -13,23 +13,26 @@ from attngen import reference, testing
 SPECS = Path(__file__).parent.parent / "specs"
 CATALOG = sorted(p.stem for p in SPECS.glob("*.attn"))
 H, HKV, D = 4, 2, 16  # GQA
+# On a GPU machine the same tests run the compiled kernels (there, CPU tensors are refused).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Query and key lengths of each sequence: empty ones on either side, single tokens, lengths across tiles.
 LENGTHS_Q = [5, 0, 1, 37, 18, 3]
 LENGTHS_K = [9, 3, 1, 37, 0, 20]
 
 
 def _offsets(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
 def _case(attn, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, seed=0):
     """Packed q (TOTAL_Q, H, D), k, v (TOTAL_K, HKV, D), the spec's inputs for the call and its keywords."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lengths_q), H, D, generator=g)
-    k, v = (torch.randn(sum(lengths_k), HKV, D, generator=g) for _ in range(2))
+    q = torch.randn(sum(lengths_q), H, D, generator=g).to(DEVICE)
+    k, v = (torch.randn(sum(lengths_k), HKV, D, generator=g).to(DEVICE) for _ in range(2))
     packed = dict(cu_seqlens_q=_offsets(lengths_q), cu_seqlens_k=_offsets(lengths_k),
                   max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
-    inputs = testing.random_inputs(attn.spec, len(lengths_q), H, HKV, max(lengths_q), max(lengths_k), seed=seed)
+    inputs = testing.random_inputs(attn.spec, len(lengths_q), H, HKV, max(lengths_q), max(lengths_k), seed=seed,
+                                   device=DEVICE)
     return q, k, v, inputs, packed
 
 
@@ -62,8 +65,8 @@ def test_no_program_reads_another_sequence(build_small):
     attn = build_small("full")
     q, k, v, inputs, packed = _case(attn)
     b = 3
-    keep_q = torch.zeros(q.shape[0], dtype=torch.bool)
-    keep_k = torch.zeros(k.shape[0], dtype=torch.bool)
+    keep_q = torch.zeros(q.shape[0], dtype=torch.bool, device=DEVICE)
+    keep_k = torch.zeros(k.shape[0], dtype=torch.bool, device=DEVICE)
     keep_q[sum(LENGTHS_Q[:b]):sum(LENGTHS_Q[:b + 1])] = True
     keep_k[sum(LENGTHS_K[:b]):sum(LENGTHS_K[:b + 1])] = True
     q, k, v = (torch.where(keep[:, None, None], t, float("nan")).requires_grad_()
@@ -126,7 +129,7 @@ def test_packed_call_errors(build_small):
     with pytest.raises(ValueError, match=r"input 'doc' must have shape \(37\) \(i32\[KV_LEN\]\), got \(20,\)"):  # KV_LEN is max_seqlen_k
         attn(q, k, v, doc=inputs["doc"][:20], **packed)
     with pytest.raises(ValueError, match="kv_len, q_offset and page_table must be None in a packed call"):
-        call(kv_len=torch.ones(6, dtype=torch.int32))
+        call(kv_len=torch.ones(6, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="tile_tables must be None in a packed call"):
         call(tile_tables=object())
 
