@@ -151,3 +151,16 @@ def test_packed_calls_under_torch_compile(build_small):
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager)
     torch._dynamo.reset()
+
+
+def test_opcheck_of_the_packed_operators(build_small):
+    # The fakes torch.compile plans with must give the real operators' shapes, strides and dtypes.
+    attn = build_small("learned_rel_bias")
+    q, k, v, inputs, packed = _case(attn, [5, 0, 17], [9, 3, 17])
+    forward_op, backward_op = attn.module.OPERATORS[4:6]
+    args = (packed["cu_seqlens_q"], packed["cu_seqlens_k"], packed["max_seqlen_q"], packed["max_seqlen_k"])
+    tensors = [inputs["table"]]
+    torch.library.opcheck(forward_op, (q, k, v, tensors, *args), test_utils=("test_schema", "test_faketensor"))
+    out, lse = forward_op(q, k, v, tensors, *args)
+    torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse), tensors, *args),
+                          test_utils=("test_schema", "test_faketensor"))
