@@ -271,9 +271,11 @@ _COMPILE = textwrap.dedent('''
                      BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, PARTS=3, COUNT_VISITS=False,
                      DOT_PRECISION="tf32", FOLLOW_TABLE=False, KV_LEN=1,  # an int argument equal to 1 is a constexpr
                      HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16,  # cache calls, paged
-                     n_rows=1, BLOCK_R=16)  # one row to merge (found by attngen check on an H200)
+                     n_rows=1, BLOCK_R=16,  # one row to merge (found by attngen check on an H200)
+                     VARLEN=False)  # packed calls' launches: tools/compile_sm90.py compiles them
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
-            "OutPart": "*fp32", "LsePart": "*fp32"}
+            "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
+    SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q")
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, module._decode_combine):
         signature = {}
         for name in kernel.arg_names:
@@ -281,7 +283,7 @@ _COMPILE = textwrap.dedent('''
                 signature[name] = "constexpr"
             elif name in ints:
                 signature[name] = ints[name]
-            elif name.startswith(("stride_", "size_")) or name in ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES"):
+            elif name.startswith(("stride_", "size_")) or name in SIZES:
                 signature[name] = "i32"
             elif name in ("sm_scale", "qk_scale"):
                 signature[name] = "fp32"
