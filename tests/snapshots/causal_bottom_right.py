@@ -2658,7 +2658,20 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "e03e10c6e4618bbd"
+MODULE_DIGEST = "c0c5840b92a0c9d8"
+
+
+# A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
+# tensors, not None), in the order of INPUTS.
+def _learnable_grads_like(tensors):
+    """The fakes' learnable-input gradients: one shaped like each learnable input."""
+    return [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
+
+
+def _per_input(grads):
+    """A backward operator's learnable gradients spread over INPUTS: None for an input that is not learnable."""
+    grads = iter(grads)
+    return [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
 
 
 def _define_operators(table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name):
@@ -2698,9 +2711,8 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
 
     @backward_op.register_fake
     def _(q, k, v, out, lse, do, dlse, tensors, tables):
-        grads = [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
         return (_empty_in_layout(q, q.shape[3]), _empty_in_layout(k, k.shape[3]), _empty_in_layout(v, v.shape[3]),
-                grads)
+                _learnable_grads_like(tensors))
 
     def setup_context(ctx, inputs, output):
         q, k, v, tensors, tables = inputs
@@ -2713,9 +2725,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
         n_tensors, n_tables = ctx.counts
         tensors, flat = rest[:n_tensors], rest[n_tensors:]
         dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
-        grads = iter(grads)
-        input_grads = [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
-        return dq, dk, dv, input_grads, [None] * n_tables
+        return dq, dk, dv, _per_input(grads), [None] * n_tables
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
@@ -2759,8 +2769,8 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
 
     @packed_backward_op.register_fake
     def _(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        grads = [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
-        return (*(_unpacked(_empty_in_layout(_packed_view(t), t.shape[-1])) for t in (q, k, v)), grads)
+        return (*(_unpacked(_empty_in_layout(_packed_view(t), t.shape[-1])) for t in (q, k, v)),
+                _learnable_grads_like(tensors))
 
     def packed_setup_context(ctx, inputs, output):
         q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
@@ -2772,9 +2782,7 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
         dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
                                                cu_seqlens_k, *ctx.max_seqlens)
-        grads = iter(grads)
-        input_grads = [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
-        return dq, dk, dv, input_grads, None, None, None, None
+        return dq, dk, dv, _per_input(grads), None, None, None, None
 
     packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
 
