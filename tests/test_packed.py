@@ -134,7 +134,14 @@ def test_packed_call_errors(build_small):
         call(tile_tables=object())
 
 
-def test_packed_calls_under_torch_compile(build_small):
+# Inductor checks the packed operators' output strides against their fakes; aot_eager on the CPU does not.
+COMPILERS = [dict(backend="aot_eager"),
+             pytest.param(dict(backend="inductor"), marks=pytest.mark.gpu, id="inductor"),
+             pytest.param(dict(backend="inductor", dynamic=True), marks=pytest.mark.gpu, id="inductor-dynamic")]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_packed_calls_under_torch_compile(build_small, compiler):
     torch._dynamo.reset()
     attn = build_small("learned_rel_bias")
     q, k, v, inputs, packed = _case(attn, [5, 0, 17], [9, 3, 17])
@@ -144,7 +151,7 @@ def test_packed_calls_under_torch_compile(build_small):
         return out.square().sum() + torch.where(lse.isfinite(), lse, 0).sum()
 
     grads = []
-    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+    for fn in (loss, torch.compile(loss, fullgraph=True, **compiler)):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, inputs["table"])]
         fn(*leaves).backward()
         grads.append([t.grad for t in leaves])
@@ -164,3 +171,22 @@ def test_opcheck_of_the_packed_operators(build_small):
     out, lse = forward_op(q, k, v, tensors, *args)
     torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse), tensors, *args),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi_causal", "learned_rel_bias"])
+def test_packed_half_precision_on_gpu(name, dtype):
+    """A model's packed batch: q, k, v views of one fused (TOTAL, 3, H, D) projection (not contiguous),
+    head dim 128, sequences from 0 to 700 tokens, against the float64 reference of each alone."""
+    attn = attngen.build(SPECS / f"{name}.attn")
+    lengths, heads, head_dim = [300, 1, 0, 700, 77, 129], 8, 128
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to("cuda", dtype)
+    q, k, v = fused.unbind(1)
+    assert not q.is_contiguous()
+    offsets = _offsets(lengths)
+    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    inputs = testing.random_inputs(attn.spec, len(lengths), heads, heads, max(lengths), max(lengths), seed=1,
+                                   device="cuda")
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
