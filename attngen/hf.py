@@ -11,8 +11,8 @@ contract (f(batch_idx, head_idx, q_idx, kv_idx) -> bool on index tensors) and th
 local_size (the window of sliding layers): the function is called at a few of the call's positions
 to find the pattern, then checked at a sample of (batch, query, key) points (every pair for calls of
 at most 64 keys). So a function written afresh is recognised as transformers' own are, and one that
-differs anywhere in the sample (chunked, packed-sequence, sinks, a window other than local_size) is
-refused with the point where it differs (see _recognised).
+differs anywhere in the sample (sinks, chunked attention over a cache's keys, a window other than
+local_size) is refused with the point where it differs (see _recognised).
 
 Positions are transformers' own: query row i is at q_offset + i, key j at kv_offset + j (a
 sliding-window cache layer keeps only the newest keys, so its kv_offset grows). The specs read
@@ -27,7 +27,19 @@ so fullgraph=True works: kernels are built, and the mask functions the forward m
 dynamo traces (see _build, _constant_pattern). Every value that picks a kernel is one dynamo guards
 on, so a call with another window, padding, scale or cap recompiles; a mask function made outside the
 compiled code, or over traced values, which dynamo would not guard on, is read in eager after a graph
-break. Refusals are the eager ones, fullgraph=True or not (see _refused).
+break: so is the packed-sequence mask transformers makes over traced position_ids whenever a forward has
+neither a cache nor an attention_mask (use_cache=False). Refusals are the eager ones, fullgraph=True or
+not (see _refused).
+
+A packed batch (DataCollatorWithFlattening's: sequences one after the other in one row, position_ids
+restarting at 0, no attention_mask, no cache) reaches prepare_mask as a mask that keeps documents apart.
+The documents are read from it too: one starts at each query that does not see the key just before
+it; the pattern must then hold within each document and nothing across them (see _recognised). The
+attention function runs one packed call (attn's cu_seqlens_q/k) over them, each document a sequence
+whose positions start at 0, and takes FlashAttention's varlen kwargs (cu_seq_lens_q/k, max_length_q/k)
+as that call's offsets when the model passes them. What transformers' backends disagree on is refused:
+packed sequences with a padding mask, with a cache (where transformers builds one mask over the whole
+row, seen in eager from position_ids that restart: _check_positions) or in more than one row.
 
 On a machine without a GPU, import attngen.hf before transformers' model classes: those import
 triton, which must see the TRITON_INTERPRET=1 that attngen sets (register() says so if not).
@@ -39,7 +51,7 @@ import hashlib
 import math
 import random
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -50,7 +62,8 @@ from attngen.api import interpreter_came_too_late
 from attngen.errors import ArgumentError
 
 # Keyword arguments transformers passes that cannot change what attention computes: the mask's positions
-# are cache indices (q_offset, kv_offset), not position_ids, exactly as in transformers' eager attention.
+# are cache indices (q_offset, kv_offset), not position_ids, exactly as in transformers' eager attention
+# (position_ids are read only to refuse packed sequences the mask does not keep apart: _check_positions).
 _INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_hidden_states",
                            "num_items_in_batch", "output_router_logits"})
 
@@ -63,7 +76,10 @@ class AttngenMask:
     bidirectional agree, so the attention call's is_causal decides); window: keys `window` or more
     positions behind the query are masked too (None: no window); offset: i32[] tensor q_offset - kv_offset, so query row
     q and key k are q + offset - k apart; keep: bool (B, kv_length), the padding mask aligned to
-    the keys (None: no padding).
+    the keys (None: no padding); cached: the keys may include some from before this call (a cache's),
+    so they are not the queries' own tokens. cu_seqlens, max_seqlen: the documents a packed batch's mask
+    keeps apart, as a packed call's int32 offsets on the device and longest length (None: not packed);
+    the pattern then holds within each document, positions counted from its start.
     """
     batch_size: int
     q_length: int
@@ -72,6 +88,12 @@ class AttngenMask:
     window: int | None
     offset: torch.Tensor
     keep: torch.Tensor | None
+    cached: bool = False
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+    # The position_ids tensors _check_positions has read for this mask: every layer of a forward passes the
+    # same one, which is then read on the host once, not once per layer.
+    positions_read: list = field(default_factory=list, repr=False)
 
     # transformers' mask functions read a mask's ndim to tell a 2-D padding mask (which they convert)
     # from anything else. generate with a static cache prepares the masks before each forward
@@ -174,8 +196,8 @@ _EVERY_PAIR = 64
 _SYNTHETIC_KEYS = 2**31 - 1  # the positions a function dynamo rebuilt from constants is read at (see _pattern)
 
 
-def _pattern(mask_function, local_size, batch_size: int, kv_offset: int, kv_length: int):
-    """(causal, window) of mask_function, as _recognised finds them; anything else is refused."""
+def _pattern(mask_function, local_size, batch_size: int, kv_offset: int, kv_length: int, packable: bool, device):
+    """(causal, window, packed) of mask_function, as _with_documents finds them; anything else is refused."""
     if torch.compiler.is_compiling():
         # A closure over values dynamo traces (tensors, symbolic ints: packed-sequence and chunked masks,
         # a window made symbolic by a recompile) cannot be handed to _constant_pattern; repr() of one is
@@ -183,40 +205,49 @@ def _pattern(mask_function, local_size, batch_size: int, kv_offset: int, kv_leng
         repr(mask_function)
         exact, found = _constant_pattern(mask_function, mask_function, local_size)
         if not exact:
-            found = _eager_pattern(mask_function, local_size, batch_size, kv_offset, kv_length)
+            found = _eager_pattern(mask_function, local_size, batch_size, kv_offset, kv_length, packable, device)
     else:
-        found = _recognised(mask_function, local_size, batch_size, kv_offset, kv_length)
+        found = _with_documents(mask_function, local_size, batch_size, kv_offset, kv_length, packable, device)
     if isinstance(found, str):
         raise _refused(found)
     return found
 
 
-def _recognised(mask_function, local_size, batch_size: int, first: int, count: int):
-    """(causal, window) when mask_function is causal, sliding-window causal or bidirectional at the key
-    positions first .. first + count - 1 (those of the call, at which it may read tensors of that size)
-    for every batch row, else the message refusing it. causal is None when there is one key, where the
-    two agree; local_size, when given, must be the window."""
+def _with_documents(mask_function, local_size, batch_size: int, first: int, count: int, packable: bool, device):
+    """_recognised, its documents made a packed call's (cu_seqlens, max_seqlen) on the device, or None. One
+    eager function under torch.compile, so that the offsets reach the graph as a tensor input rather than
+    as constants it would recompile for at each new packing."""
+    found = _recognised(mask_function, local_size, batch_size, first, count, packable)
+    if isinstance(found, str) or found[2] is None:
+        return found
+    causal, window, bounds = found
+    return causal, window, (torch.tensor(bounds, dtype=torch.int32, device=device), max(_lengths(bounds)))
+
+
+def _recognised(mask_function, local_size, batch_size: int, first: int, count: int, packable: bool = False):
+    """(causal, window, bounds) when mask_function is causal, sliding-window causal or bidirectional at the
+    key positions first .. first + count - 1 (those of the call, at which it may read tensors of that size)
+    for every batch row, else the message refusing it. causal is None when there is one key, where the two
+    agree; local_size, when given, must be the window. bounds is None, or, in a packable call (queries and
+    keys the same positions from 0, as in a packed batch), the documents [bounds[i], bounds[i + 1]) when the
+    mask is one of those patterns within each document and keeps the documents apart."""
     name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
     if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1):
         return f"local_size must be a positive int, got {local_size!r}"
-    last = first + count - 1
     try:
-        # One call: the first query and the last key, the last query and the first key, and the last
-        # query's keys on either side of local_size's window edge.
-        edge = [] if local_size is None or local_size >= count else [last - local_size + 1, last - local_size]
-        seen = _allowed(mask_function, 1, [first, last] + [last] * len(edge), [last, first] + edge).tolist()
-        causal = None if count == 1 else not seen[0]
-        window = None
-        if causal and not seen[1] and (local_size is None or seen[2:] != [True, False]):
-            window = _first_masked_distance(mask_function, last, count - 1)
-        if local_size is not None and causal is not False:
-            if causal and seen[1] and local_size < count:
-                return (f"local_size must equal the mask function's sliding window, got {local_size!r}, but the "
-                        f"query at position {last} sees the key {count - 1} positions behind it")
-            if window is not None and window != local_size:
-                return f"local_size must equal the mask function's sliding window {window}, got {local_size!r}"
-            window = local_size
-        q, k = _sample(first, last, window)
+        bounds = _document_bounds(mask_function, batch_size, count, name) if packable else None
+        if isinstance(bounds, str):
+            return bounds
+        # The pattern is read within one document (the longest, where a window shows most), as in a call of its own.
+        start, length = (first, count) if bounds is None else max(zip(bounds, _lengths(bounds)), key=lambda d: d[1])
+        found = _read_pattern(mask_function, local_size, start, length)
+        if isinstance(found, str):
+            return found
+        causal, window = found
+        q, k = _sample(first, first + count - 1, window)
+        if bounds is not None:
+            more_q, more_k = _document_pairs(bounds)
+            q, k = torch.cat([q, more_q]), torch.cat([k, more_k])
         got = _allowed(mask_function, batch_size, q, k).reshape(batch_size, -1)
     except Exception as error:  # any function that is not index-based: say what it raised
         return (f"mask_function must be an index-based mask f(batch_idx, head_idx, q_idx, kv_idx), got {name}, "
@@ -224,15 +255,75 @@ def _recognised(mask_function, local_size, batch_size: int, first: int, count: i
     want = ((k <= q) if causal is not False else torch.ones_like(q, dtype=torch.bool))
     if window is not None:
         want = want & (q - k < window)
+    if bounds is not None:
+        document = torch.tensor(bounds[1:-1])
+        want = want & (torch.bucketize(q, document, right=True) == torch.bucketize(k, document, right=True))
     wrong = (got != want).nonzero()
     if len(wrong):
         b, i = wrong[0].tolist()
-        seen = ("causal" if causal is not False else "bidirectional") + (f" with window {window}" if window else "")
+        seen = (("causal" if causal is not False else "bidirectional") + (f" with window {window}" if window else "")
+                + (f" within each of {len(bounds) - 1} documents" if bounds is not None else ""))
         return (f"mask_function must be a causal, sliding-window causal or bidirectional mask, got {name}, which "
                 f"gives {bool(got[b, i])} at (batch_idx, q_idx, kv_idx) = ({b}, {int(q[i])}, {int(k[i])}) where "
-                f"the {seen} mask it otherwise matches gives {bool(want[i])} (chunked, packed-sequence and other "
-                f"combined masks are not supported by attngen.hf)")
+                f"the {seen} mask it otherwise matches gives {bool(want[i])} (chunked and other combined masks "
+                f"are not supported by attngen.hf)")
+    return causal, window, bounds
+
+
+def _read_pattern(mask_function, local_size, first: int, count: int):
+    """(causal, window) read at a few of the positions first .. first + count - 1 (each checked later), or
+    the message refusing local_size."""
+    last = first + count - 1
+    # One call: the first query and the last key, the last query and the first key, and the last
+    # query's keys on either side of local_size's window edge.
+    edge = [] if local_size is None or local_size >= count else [last - local_size + 1, last - local_size]
+    seen = _allowed(mask_function, 1, [first, last] + [last] * len(edge), [last, first] + edge).tolist()
+    causal = None if count == 1 else not seen[0]
+    window = None
+    if causal and not seen[1] and (local_size is None or seen[2:] != [True, False]):
+        window = _first_masked_distance(mask_function, last, count - 1)
+    if local_size is not None and causal is not False:
+        if causal and seen[1] and local_size < count:
+            return (f"local_size must equal the mask function's sliding window, got {local_size!r}, but the "
+                    f"query at position {last} sees the key {count - 1} positions behind it")
+        if window is not None and window != local_size:
+            return f"local_size must equal the mask function's sliding window {window}, got {local_size!r}"
+        window = local_size
     return causal, window
+
+
+def _document_bounds(mask_function, batch_size: int, count: int, name: str):
+    """[0, s1, ..., count]: the documents a mask keeps apart, read from every pair of neighbours, since a
+    document starts at each query that cannot see the key just before it. None when every query sees its
+    neighbour (one document) or none does (a window of 1, the same mask however the keys are split). Packed
+    sequences come in one batch row (DataCollatorWithFlattening's): otherwise the message refusing them."""
+    q = torch.arange(1, count)
+    apart = ~_allowed(mask_function, batch_size, q, q - 1).reshape(batch_size, -1)
+    if not apart.any() or apart.all():
+        return None
+    if batch_size > 1:
+        b, i = apart.nonzero()[0].tolist()
+        return (f"batch_size must be 1 when the mask function keeps documents apart (packed sequences go in one "
+                f"row, as DataCollatorWithFlattening packs them), got {batch_size} rows and {name}, whose query "
+                f"{i + 1} of row {b} does not see the key before it")
+    return [0, *(apart[0].nonzero()[:, 0] + 1).tolist(), count]
+
+
+def _lengths(bounds: list[int]) -> list[int]:
+    return [end - start for start, end in zip(bounds, bounds[1:])]
+
+
+def _document_pairs(bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) around the first, the last and 14 pseudo-random documents: their first and last rows against
+    their own first and last keys and the previous document's (every neighbouring pair is read already)."""
+    draw = random.Random(0).randrange
+    documents = {0, len(bounds) - 2} | {draw(len(bounds) - 1) for _ in range(14)}
+    pairs = []
+    for i in sorted(documents):
+        start, last = bounds[i], bounds[i + 1] - 1
+        keys = [start, last] + ([] if i == 0 else [bounds[i - 1], start - 1])
+        pairs += [(row, key) for row in (start, last) for key in keys]
+    return torch.tensor(pairs).T
 
 
 def _allowed(mask_function, batch_size: int, q, k) -> torch.Tensor:
@@ -290,7 +381,7 @@ def _constant_pattern(mask_function, same_mask_function, local_size) -> tuple[bo
     """
     if not _rebuilt(mask_function, same_mask_function):
         return False, None
-    return True, _recognised(mask_function, local_size, 1, 0, _SYNTHETIC_KEYS)
+    return True, _recognised(mask_function, local_size, 1, 0, _SYNTHETIC_KEYS)  # never packable: no call's keys
 
 
 def _rebuilt(first, second) -> bool:
@@ -308,7 +399,7 @@ def _rebuilt(first, second) -> bool:
     return all(_rebuilt(a.cell_contents, b.cell_contents) for a, b in cells)
 
 
-_eager_pattern = torch.compiler.disable(_recognised)  # a graph break: for the functions dynamo does not rebuild
+_eager_pattern = torch.compiler.disable(_with_documents)  # a graph break: for the functions dynamo does not rebuild
 
 
 def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -317,10 +408,19 @@ def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     """transformers' mask interface: the AttngenMask of queries at q_offset + i and keys at kv_offset + j."""
     if isinstance(kv_offset, bool) or not isinstance(kv_offset, int):
         raise _refused(f"kv_offset must be an int, got {kv_offset!r}")
-    causal, window = _pattern(mask_function, local_size, batch_size, kv_offset, kv_length)
+    device = torch.device(device if device is not None else "cpu")
+    # Keys from before this call (a cache's) or a query offset kept on the device (a static cache's):
+    # then queries and keys are not the same tokens, and no mask over them is a packed batch.
+    cached = not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
+    causal, window, packed = _pattern(mask_function, local_size, batch_size, kv_offset, kv_length,
+                                      not cached and kv_length > 1, device)
+    if packed is not None and attention_mask is not None:
+        # Packed sequences have no padding (transformers looks for them only without a padding mask): with
+        # both, which tokens belong together would be a guess.
+        raise _refused(f"attention_mask must be None when the mask function keeps documents apart (packed "
+                       f"sequences, which have no padding), got {_brief(attention_mask)}")
     if isinstance(attention_mask, AttngenMask):
         return _prepared(attention_mask, batch_size, q_length, kv_length, causal, window)
-    device = torch.device(device if device is not None else "cpu")
     if isinstance(q_offset, torch.Tensor):  # a static cache's length stays on the device: no sync
         offset = (q_offset.to(device) - kv_offset).to(torch.int32).reshape(())
     elif -2**31 <= q_offset - kv_offset < 2**31:
@@ -336,7 +436,7 @@ def prepare_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         keep = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
         if keep.shape[1] < kv_length:
             keep = torch.nn.functional.pad(keep, (0, kv_length - keep.shape[1]), value=False)
-    return AttngenMask(batch_size, q_length, kv_length, causal, window, offset, keep)
+    return AttngenMask(batch_size, q_length, kv_length, causal, window, offset, keep, cached, *(packed or (None, None)))
 
 
 def _prepared(mask: AttngenMask, batch_size: int, q_length: int, kv_length: int, causal: bool,
@@ -355,22 +455,127 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, softcap: float | None = None,
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q (B, H, Q_LEN, D) and k, v (B, HKV, KV_LEN, D) to
-    (attn_output (B, Q_LEN, H, D) contiguous, None); GQA runs natively, k and v are not repeated."""
+    (attn_output (B, Q_LEN, H, D) contiguous, None); GQA runs natively, k and v are not repeated.
+    A packed batch (one row of documents, from the mask or FlashAttention's varlen kwargs) is one packed call."""
     if dropout and module.training:
         raise _refused(f"dropout must be 0 while training (attngen kernels have no dropout), got "
                             f"{dropout!r}: call model.eval() or set the config's attention_dropout to 0")
+    lengths = {name: kwargs.pop(name) for name in _VARLEN_KWARGS if kwargs.get(name) is not None}
     active = sorted(n for n, v in kwargs.items() if n not in _INERT_KWARGS and v is not None and v is not False)
     if active:
         raise _refused(f"attention arguments {', '.join(active)} must be unset for attngen, got "
                             f"{', '.join(f'{n}={_brief(kwargs[n])}' for n in active)} (attention weights, "
-                            f"sinks, biases and packed-sequence lengths are not supported)")
+                            f"sinks and biases are not supported)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window, offset, keep = _mask_inputs(attention_mask, query, key, causal, sliding_window)
+    if lengths:
+        packed = _varlen_lengths(attention_mask, lengths, query, key)
+    else:
+        packed = _mask_lengths(attention_mask, kwargs.get("position_ids"), query)
     attn = _kernels(causal, window, keep is not None, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap)
     inputs = ({"offset": offset} if causal else {}) | ({"keep": keep.to(query.device)} if keep is not None else {})
+    if packed is not None:
+        return _packed_attention(attn, query, key, value, inputs, *packed), None
     # transformers' projections reach here as transposed (B, N, H, D) views, and O follows q's layout:
     # the transpose back is then already contiguous, and contiguous() copies nothing.
     return attn(query, key, value, **inputs).transpose(1, 2).contiguous(), None
+
+
+# FlashAttention's varlen kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them and
+# models hand them to the attention function: the packed call's cu_seqlens_q/k and max_seqlen_q/k.
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _packed_attention(attn, query, key, value, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """One packed call over the documents of the batch's one row, as (1, TOTAL, H, D) contiguous."""
+    # The row's (1, heads, TOTAL, D) tensors are FlashAttention's varlen (TOTAL, heads, D) as views.
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = attn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+               max_seqlen_k=max_seqlen_k, **inputs)
+    return out.unsqueeze(0).contiguous()
+
+
+def _mask_lengths(mask, position_ids, query):
+    """The packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the mask keeps
+    documents apart, else None, once position_ids show no packed sequences the mask would mix."""
+    if isinstance(mask, AttngenMask) and mask.cu_seqlens is not None:
+        return mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen
+    if isinstance(mask, AttngenMask):
+        _check_positions(mask, position_ids, query)
+    return None
+
+
+def _check_positions(mask: AttngenMask, position_ids, query) -> None:
+    """Refuses position_ids that fall back between two real tokens of a row the mask does not split: packed
+    sequences that transformers did not keep apart, since it looks for them only with neither a cache nor a
+    padding mask, and then builds one mask over the whole row (FlashAttention would split it). Read on the
+    host once per forward, in eager only: under torch.compile or a CUDA graph capture it is not made."""
+    B, Q_LEN = query.shape[0], query.shape[2]
+    if (torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing())
+            or Q_LEN < 2 or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or position_ids.shape[1] != Q_LEN or position_ids.shape[0] not in (1, B)
+            or (mask.cached and mask.keep is not None)  # keep is aligned to keys the queries may not be
+            or any(read is position_ids for read in mask.positions_read)):
+        return
+    positions = position_ids.expand(B, Q_LEN)  # transformers' models may pass one row for every batch row
+    restart = positions[:, 1:] - positions[:, :-1] != 1
+    if mask.keep is not None:  # padding has positions of its own (generate gives it 1): only real neighbours count
+        restart = restart & mask.keep[:, 1:] & mask.keep[:, :-1]
+    found = restart.nonzero()
+    if len(found):
+        b, i = found[0].tolist()
+        raise _refused(
+            f"position_ids must rise by 1 between the real tokens of a row where transformers builds one mask "
+            f"over the row, got {int(positions[b, i])} then {int(positions[b, i + 1])} at tokens {i} and {i + 1} "
+            f"of row {b} (packed sequences?): transformers keeps packed sequences apart only with no cache and no "
+            f"attention_mask, so pass use_cache=False and no attention_mask, the sequences in one row as "
+            f"DataCollatorWithFlattening packs them")
+    mask.positions_read.append(position_ids)
+
+
+def _varlen_lengths(mask, lengths: dict, query, key):
+    """FlashAttention's varlen kwargs as the packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k), once the call is one they can describe: one row of the same tokens as queries and keys,
+    no padding, no keys from before, and documents that agree with those the mask keeps apart, if any."""
+    missing = [name for name in _VARLEN_KWARGS if name not in lengths]
+    if missing:
+        raise _refused(f"{', '.join(missing)} must be given with {', '.join(lengths)} (FlashAttention's varlen "
+                       f"kwargs come together, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) "
+                       f"makes them), got None")
+    if query.shape[0] != 1:
+        raise _refused(f"query must hold one row with cu_seq_lens_q/k (the packed sequences one after the other, "
+                       f"as DataCollatorWithFlattening packs them), got batch size {query.shape[0]}")
+    if isinstance(mask, AttngenMask) and mask.keep is not None:
+        raise _refused(f"attention_mask must be None with cu_seq_lens_q/k (packed sequences have no padding), "
+                       f"got a padding mask of shape {tuple(mask.keep.shape)}")
+    if (isinstance(mask, AttngenMask) and mask.cached) or query.shape[2] != key.shape[2]:
+        raise _refused(f"the keys must be the queries' own tokens with cu_seq_lens_q/k (packed sequences start "
+                       f"at position 0: no cache holding earlier keys), got {query.shape[2]} queries and "
+                       f"{key.shape[2]} keys" + (" from a cache" if isinstance(mask, AttngenMask) and mask.cached
+                                                  else ""))
+    cu_q, cu_k = (lengths[name].to(device=query.device, dtype=torch.int32) if isinstance(lengths[name], torch.Tensor)
+                  else lengths[name] for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    max_q, max_k = (int(lengths[name]) if isinstance(lengths[name], torch.Tensor) else lengths[name]
+                    for name in ("max_length_q", "max_length_k"))
+    if max_q != max_k:
+        raise _refused(f"max_length_k must equal max_length_q (queries and keys are the same tokens), got "
+                       f"{max_k!r} and {max_q!r}")
+    # Comparing offsets reads them on the host: in eager only, as the packed call checks its offsets.
+    if (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and not torch.compiler.is_compiling()
+            and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if cu_k is not cu_q and not torch.equal(cu_k, cu_q):
+            raise _refused(f"cu_seq_lens_k must equal cu_seq_lens_q (queries and keys are the same tokens), got "
+                           f"{_shown(cu_k)} and {_shown(cu_q)}")
+        documents = mask.cu_seqlens if isinstance(mask, AttngenMask) else None
+        if documents is not None and not torch.equal(cu_q, documents):
+            raise _refused(f"cu_seq_lens_q must mark the documents that position_ids mark (by restarting), got "
+                           f"{_shown(cu_q)} where position_ids give {_shown(documents)}")
+    return cu_q, cu_k, max_q, max_k
+
+
+def _shown(cu: torch.Tensor) -> list:
+    shown = cu.tolist()
+    return shown if len(shown) <= 8 else [*shown[:4], "...", *shown[-3:]]
 
 
 def _mask_inputs(mask, query, key, causal: bool, sliding_window):

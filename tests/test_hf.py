@@ -346,7 +346,7 @@ def test_dropout_while_training_is_refused(models):
         model.eval()(input_ids=ids)  # the same model in eval mode passes dropout=0
 
 
-@pytest.mark.parametrize("refused", ["4-D mask", "output_attentions", "packed sequences"])
+@pytest.mark.parametrize("refused", ["4-D mask", "output_attentions", "packed sequences in two rows"])
 def test_model_level_refusals(models, refused):
     model = models["llama"]
     model.set_attn_implementation("attngen")
@@ -355,9 +355,9 @@ def test_model_level_refusals(models, refused):
         "4-D mask": (dict(attention_mask=torch.zeros(2, 1, 8, 8)), "attention_mask must be the AttngenMask"),
         "output_attentions": (dict(output_attentions=True), "output_attentions"),
         # Position ids that restart mark two packed sequences (looked for only without a cache):
-        # transformers adds a mask overlay for them.
-        "packed sequences": (dict(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2), use_cache=False),
-                             "mask_function must"),
+        # transformers adds a mask overlay for them. Packed batches are one row (tests/test_hf_packed.py).
+        "packed sequences in two rows": (dict(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2),
+                                              use_cache=False), "batch_size must be 1"),
     }[refused]
     with torch.no_grad(), pytest.raises(attngen.ArgumentError, match=message):
         model(input_ids=ids, **kwargs)
@@ -384,8 +384,8 @@ def test_call_level_refusals():
             hf.attention_forward(causal, q, k, v, **kwargs)
     with pytest.raises(attngen.ArgumentError, match="Q_LEN != KV_LEN"):
         hf.attention_forward(causal, q[:, :, :2], k, v, None)
-    with pytest.raises(attngen.ArgumentError, match="mask_function must"):
-        hf.prepare_mask(batch_size=1, q_length=4, kv_length=4,
+    with pytest.raises(attngen.ArgumentError, match="mask_function must"):  # keys from a cache: no documents
+        hf.prepare_mask(batch_size=1, q_length=4, kv_length=8, q_offset=4,
                         mask_function=mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)))
     with pytest.raises(attngen.ArgumentError, match="local_size must equal"):
         hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=5,
@@ -443,17 +443,18 @@ def test_model_with_its_own_mask_functions_matches_eager(models, monkeypatch):
 
 @pytest.mark.parametrize("length", [20, 1000])
 def test_masks_that_only_look_alike_are_refused(length):
-    """Chunked, packed-sequence and sink masks agree with a causal or windowed mask at many pairs but not
-    all; a window is refused when local_size says another."""
+    """Sink masks agree with a causal or windowed mask at many pairs but not all; a window is refused when
+    local_size says another. Chunked and packed-sequence masks keep documents apart, which only a packed
+    batch's one row may do (tests/test_hf_packed.py)."""
     half = torch.tensor([[0] * (length // 2) + [1] * (length - length // 2)] * 2)
     chunk = length // 5
     refused = {
         "chunked": (mu.chunked_causal_mask_function(chunk, torch.zeros(2, dtype=torch.long)), chunk,
-                    "mask_function must be a causal, sliding-window causal or bidirectional mask"),
+                    "batch_size must be 1 when the mask function keeps documents apart"),
         "chunked, left-padded": (mu.chunked_causal_mask_function(chunk, torch.tensor([0, 3])), chunk,
-                                 "mask_function must be a causal"),
+                                 "batch_size must be 1"),
         "packed": (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(half)), None,
-                   r"mask_function must be a causal.* gives False at \(batch_idx, q_idx, kv_idx\)"),
+                   rf"batch_size must be 1 .* got 2 rows .* query {length // 2} of row 0 does not see"),
         "window and sink": (mu.or_masks(mu.sliding_window_causal_mask_function(WINDOW), _first_key), WINDOW,
                             "(mask_function|local_size) must"),  # the first key is seen from afar
         "another window": (mu.sliding_window_causal_mask_function(WINDOW), WINDOW - 1,
@@ -581,9 +582,10 @@ def test_compiled_refusals_are_the_eager_ones(fresh_dynamo):
     """Without fullgraph a refused mask raises the eager error under torch.compile too, closures over
     tensors (which dynamo cannot make constants) included."""
     refused = {
-        "packed": (lambda x: _compiled_window(mu.and_masks(mu.causal_mask_function,
-                                                           mu.packed_sequence_mask_function(x))), "mask_function must"),
-        "chunked": (lambda x: _compiled_window(mu.chunked_causal_mask_function(2, x[:, 0])), "mask_function must"),
+        "packed in two rows": (lambda x: hf.prepare_mask(2, 8, 8, mask_function=mu.and_masks(
+            mu.causal_mask_function, mu.packed_sequence_mask_function(x.expand(2, -1)))), "batch_size must be 1"),
+        "chunked": (lambda x: hf.prepare_mask(1, 4, 8, q_offset=4, mask_function=mu.chunked_causal_mask_function(
+            2, x[:, 0])), "mask_function must"),
         "or": (lambda x: _compiled_window(mu.or_masks(mu.sliding_window_causal_mask_function(3), _first_key)),
                "mask_function must"),
         "local_size": (lambda x: _compiled_window(mu.sliding_window_causal_mask_function(3), 4), "local_size must"),
