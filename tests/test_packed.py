@@ -173,20 +173,82 @@ def test_opcheck_of_the_packed_operators(build_small):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _model_batch(lengths, heads, kv_heads, head_dim, dtype, seed=1):
+    """A model's packed batch on the GPU: q, k, v views of one fused (TOTAL, heads + 2 * kv_heads, D)
+    projection (not contiguous), and the call's keywords."""
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(sum(lengths), heads + 2 * kv_heads, head_dim, generator=g).to("cuda", dtype)
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+    offsets = _offsets(lengths)
+    return q, k, v, dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths),
+                         max_seqlen_k=max(lengths))
+
+
+# Sequences from 0 to 700 tokens: empty, single, ragged and several tiles long; windows that cut them.
+MODEL_LENGTHS = [300, 1, 0, 700, 77, 129]
+WINDOWS = {"sliding_window": {"window": 100}, "gemma2_local": {"window": 100, "cap": 20.0}}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi_causal", "learned_rel_bias"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi_causal", "learned_rel_bias", "gemma2_local"])
 def test_packed_half_precision_on_gpu(name, dtype):
-    """A model's packed batch: q, k, v views of one fused (TOTAL, 3, H, D) projection (not contiguous),
-    head dim 128, sequences from 0 to 700 tokens, against the float64 reference of each alone."""
-    attn = attngen.build(SPECS / f"{name}.attn")
-    lengths, heads, head_dim = [300, 1, 0, 700, 77, 129], 8, 128
-    g = torch.Generator().manual_seed(1)
-    fused = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to("cuda", dtype)
-    q, k, v = fused.unbind(1)
+    """Head dim 128 on an H200: the Hopper family's kernels, against the float64 reference of each sequence."""
+    attn = attngen.build(SPECS / f"{name}.attn", params=WINDOWS.get(name, {}))
+    q, k, v, packed = _model_batch(MODEL_LENGTHS, 8, 8, 128, dtype)
     assert not q.is_contiguous()
-    offsets = _offsets(lengths)
-    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-    inputs = testing.random_inputs(attn.spec, len(lengths), heads, heads, max(lengths), max(lengths), seed=1,
-                                   device="cuda")
+    inputs = testing.random_inputs(attn.spec, len(MODEL_LENGTHS), 8, 8, max(MODEL_LENGTHS), max(MODEL_LENGTHS),
+                                   seed=1, device="cuda")
+    if ON_HOPPER:
+        families = attn.forward_family(q, k, v, **inputs, **packed), attn.backward_family(q, k, v, **inputs, **packed)
+        assert families == ("hopper", "portable")
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_packed_gqa_head_dims_on_gpu(head_dim):
+    """Grouped-query heads (8 over 2) at head dims the Hopper family tiles differently; lengths across
+    its 128-row tiles, one sequence of keys only (no queries) and one of queries with few keys."""
+    attn = attngen.build(SPECS / "prefix_lm.attn")
+    lengths_q, lengths_k = [130, 0, 257, 5, 64], [130, 3, 257, 200, 64]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(lengths_q), 8, head_dim, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), 2, head_dim, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    packed = dict(cu_seqlens_q=_offsets(lengths_q), cu_seqlens_k=_offsets(lengths_k), max_seqlen_q=max(lengths_q),
+                  max_seqlen_k=max(lengths_k))
+    inputs = testing.random_inputs(attn.spec, len(lengths_q), 8, 2, max(lengths_q), max(lengths_k), seed=2,
+                                   device="cuda")
+    if ON_HOPPER:
+        families = attn.forward_family(q, k, v, **inputs, **packed), attn.backward_family(q, k, v, **inputs, **packed)
+        assert families == ("hopper", "portable")
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_packed_model_batch_under_inductor_on_gpu(dynamic):
+    """A compiled training step on a model's packed batch (the Hopper family on an H200) gives the eager
+    step's numbers: Inductor checks the packed operators' strides against their fakes."""
+    torch._dynamo.reset()
+    attn = attngen.build(SPECS / "causal.attn")
+    q, k, v, packed = _model_batch(MODEL_LENGTHS, 8, 2, 128, torch.bfloat16)
+
+    def step(q, k, v):
+        out = attn(q, k, v, **packed)
+        return (out.float().square() * 0.5).sum() + out.float().sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, dynamic=dynamic)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        loss = fn(*leaves)
+        results.append((loss, torch.autograd.grad(loss, leaves)))
+    (eager_loss, eager_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-3, atol=1e-3)
+    for got, want in zip(grads, eager_grads):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()
