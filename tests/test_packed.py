@@ -132,6 +132,11 @@ def test_packed_call_errors(build_small):
         call(kv_len=torch.ones(6, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="tile_tables must be None in a packed call"):
         call(tile_tables=object())
+    # Any one of the four keywords makes a packed call, in attn and in the instrumentation alike: a lone
+    # max_seqlen is an error, not ignored.
+    for query in (attn, attn.forward_family, attn.backward_family, attn.visit_counts):
+        with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
+            query(q, k, v, **inputs, max_seqlen_q=37)
 
 
 # Inductor checks the packed operators' output strides against their fakes; aot_eager on the CPU does not.

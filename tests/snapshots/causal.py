@@ -2623,7 +2623,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "8929650171441368"
+MODULE_DIGEST = "7a41c409e8fe8e95"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -2805,7 +2805,7 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=N
     """
     q, k, v = _autocast(q, k, v)
     packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if any(x is not None for x in packed):
+    if _is_packed(*packed):
         if kv_len is not None or q_offset is not None or page_table is not None:
             _fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
                   "packed calls are training and prefill calls, positions restarting at 0 in every sequence")
@@ -2851,6 +2851,12 @@ def _check_learnable(inputs):
 
 
 # --- packed calls: sequences of any lengths in FlashAttention's varlen layout ------------------------
+def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Whether a call's keywords make it a packed call: any of the four (the others are then checked
+    present by _check_packed, rather than silently ignored)."""
+    return any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
 def _packed_view(t):
     """A packed (TOTAL, heads, D) tensor as the (1, heads, TOTAL, D) view the portable kernels read."""
     return t.unsqueeze(0).transpose(1, 2)
@@ -3043,7 +3049,7 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_s
     The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
     A packed call (cu_seqlens_q=...) runs the portable kernels."""
     q, k, v = _autocast(q, k, v)
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
         return "portable"
     if page_table is not None:
@@ -3059,7 +3065,7 @@ def backward_family(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
     or the family of BACKWARD_FAMILIES whose per-call rule admits it; "portable" for a packed call."""
     q, k, v = _autocast(q, k, v)
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
         return "portable"
     _check(q, k, v, inputs)
@@ -3075,7 +3081,7 @@ def visit_counts(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
     sequence's first token."""
     q, k, v = _autocast(q, k, v)
     packed = None
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
         _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, q.shape[0])
