@@ -9,7 +9,7 @@ from types import ModuleType
 from attngen import ir, runtime
 from attngen.analysis import analyze
 from attngen.errors import ArgumentError
-from attngen.frontend import SpecLike, load_spec, parse_spec  # parse_spec: attngen's public name
+from attngen.frontend import SpecLike, load_spec, parse_spec, with_params  # attngen's public names
 from attngen.plan import Plan, plan_for
 from attngen.emit.hooks import score_gathers
 from attngen.emit.module import render
@@ -71,7 +71,7 @@ class Explanation:
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     """The pipeline up to the plan: parse (or take) the spec, apply params, analyze, plan."""
     parsed, text = load_spec(spec)
-    facts = analyze(parsed.with_params(params))
+    facts = analyze(with_params(parsed, params))
     tgt = target if isinstance(target, Target) else get_target(target)
     return facts, text, tgt, plan_for(facts, tgt)
 

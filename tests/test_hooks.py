@@ -109,8 +109,8 @@ class _ScalarTl:
        rows=st.sampled_from([1, 16, 64]), cols=st.sampled_from([1, 16, 64]))
 def test_tile_intervals_bound_every_element_and_a_point_is_exact(text, q0, k0, rows, cols):
     from attngen import ir
-    from attngen.analysis.integers import fits, postorder
-    from attngen.analysis.intervals import I32_RANGE, TileBox, value
+    from attngen.intervals import TileBox, fits, value
+    from attngen.ir import I32_RANGE, postorder
     from attngen.emit.expressions import Spelling, TritonEmitter
     from attngen.emit.fold import fold
 

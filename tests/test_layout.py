@@ -9,12 +9,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 # every generated module inlines, which imports only the standard library, torch and triton, and whose
 # shared facts (tile widths, dtypes) the package imports so they are stated once. The frontend builds on
 # the analysis: lowering checks a spec's numbers with its int ranges.
-ORDER = ["emit.static", "version", "errors", "ir", "reference", "analysis", "frontend", "plan", "emit", "report", "testing",
+ORDER = ["emit.static", "version", "errors", "ir", "intervals", "reference", "analysis", "frontend", "plan", "emit", "report", "testing",
          "runtime", "merge", "api", "flex", "__init__", "bench", "hf", "cli"]
-# The one import against the order, made inside the function: Spec.with_params (the IR) runs the number
-# checks again on new param values (frontend.checks, which builds on the IR), so an overridden spec is
-# checked wherever it is made.
-BACK_EDGES = {("ir", "frontend.checks")}
+BACK_EDGES = set()
 
 
 def _unit(module: str) -> str:

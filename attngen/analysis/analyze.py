@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from attngen import ir
+from attngen import intervals, ir
 from attngen.errors import SpecWarning
 from attngen.analysis import spans
 from attngen.analysis import derivatives
@@ -53,7 +53,7 @@ class Analysis:
     learnable_derivatives: tuple[tuple[ir.Load, ir.Expr], ...]
     length_limit: int
     length_culprit: ir.Expr | None
-    ranges: integers.Ranges
+    ranges: intervals.Ranges
 
 
 def _warn_mask_allows_nothing(spec: ir.Spec) -> None:
@@ -68,11 +68,11 @@ def analyze(spec: ir.Spec) -> Analysis:
     params = spec.param_values
     if spans.allows_nothing(spec.mask, params):
         _warn_mask_allows_nothing(spec)
-    limit, culprit = integers.length_limit(spec)
+    limit, culprit = intervals.length_limit(spec)
     regions = spans.regions(spec.mask, params)
     steps = spans.block_steps(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
-    ranges = integers.Ranges(integers.box(spec, limit))
+    ranges = intervals.Ranges(intervals.box(spec, limit))
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
                                       integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
                    for loop, region in regions.items()}

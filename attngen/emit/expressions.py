@@ -8,8 +8,8 @@ from typing import Mapping
 
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.analysis.integers import Ranges, fits, postorder
-from attngen.analysis.intervals import I32_RANGE, I64_RANGE
+from attngen.intervals import Ranges, fits
+from attngen.ir import I32_RANGE, I64_RANGE, postorder
 from attngen.emit.fold import fold
 from attngen.frontend.printer import literal
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from attngen import ir
 from attngen.analysis import Analysis
-from attngen.analysis.integers import postorder
+from attngen.ir import postorder
 from attngen.emit.expressions import Spelling, TritonEmitter, address, indented
 from attngen.emit.fold import fold
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params

@@ -11,8 +11,8 @@ from importlib import resources
 
 import jinja2
 
-from attngen import ir
-from attngen.analysis import Analysis, integers
+from attngen import intervals, ir
+from attngen.analysis import Analysis
 from attngen.errors import ArgumentError
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
@@ -156,7 +156,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         table_steps=repr(dict(facts.block_steps)),
         table_per_b=facts.table_per_batch, table_per_h=facts.table_per_head,
         max_length=facts.length_limit, max_length_reason=_length_reason(facts),
-        max_batch_heads=integers.MAX_BATCH_HEADS,
+        max_batch_heads=intervals.MAX_BATCH_HEADS,
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
