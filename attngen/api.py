@@ -13,7 +13,7 @@ from attngen.frontend import SpecLike, load_spec, parse_spec, with_params  # att
 from attngen.plan import Plan, plan_for
 from attngen.emit.hooks import score_gathers
 from attngen.emit.module import render
-from attngen.emit.static import shared
+from attngen.plan import shared
 from attngen.plan.targets import Target, get_target
 from attngen.report.explain import report
 

@@ -33,10 +33,13 @@ KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_quer
 FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES")
 LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
-# Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
-# the line after this one.
+# Each static file is inlined from the line after this one.
 INLINE_MARKER = "# ---- inlined into every generated module from here on ----\n"
-STATIC_FILES = ("shared", "launch", "helpers", "host")
+# The static files by name, in the order module.py.jinja inlines them, with their paths in the package:
+# plan/shared.py first, the facts the planner shares with every module; then the emitter's own host code.
+STATIC_PATHS = {"shared": "plan/shared.py", "launch": "emit/static/launch.py", "helpers": "emit/static/helpers.py",
+                "host": "emit/static/host.py"}
+STATIC_FILES = tuple(STATIC_PATHS)
 
 
 def _identifier(name: object) -> str:
@@ -60,9 +63,9 @@ def _environment() -> jinja2.Environment:
 
 @lru_cache(maxsize=None)
 def static_code(name: str) -> str:
-    """The code of emit/static/`name`.py that every module inlines, verbatim: the file after its
+    """The code of static file `name` (STATIC_PATHS) that every module inlines, verbatim: the file after its
     INLINE_MARKER line."""
-    return _inlined(resources.files("attngen.emit.static").joinpath(f"{name}.py").read_text(), name)
+    return _inlined(resources.files("attngen").joinpath(STATIC_PATHS[name]).read_text(), name)
 
 
 @lru_cache(maxsize=None)

@@ -214,7 +214,7 @@ def softmax_scale(D):
     return float(1.0 / math.sqrt(D))
 
 
-# --- facts the package shares: attngen/emit/static/shared.py ---------------------------------
+# --- facts the package shares: attngen/plan/shared.py ---------------------------------------
 # q, k and v's dtypes, by the names the plan keys its tiles with.
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 # The torch dtype of each dtype an input may declare.
