@@ -11,7 +11,6 @@ from attngen.analysis import analyze
 from attngen.errors import ArgumentError
 from attngen.frontend import SpecLike, load_spec, parse_spec, with_params  # attngen's public names
 from attngen.plan import Plan, plan_for
-from attngen.emit.hooks import score_gathers
 from attngen.emit.module import render
 from attngen.plan import shared
 from attngen.plan.targets import Target, get_target
@@ -110,8 +109,7 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
             params: dict | None = None, target: str | Target | None = None) -> Explanation:
     """`attngen explain`: what the compiler decided for a spec at these sizes (report.explain)."""
     facts, _, _, kernel_plan = _prepare(spec, params, target)
-    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype,
-                                           gathers=score_gathers(facts)))
+    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:

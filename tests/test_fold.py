@@ -1,4 +1,4 @@
-"""Constant folding (attngen.emit.fold): a folded expression has the reference's value of the original, its type
+"""Constant folding (attngen.analysis.fold): a folded expression has the reference's value of the original, its type
 and int-ness, and no wider int range; the loop bounds the kernels compute read plainly and stay exact."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from attngen import intervals
 from attngen.analysis import spans
 from attngen.analysis.bounds import bound_value, uniform_env
 from attngen.emit.expressions import TritonEmitter
-from attngen.emit.fold import fold
+from attngen.analysis.fold import fold
 from attngen.emit.hooks import BOUNDS, ROW_MAJOR
 from attngen.frontend import parse_spec
 from attngen.frontend.printer import expr_to_source

@@ -99,7 +99,7 @@ def _node_problems(node: ir.Expr, ranges: Ranges, widest: Ranges) -> list[Proble
 
 def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
     """Float literals, params and expressions of them alone are float32 numbers computed in float32
-    (`reference.Env.constant_dtype`, `emit.fold`): one finite in float64 but not in float32 (`1e39`,
+    (`reference.Env.constant_dtype`, `analysis.fold`): one finite in float64 but not in float32 (`1e39`,
     `1e20 * 1e20`, `exp(100.0)`) would turn the spec's finite number into inf, so it is rejected
     (innermost first; inf itself, and what inf makes, are the spec's own)."""
     # Imported here: a spec that fails before its numbers are checked is reported without torch.

@@ -246,3 +246,19 @@ def _logic(e: ir.Binary) -> ir.Expr:
                 return x if c.value else c
             return c if c.value else x
     return e
+
+
+def pinned(e: ir.Expr, sizes: Mapping[str, int]) -> ir.Expr:
+    """`e` with the sizes in `sizes` as int constants (the very same object where it reads none)."""
+    if isinstance(e, ir.Size) and e.name in sizes:
+        return ir.Const(type="int", value=sizes[e.name])
+    if not sizes or not any(isinstance(n, ir.Size) and n.name in sizes for n in postorder(e)):
+        return e
+    kids = [pinned(c, sizes) for c in ir.children(e)]
+    if isinstance(e, ir.Load):
+        return e.model_copy(update={"index": tuple(kids)})
+    if isinstance(e, ir.Unary):
+        return e.model_copy(update={"operand": kids[0]})
+    if isinstance(e, ir.Binary):
+        return e.model_copy(update={"left": kids[0], "right": kids[1]})
+    return e.model_copy(update={"args": tuple(kids)})
