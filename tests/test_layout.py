@@ -41,7 +41,7 @@ MODULES = _modules()
 
 
 def _unit(module: str) -> str:
-    """attngen.plan.planner -> plan; attngen.emit.static.shared -> emit; attngen.ir -> ir; attngen -> __init__."""
+    """attngen.plan.planner -> plan; attngen.emit.static.host -> emit; attngen.ir -> ir; attngen -> __init__."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
