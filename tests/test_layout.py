@@ -3,9 +3,9 @@ exception; the report layer never runs the pipeline (it never imports api, runti
 
 Every import of attngen's own code counts, wherever it is written (module level, inside a function, a
 lazy one) and however (`import attngen.x`, `from attngen.x import y`, `from . import y`,
-`from .x import y`). An edge goes to each module named; importing `attngen.a.b` also runs the package
-`attngen.a`, so that is an edge too (except to a package the importer itself lies in, which Python has
-already started).
+`from .x import y`). An edge goes to each module named (the package itself for a name it defines, `from attngen import build`);
+importing `attngen.a.b` also runs the package `attngen.a`, so that is an edge too, except to a package
+the importer itself lies in, which Python has already started.
 """
 
 import ast
@@ -70,12 +70,14 @@ def _edges() -> dict[tuple[str, str], int]:
                 continue
             for target in _imported(module, is_package, node):
                 assert target in MODULES, f"{module} (line {node.lineno}) imports {target}, which does not exist"
-                parts = target.split(".")
+                if target != module:
+                    edges.setdefault((module, target), node.lineno)
                 # The packages above the target run first; those above the importer have already started.
-                for depth in range(2, len(parts) + 1):
-                    named = ".".join(parts[:depth])
-                    if named != module and not module.startswith(named + "."):
-                        edges.setdefault((module, named), node.lineno)
+                parts = target.split(".")
+                for depth in range(2, len(parts)):
+                    package = ".".join(parts[:depth])
+                    if package != module and not module.startswith(package + "."):
+                        edges.setdefault((module, package), node.lineno)
     return edges
 
 
