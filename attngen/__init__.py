@@ -10,7 +10,8 @@ from attngen.version import __version__
 # command line's help and spec errors do not wait seconds for torch and triton.
 _PUBLIC = {"Attention": "attngen.api", "build": "attngen.api", "compile_source": "attngen.api",
            "load_spec": "attngen.api", "parse_spec": "attngen.api", "ArgumentError": "attngen.errors",
-           "SpecError": "attngen.errors", "to_flex": "attngen.flex", "Spec": "attngen.ir", "merge": "attngen.merge"}
+           "SpecError": "attngen.errors", "to_flex": "attngen.flex", "Spec": "attngen.ir", "merge": "attngen.merge",
+           "with_params": "attngen.api"}
 
 
 def _interpret_without_gpu() -> None:
@@ -54,4 +55,4 @@ def __dir__():
 
 
 __all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source", "merge",
-           "load_spec", "parse_spec", "to_flex", "__version__"]
+           "load_spec", "parse_spec", "to_flex", "with_params", "__version__"]

@@ -9,11 +9,10 @@ from types import ModuleType
 from attngen import ir, runtime
 from attngen.analysis import analyze
 from attngen.errors import ArgumentError
-from attngen.frontend import SpecLike, load_spec, parse_spec  # parse_spec: attngen's public name
+from attngen.frontend import SpecLike, load_spec, parse_spec, with_params  # attngen's public names
 from attngen.plan import Plan, plan_for
-from attngen.emit.hooks import score_gathers
 from attngen.emit.module import render
-from attngen.emit.static import shared
+from attngen.plan import shared
 from attngen.plan.targets import Target, get_target
 from attngen.report.explain import report
 
@@ -71,7 +70,7 @@ class Explanation:
 def _prepare(spec: SpecLike, params: dict | None, target: str | Target | None):
     """The pipeline up to the plan: parse (or take) the spec, apply params, analyze, plan."""
     parsed, text = load_spec(spec)
-    facts = analyze(parsed.with_params(params))
+    facts = analyze(with_params(parsed, params))
     tgt = target if isinstance(target, Target) else get_target(target)
     return facts, text, tgt, plan_for(facts, tgt)
 
@@ -110,8 +109,7 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
             params: dict | None = None, target: str | Target | None = None) -> Explanation:
     """`attngen explain`: what the compiler decided for a spec at these sizes (report.explain)."""
     facts, _, _, kernel_plan = _prepare(spec, params, target)
-    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype,
-                                           gathers=score_gathers(facts)))
+    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:

@@ -89,10 +89,10 @@ def _read_spec_first(spec: Path, define: list[str] | None) -> None:
     """Reads the spec and its overrides before anything imports torch and triton (seconds): a wrong
     spec is reported at once. Reading it again later costs milliseconds."""
     from attngen.errors import ArgumentError
-    from attngen.frontend import load_spec
+    from attngen.frontend import load_spec, with_params
 
     try:
-        load_spec(spec)[0].with_params(_defines(define))
+        with_params(load_spec(spec)[0], _defines(define))
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)
 
@@ -133,7 +133,7 @@ def run_command(
 ) -> None:
     """Build a spec and run it forward and backward on random data, checked against the reference."""
     _read_spec_first(spec, define)
-    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.intervals import MAX_LENGTH
     from attngen.plan import HEAD_DIMS
     import torch
 
@@ -212,7 +212,7 @@ def explain_command(
 ) -> None:
     """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
     _read_spec_first(spec, define)
-    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.intervals import MAX_LENGTH
     from attngen.plan import DTYPES, HEAD_DIMS
     from attngen import ArgumentError, SpecError, api
     from attngen.report import explain
@@ -253,7 +253,7 @@ def check_command(
     and KV-cache calls (contiguous and paged, where the spec takes them); on failure, print the
     smallest failing case and a command that reruns it, and exit 1."""
     _read_spec_first(spec, define)
-    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.intervals import MAX_LENGTH
     from attngen.plan import HEAD_DIMS
     import torch
 
@@ -350,11 +350,11 @@ def bench_command(
 ) -> None:
     """Time a spec's kernels on the GPU, forward and forward+backward, beside FlexAttention running the same
     variant (attngen.to_flex, torch.compile) and, for plain attention, SDPA's flash and cuDNN backends."""
-    from attngen.analysis.integers import MAX_LENGTH
+    from attngen.intervals import MAX_LENGTH
     from attngen.plan import HEAD_DIMS
     import torch
 
-    from attngen import ArgumentError, SpecError, bench, load_spec
+    from attngen import ArgumentError, SpecError, bench, load_spec, with_params
     from attngen.testing.tolerances import LAYOUTS
 
     for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
@@ -372,7 +372,7 @@ def bench_command(
     _check_output("--json", json_path)
     params = _defines(define)
     try:
-        load_spec(spec)[0].with_params(params)
+        with_params(load_spec(spec)[0], params)
         if plot is not None:
             bench.require_matplotlib()
     except (SpecError, ArgumentError, ValueError) as e:

@@ -10,7 +10,7 @@ The mods mean what `attngen.reference` means, node for node: they apply the refe
 and function tables to tensors of the dtypes the reference computes in (float inputs, params and
 literals in the score's float dtype; `//` and `%` with Python's floor semantics; ints promoted to
 float where mixed). Ints are exact as in attngen's kernels: each is computed in int32 where the
-interval analysis (`attngen.analysis.integers`) proves its range fits, in int64 otherwise, and lengths at
+interval analysis (`attngen.intervals`) proves its range fits, in int64 otherwise, and lengths at
 which some int would overflow even int64 are refused, as the kernels refuse them.
 
 What a Flex user should know when comparing (torch 2.13; checked in tests/test_flex.py):
@@ -40,9 +40,9 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-from attngen import ir
-from attngen.analysis import Analysis, analyze, integers
-from attngen.api import SpecLike, load_spec
+from attngen import intervals, ir
+from attngen.analysis import Analysis, analyze
+from attngen.api import SpecLike, load_spec, with_params
 from attngen.errors import ArgumentError
 # The reference's own tables: the mods apply the very operations that define what each node means.
 from attngen.reference import _BINARY, _FUNCTIONS, HALF_DTYPES, Env, _check_inputs, _check_qkv, _promote, scale_value
@@ -62,7 +62,7 @@ Value = Callable[[dict], Tensor]
 def to_flex(spec: SpecLike, *, params: dict | None = None) -> FlexVariant:
     """The spec (a path, spec text or Spec; `params` override its params, as in `attngen.build`) as
     FlexAttention mods, a BlockMask and a call; see the module's documentation."""
-    parsed = load_spec(spec)[0].with_params(params)
+    parsed = with_params(load_spec(spec)[0], params)
     for decl in parsed.inputs:
         if decl.name in CALL_OPTIONS:
             raise ArgumentError(f"input {decl.name!r} has the name of an option of the Flex call "
@@ -204,7 +204,7 @@ def _indices(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, group: int) ->
 class _Translator:
     """IR expression -> a closure computing it on Flex's index tensors, as the reference computes it."""
 
-    def __init__(self, spec: ir.Spec, ranges: integers.Ranges, inputs: Mapping[str, Tensor],
+    def __init__(self, spec: ir.Spec, ranges: intervals.Ranges, inputs: Mapping[str, Tensor],
                  sizes: dict[str, int], float_dtype: torch.dtype, device: torch.device):
         self.params = spec.param_values
         self.ranges = ranges

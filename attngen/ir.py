@@ -6,7 +6,6 @@ import hashlib
 import json
 import keyword
 import re
-import sys
 from collections import Counter
 from typing import Annotated, Literal, Union
 
@@ -21,6 +20,9 @@ SIZES = ("B", "H", "HKV", "Q_LEN", "KV_LEN", "D")
 DTYPES = ("f32", "f16", "bf16", "i32", "i64", "bool")
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
+# The ranges of the int dtypes; an `int` of the language is an int64, as the reference computes it.
+I32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
+I64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 DTYPE_VALUE_TYPE: dict[str, ValueType] = {
     "f32": "float", "f16": "float", "bf16": "float", "i32": "int", "i64": "int", "bool": "bool",
 }
@@ -257,35 +259,6 @@ class Spec(Node):
     def learnable_inputs(self) -> tuple[InputDecl, ...]:
         return tuple(i for i in self.inputs if i.learnable)
 
-    def with_params(self, overrides: dict[str, int | float] | None) -> "Spec":
-        """The same spec with some params given new values (build-time overrides)."""
-        if not overrides:
-            return self
-        declared = {p.name: p for p in self.params}
-        for name, value in overrides.items():
-            if name not in declared:
-                known = ", ".join(declared) or "none"
-                raise ArgumentError(f"params: unknown param '{name}' (the spec declares: {known})")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ArgumentError(f"params: '{name}' must be a number, got {value!r}")
-            # nan and inf, and an int past the largest float for a float param, would be baked in as inf.
-            if not (-sys.float_info.max <= value <= sys.float_info.max):
-                raise ArgumentError(f"params: '{name}' must be a finite number, got {value!r}")
-            if declared[name].type == "int" and isinstance(value, float) and not value.is_integer():
-                raise ArgumentError(f"params: '{name}' is an int param and must be an integer, got {value!r}")
-            if declared[name].type == "int" and not -2 ** 63 <= value < 2 ** 63:
-                raise ArgumentError(f"params: '{name}' is an int param and must fit in int64, got {value!r}")
-        params = tuple(
-            p.model_copy(update={"value": (int(overrides[p.name]) if p.type == "int" else float(overrides[p.name]))})
-            if p.name in overrides else p
-            for p in self.params)
-        spec = self.model_copy(update={"params": params})
-        # Lowering checked the spec's numbers with the declared values: check them again with these
-        # (attngen.checks builds on this module, so it is imported only here).
-        from attngen.frontend.checks import check_overrides
-        check_overrides(spec, overrides)
-        return spec
-
     def fingerprint(self) -> str:
         """A stable hash of the meaning of the spec (params included, source text excluded)."""
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
@@ -326,6 +299,19 @@ def walk(expr: Expr):
     yield expr
     for child in children(expr):
         yield from walk(child)
+
+
+def postorder(expr: Expr):
+    """Every node of an expression, children before parents, without recursion."""
+    stack = [(expr, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            yield node
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children(node)))
+
 
 
 def uses(expr: Expr | None, cls: type, name: str | None = None) -> bool:

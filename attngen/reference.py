@@ -25,7 +25,7 @@ class Env:
     float_dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     # Float literals and params are float32 numbers, and what is computed from them alone is computed
-    # in float32, whatever `float_dtype` is: the kernels hold them and fold them so (emit.fold), and
+    # in float32, whatever `float_dtype` is: the kernels hold them and fold them so (analysis.fold), and
     # the float64 truth must mean the same spec (checks.py rejects one that overflows float32 there).
     constant_dtype: torch.dtype = torch.float32
 

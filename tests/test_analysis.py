@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from attngen import ir
 from attngen.analysis.spans import Region, Span, region
-from attngen.api import parse_spec
+from attngen.api import parse_spec, with_params
 from attngen.reference import evaluate_expr, make_env
 from attngen.analysis.bounds import bound_value, uniform_env
 
@@ -137,7 +137,7 @@ def problems(draw):
 @given(problem=problems())
 def test_region_is_sound(mask, problem):
     q_len, kv_len, w, prefix, loop, (t0, t1), block = problem
-    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params({"w": w})
+    spec = with_params(parse_spec(f"{HEADER}mask: {mask}\n"), {"w": w})
     params = {p.name: p.value for p in spec.params}
     reg = region(spec.mask, loop, params)
     env, allowed = allowed_grid(spec, q_len, kv_len, prefix)
@@ -153,7 +153,7 @@ def test_region_is_sound(mask, problem):
 # --- precision on the catalog's masks: the bounds are the tight ones -----------------------------
 
 def bounds(mask: str, loop: str, tile: tuple[int, int], q_len: int = 64, kv_len: int = 64, w: int = 4):
-    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params({"w": w})
+    spec = with_params(parse_spec(f"{HEADER}mask: {mask}\n"), {"w": w})
     reg = region(spec.mask, loop, {"w": w})
     env, _ = allowed_grid(spec, q_len, kv_len, [0] * B)
     other = "q" if loop == "k" else "k"
@@ -274,7 +274,7 @@ def test_a_param_that_empties_the_mask_is_a_warning_naming_it():
 
     spec = parse_spec("attention sw\nparam window = 8\nmask: causal and q - k < window\n")
     with pytest.warns(SpecWarning, match=r"'sw': the mask allows no key to any query, at every length with window=-5"):
-        analyze(spec.with_params({"window": -5}))
+        analyze(with_params(spec, {"window": -5}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        analyze(spec.with_params({"window": 1}))
+        analyze(with_params(spec, {"window": 1}))

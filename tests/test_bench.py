@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attngen
-from attngen import bench, testing
+from attngen import bench, testing, with_params
 from attngen.bench import ATTNGEN, ATTNGEN_PREBUILT, FLEX, Flops, Problem, Timing
 
 ROOT = Path(__file__).parent.parent
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def _spec(name: str, **params):
-    return attngen.load_spec(ROOT / "specs" / f"{name}.attn")[0].with_params(params or None)
+    return with_params(attngen.load_spec(ROOT / "specs" / f"{name}.attn")[0], params or None)
 
 
 def _attngen(monkeypatch, capsys, *args):

@@ -1,4 +1,4 @@
-"""Constant folding (attngen.emit.fold): a folded expression has the reference's value of the original, its type
+"""Constant folding (attngen.analysis.fold): a folded expression has the reference's value of the original, its type
 and int-ness, and no wider int range; the loop bounds the kernels compute read plainly and stay exact."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import ir
-from attngen.analysis import integers, spans
+from attngen import intervals
+from attngen.analysis import spans
 from attngen.analysis.bounds import bound_value, uniform_env
 from attngen.emit.expressions import TritonEmitter
-from attngen.emit.fold import fold
+from attngen.analysis.fold import fold
 from attngen.emit.hooks import BOUNDS, ROW_MAJOR
 from attngen.frontend import parse_spec
 from attngen.frontend.printer import expr_to_source
@@ -167,7 +168,7 @@ def test_folding_keeps_the_reference_value_type_and_width(e, float_dtype):
     assert _same_value(evaluate_expr(folded, env), expected), \
         f"{expr_to_source(e)}  folded to  {expr_to_source(folded)}"
     assert folded.type == e.type
-    ranges = integers.Ranges(integers.box(SPEC, integers.MAX_LENGTH))
+    ranges = intervals.Ranges(intervals.box(SPEC, intervals.MAX_LENGTH))
     assert ranges.is_int(folded) == ranges.is_int(e)
     if ranges.is_int(e):  # never a wider int than the analysis proved for the original
         before, after = ranges.value(e), ranges.value(folded)
@@ -280,7 +281,7 @@ def test_unfolded_subtrees_are_the_same_objects():
 
 def test_a_folded_constant_gets_the_width_of_its_value():
     spec = parse_spec("attention t\nparam big = 3000000000\nmask: k < q + big - 2000000000 or k < q + big // 1\n")
-    ranges = integers.Ranges(integers.box(spec, 1 << 20))
+    ranges = intervals.Ranges(intervals.box(spec, 1 << 20))
     em = TritonEmitter(ROW_MAJOR, {"big": 3000000000}, {}, "mk", ranges)
     em.emit(spec.mask)
     # q + 3000000000 passed int32 on the way to q + 1000000000, which does not: int32 now, exactly.
@@ -359,7 +360,7 @@ def test_emitted_bounds_compute_what_the_analysis_means(bounds, tile, b):
     several bounds share one emitter, as a kernel's bounds do."""
     spec = ir.Spec(name="bounds", params=(ir.ParamDecl(name="n", type="int", value=-7),))
     sizes = {"B": 2, "H": 2, "HKV": 1, "Q_LEN": 33, "KV_LEN": 41, "D": 16}
-    em = TritonEmitter(BOUNDS, {"n": -7}, {}, "bd", integers.Ranges(integers.box(spec, integers.MAX_LENGTH)))
+    em = TritonEmitter(BOUNDS, {"n": -7}, {}, "bd", intervals.Ranges(intervals.box(spec, intervals.MAX_LENGTH)))
     tile_vars = {"q0": "q_first", "q1": "q_last", "k0": "k_first", "k1": "k_last"}
     names = [em.bound(bound, tile_vars) for bound in bounds]
     scope = {"tl": _ScalarTl, "_floordiv": lambda a, d: a // d, "_ceildiv": lambda a, d: -(-a // d),

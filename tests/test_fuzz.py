@@ -28,7 +28,7 @@ from attngen.testing import fuzz, strategies
 from attngen.api import compile_source, parse_spec
 from attngen.errors import IndexOutOfRange, SpecError
 from attngen.analysis.derivatives import derivative
-from attngen.analysis.intervals import TileBox, TileClass, classify
+from attngen.intervals import TileBox, TileClass, classify
 from attngen.frontend.printer import to_source
 from attngen.reference import evaluate_expr, make_env
 from attngen.analysis.bounds import bound_value, uniform_env

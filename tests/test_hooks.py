@@ -109,10 +109,10 @@ class _ScalarTl:
        rows=st.sampled_from([1, 16, 64]), cols=st.sampled_from([1, 16, 64]))
 def test_tile_intervals_bound_every_element_and_a_point_is_exact(text, q0, k0, rows, cols):
     from attngen import ir
-    from attngen.analysis.integers import fits, postorder
-    from attngen.analysis.intervals import I32_RANGE, TileBox, value
+    from attngen.intervals import TileBox, fits, value
+    from attngen.ir import I32_RANGE, postorder
     from attngen.emit.expressions import Spelling, TritonEmitter
-    from attngen.emit.fold import fold
+    from attngen.analysis.fold import fold
 
     spec = attngen.parse_spec(f"attention t\ninput t: f32[H, 1]\nscore: score + t[h, {text}]")
     facts = analyze(spec)
@@ -137,6 +137,23 @@ def test_tile_intervals_bound_every_element_and_a_point_is_exact(text, q0, k0, r
         for k in range(k0, k0 + cols):
             v = value(index, TileBox(q=(q, q), k=(k, k), params={}, sizes=sizes, uniform={"h": (2, 2)}))
             assert v.lo == v.hi and lo <= v.lo <= hi, (text, q, k, v, lo, hi)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_index_texts(3))
+def test_the_analysis_says_which_loads_gather_and_take_point_loads_as_the_hopper_score_hook_does(text):
+    """`attngen explain` reads Analysis.score_gathers; the kernels' emitter decides per load on its own
+    spelling of the tile (folded, Q_OFFSET pinned, corners): the two agree."""
+    from attngen import ir
+    from attngen.emit import hooks
+
+    spec = attngen.parse_spec(f"attention t\ninput t: f32[H, 1]\ninput u: f32[9, 9]\n"
+                              f"score: score + t[h, {text}] + u[q % 9, {text}]")
+    facts = analyze(spec)
+    em = hooks._emitter(facts, hooks.HOPPER_SCORE, "sc")
+    loads = dict.fromkeys(n for n in ir.postorder(spec.score) if isinstance(n, ir.Load))
+    assert list(facts.score_gathers) == [(load, em.point(load.index) is not None) for load in loads
+                                         if em.varies_on_tile(load.index)], text
 
 
 def test_explain_says_which_score_inputs_take_point_loads_as_the_kernels_do():

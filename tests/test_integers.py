@@ -19,8 +19,9 @@ import torch
 import attngen
 from attngen import testing
 from attngen.analysis import spans
+from attngen import intervals
 from attngen.analysis import integers
-from attngen.api import parse_spec
+from attngen.api import parse_spec, with_params
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.lower import MAX_DEPTH
 
@@ -83,7 +84,7 @@ def test_a_spec_that_overflows_int64_even_at_short_lengths_is_rejected():
 
 def test_the_width_rule_uses_the_declared_dtype():
     spec = parse_spec("attention t\ninput a: i32[B]\ninput c: i64[B]\nmask: a[b] + 1 > k and c[b] > k\n")
-    ranges = integers.Ranges(integers.box(spec, integers.MAX_LENGTH))
+    ranges = intervals.Ranges(intervals.box(spec, intervals.MAX_LENGTH))
     a_plus_1 = spec.mask.left.left
     assert ranges.value(a_plus_1).hi == 2 ** 31 and ranges.wide(a_plus_1)
     assert not ranges.wide(spec.mask.left.right)  # k < 2**31
@@ -111,10 +112,10 @@ def test_a_bound_that_cannot_be_made_exact_is_widened():
     # left unbounded (every tile visited, and masked), which stays exact.
     text = "attention t\ninput a: i64[B]\ninput c: i64[B]\nmask: a[b] < c[b]\n"
     spec = parse_spec(text)
-    ranges = integers.Ranges(integers.box(spec, integers.MAX_LENGTH))
+    ranges = intervals.Ranges(intervals.box(spec, intervals.MAX_LENGTH))
     reg = spans.region(spec.mask, "k", {})
-    assert integers.exact_span(reg.visit, ranges, integers.MAX_LENGTH, inner=False) == spans.Span(None, None)
-    assert integers.exact_span(reg.full, ranges, integers.MAX_LENGTH, inner=True) is None
+    assert integers.exact_span(reg.visit, ranges, intervals.MAX_LENGTH, inner=False) == spans.Span(None, None)
+    assert integers.exact_span(reg.full, ranges, intervals.MAX_LENGTH, inner=True) is None
     a = torch.tensor([-2 ** 63, 2 ** 63 - 1, 0, 3], dtype=torch.int64)
     c = torch.tensor([2 ** 63 - 1, -2 ** 63, 0, 4], dtype=torch.int64)
     _check(text, n=20, inputs={"a": a, "c": c}, B=4)
@@ -195,23 +196,23 @@ def test_non_finite_params_are_errors_naming_the_param():
     spec = parse_spec("attention t\nparam cap = 50.0\nscore: softcap(score, cap)\n")
     for value in (math.nan, math.inf, -math.inf, 10 ** 400):
         with pytest.raises(ArgumentError, match=f"params: 'cap' must be a finite number, got {value!r}"):
-            spec.with_params({"cap": value})
+            with_params(spec, {"cap": value})
 
 
 def test_overrides_are_checked_like_the_text():
     spec = parse_spec("attention t\nparam c = 3\nparam w = 5\nmask: q // c == k // c and q - k < w\n")
     with pytest.raises(ArgumentError, match=r"params: 'c' = 0 makes 'q // c' wrong: the divisor of '//' must "
                                             r"not be a constant zero"):
-        spec.with_params({"w": 2, "c": 0})
+        with_params(spec, {"w": 2, "c": 0})
     with pytest.raises(ArgumentError, match=r"params: 'cap' = 0 makes 'softcap\(score, cap\)' wrong"):
-        parse_spec("attention t\nparam cap = 50.0\nscore: softcap(score, cap)\n").with_params({"cap": 0})
+        with_params(parse_spec("attention t\nparam cap = 50.0\nscore: softcap(score, cap)\n"), {"cap": 0})
     with pytest.raises(ArgumentError, match=r"params: 'n' = 9 makes '\(q - k\) \*\* n' wrong: .* must fit in int64"):
-        parse_spec("attention t\nparam n = 2\nscore: score + (q - k) ** n * 1e-9\n").with_params({"n": 9})
+        with_params(parse_spec("attention t\nparam n = 2\nscore: score + (q - k) ** n * 1e-9\n"), {"n": 9})
     with pytest.raises(ArgumentError, match=r"params: 'd' = 4 makes '1.0 / \(D - d\)' wrong: scale must be a "
                                             r"finite number .* at D=4"):
-        parse_spec("attention t\nparam d = 0\nscale: 1.0 / (D - d)\n").with_params({"d": 4})
+        with_params(parse_spec("attention t\nparam d = 0\nscale: 1.0 / (D - d)\n"), {"d": 4})
     with pytest.raises(ArgumentError, match="'w' is an int param and must fit in int64"):
-        spec.with_params({"w": 2 ** 63})
+        with_params(spec, {"w": 2 ** 63})
 
 
 # --- 6. deep expressions --------------------------------------------------------------------------

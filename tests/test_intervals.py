@@ -11,8 +11,8 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from attngen.api import parse_spec
-from attngen.analysis.intervals import TileBox, TileClass, classify
+from attngen.api import parse_spec, with_params
+from attngen.intervals import TileBox, TileClass, classify
 from attngen.reference import evaluate_expr, make_env
 
 B, H = 2, 2
@@ -104,7 +104,7 @@ def random_inputs(q_len: int, kv_len: int, seed: int) -> dict[str, torch.Tensor]
 @given(problem=problems())
 def test_classifier_is_sound(problem):
     mask, q_len, kv_len, (q0, q1), (k0, k1), params, seed = problem
-    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params(params)
+    spec = with_params(parse_spec(f"{HEADER}mask: {mask}\n"), params)
     box = TileBox(q=(q0, q1), k=(k0, k1), params=params,
                   sizes={"B": B, "H": H, "HKV": H, "Q_LEN": q_len, "KV_LEN": kv_len, "D": 16}, uniform={})
     verdict = classify(spec.mask, box)
@@ -122,7 +122,7 @@ def test_classifier_is_sound(problem):
 
 
 def _classify(mask: str, q, k, q_len=64, kv_len=64, **params):
-    spec = parse_spec(f"{HEADER}mask: {mask}\n").with_params(params)
+    spec = with_params(parse_spec(f"{HEADER}mask: {mask}\n"), params)
     sizes = {"B": 1, "H": 1, "HKV": 1, "Q_LEN": q_len, "KV_LEN": kv_len, "D": 16}
     return classify(spec.mask, TileBox(q, k, {p.name: p.value for p in spec.params}, sizes, {})).value
 

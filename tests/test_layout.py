@@ -1,68 +1,139 @@
-"""The package's layout: stages import one way, down the pipeline, so no stage reaches into a later one
-and nothing has an import cycle; the report layer never runs the pipeline (it never imports api)."""
+"""The package's layout: imports run one way, down the pipeline's stages, with no cycle anywhere and no
+exception; the report layer never runs the pipeline (it never imports api, runtime or emit).
+
+Every import of attngen's own code counts, wherever it is written (module level, inside a function, a
+lazy one) and however (`import attngen.x`, `from attngen.x import y`, `from . import y`,
+`from .x import y`). An edge goes to each module named (the package itself for a name it defines, `from attngen import build`);
+importing `attngen.a.b` also runs the package `attngen.a`, so that is an edge too, except to a package
+the importer itself lies in, which Python has already started.
+"""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
-# Each unit may import only units listed before it (and itself). emit/static/ comes first: the code that
-# every generated module inlines, which imports only the standard library, torch and triton, and whose
-# shared facts (tile widths, dtypes) the package imports so they are stated once. The frontend builds on
-# the analysis: lowering checks a spec's numbers with its int ranges.
-ORDER = ["emit.static", "version", "errors", "ir", "reference", "analysis", "frontend", "plan", "emit", "report", "testing",
-         "runtime", "merge", "api", "flex", "__init__", "bench", "hf", "cli"]
-# The one import against the order, made inside the function: Spec.with_params (the IR) runs the number
-# checks again on new param values (frontend.checks, which builds on the IR), so an overridden spec is
-# checked wherever it is made.
-BACK_EDGES = {("ir", "frontend.checks")}
+# The stages, in the pipeline's order (README.md, "How it works"): a module may import modules of its own
+# unit and of units listed before it, never one listed after it. Units on one line are one layer in
+# pipeline terms, but they are ordered here too, left to right, since they import each other one way.
+ORDER = [
+    "version", "errors", "ir", "intervals", "reference",  # the IR, its errors and its semantics
+    "frontend",  # text -> Spec, and the checks of a spec's numbers
+    "analysis",  # Spec -> Analysis
+    "plan",  # Analysis -> Plan; plan/shared.py holds what the plan shares with every generated module
+    "emit",  # Analysis + Plan -> module source (emit/static and emit/families/*/launch.py are its host code)
+    "runtime", "report", "testing", "merge", "api", "flex", "__init__", "bench", "hf", "cli",  # on top
+]
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the package by dotted name, with whether it is a package (__init__.py)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
 
 
 def _unit(module: str) -> str:
-    """attngen.plan.planner -> plan; attngen.emit.static.shapes -> emit.static; attngen -> __init__."""
+    """attngen.plan.planner -> plan; attngen.emit.static.host -> emit; attngen.ir -> ir; attngen -> __init__."""
     parts = module.split(".")
-    if parts[1:3] == ["emit", "static"]:
-        return "emit.static"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports():
-    """(importing unit, imported module) for every import of attngen's own code, anywhere in a file."""
-    for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE.parent).with_suffix("")
-        module = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "attngen":
-                # `from attngen import x`: x is a unit of its own, or one of the package's public names.
-                names = [node.module] if node.module != "attngen" else [
-                    f"attngen.{a.name}" if a.name in ORDER else "attngen" for a in node.names]
-                for name in names:
-                    yield _unit(module), name
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.split(".")[0] == "attngen":
-                        yield _unit(module), alias.name
+def _imported(module: str, is_package: bool, node: ast.stmt) -> list[str]:
+    """The attngen modules one import statement of `module` names (a module, else the package whose
+    attribute it takes)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == "attngen"]
+    if node.level:  # relative: from the importer's package, one level up per extra dot
+        base = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module
+    if source.split(".")[0] != "attngen":
+        return []
+    return [f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source for alias in node.names]
+
+
+def _edges() -> dict[tuple[str, str], int]:
+    """(importer, imported) -> the line of one such import, for every import of attngen's own code."""
+    edges = {}
+    for module, (path, is_package) in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _imported(module, is_package, node):
+                assert target in MODULES, f"{module} (line {node.lineno}) imports {target}, which does not exist"
+                if target != module:
+                    edges.setdefault((module, target), node.lineno)
+                # The packages above the target run first; those above the importer have already started.
+                parts = target.split(".")
+                for depth in range(2, len(parts)):
+                    package = ".".join(parts[:depth])
+                    if package != module and not module.startswith(package + "."):
+                        edges.setdefault((module, package), node.lineno)
+    return edges
+
+
+EDGES = _edges()
+
+
+def _where(edge: tuple[str, str]) -> str:
+    importer, imported = edge
+    return f"{MODULES[importer][0].relative_to(PACKAGE.parent)}:{EDGES[edge]}: {importer} imports {imported}"
+
+
+def test_the_graph_sees_every_form_of_import():
+    tree = ast.parse("from . import x\nfrom .y import z\nfrom .. import ir\nimport attngen.a.b\n"
+                     "def f():\n    from attngen.c import d\n")
+    named = [t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+             for t in _imported("attngen.emit.hooks", False, node)]
+    assert named == ["attngen.emit", "attngen.emit.y", "attngen.ir", "attngen.a.b", "attngen.c"]
+    assert _imported("attngen.emit", True, ast.parse("from . import hooks").body[0]) == ["attngen.emit.hooks"]
+    # Lazy imports are edges too: api's are made inside functions.
+    assert len(EDGES) > 100
 
 
 def test_every_unit_is_placed_in_the_order():
-    units = {_unit(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)) for p in PACKAGE.glob("*.py")}
-    units |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"emit.static"}
+    units = {_unit(m) for m in MODULES}
     assert units == set(ORDER), f"units not in ORDER (or gone): {sorted(units ^ set(ORDER))}"
 
 
-def test_imports_run_one_way_down_the_pipeline():
-    wrong = set()
-    for source, target in _imports():
-        target_unit = _unit(target)
-        if ORDER.index(target_unit) > ORDER.index(source) and (source, target.removeprefix("attngen.")) not in BACK_EDGES:
-            wrong.add(f"{source} imports {target}")
-    assert not wrong, "imports against the pipeline's order:\n" + "\n".join(sorted(wrong))
+def test_no_import_runs_against_the_order():
+    wrong = [_where(e) for e in sorted(EDGES) if ORDER.index(_unit(e[1])) > ORDER.index(_unit(e[0]))]
+    assert not wrong, "imports against the pipeline's order:\n" + "\n".join(wrong)
 
 
-def test_only_the_stated_back_edge_exists():
-    found = {(s, t.removeprefix("attngen.")) for s, t in _imports()
-             if ORDER.index(_unit(t)) > ORDER.index(s)}
-    assert found == BACK_EDGES
+def test_no_import_cycle():
+    graph: dict[str, list[str]] = {m: [] for m in MODULES}
+    for importer, imported in sorted(EDGES):
+        graph[importer].append(imported)
+    # Depth-first search; a grey module met again closes a cycle, reported edge by edge.
+    state, path = {}, []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "grey"
+        path.append(module)
+        for target in graph[module]:
+            if state.get(target) == "grey":
+                cycle = path[path.index(target):] + [target]
+                return [_where((a, b)) for a, b in zip(cycle, cycle[1:])]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[module] = "black"
+        return None
+
+    for module in graph:
+        if module not in state and (cycle := visit(module)):
+            pytest.fail("an import cycle:\n" + "\n".join(cycle))
 
 
 def test_the_report_layer_never_runs_the_pipeline():
-    assert not [t for s, t in _imports() if s == "report" and _unit(t) in ("api", "runtime", "emit")]
+    assert not [_where(e) for e in EDGES if _unit(e[0]) == "report" and _unit(e[1]) in ("api", "runtime", "emit")]

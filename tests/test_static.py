@@ -1,11 +1,11 @@
-"""The generated module's static code (attngen/emit/static/*.py) is linted Python, inlined verbatim, and
-agrees with the package where the two share facts; no kernel runs.
+"""The generated module's static code (attngen/plan/shared.py, attngen/emit/static/*.py) is linted Python,
+inlined verbatim, and agrees with the package where the two share facts; no kernel runs.
 
 The static files read the names a module's preamble and kernel templates define; pyflakes takes those
 as builtins there (attngen.emit.module.LINT_BUILTINS). From the command line:
 
     PYFLAKES_BUILTINS=$(python -c "import attngen.emit.module as m; print(','.join(m.LINT_BUILTINS))") \\
-        python -m pyflakes attngen/emit/static
+        python -m pyflakes attngen/plan/shared.py attngen/emit/static
 """
 
 import ast
@@ -22,7 +22,7 @@ from attngen import api, plan, testing
 from attngen.emit import module as emit
 
 ROOT = Path(__file__).resolve().parent.parent
-STATIC = ROOT / "attngen" / "emit" / "static"
+PACKAGE = ROOT / "attngen"
 SPECS = sorted(ROOT.glob("specs/*.attn"))
 ALLOWED_IMPORTS = sys.stdlib_module_names | {"torch", "triton"}
 
@@ -56,7 +56,8 @@ def _imported_modules(tree: ast.Module) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted(STATIC.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted({*(PACKAGE / "emit" / "static").glob("*.py"), PACKAGE / "plan" / "shared.py"}),
+                         ids=lambda p: p.name)
 def test_static_files_pass_pyflakes(path, monkeypatch):
     monkeypatch.delenv("PYFLAKES_BUILTINS", raising=False)
     assert not _flakes(path.read_text(), str(path), emit.LINT_BUILTINS)
@@ -64,7 +65,7 @@ def test_static_files_pass_pyflakes(path, monkeypatch):
 
 def test_static_files_are_inlined_verbatim_from_their_marker(sources):
     for name in emit.STATIC_FILES:
-        text = (STATIC / f"{name}.py").read_text()
+        text = (PACKAGE / emit.STATIC_PATHS[name]).read_text()
         assert text.count(emit.INLINE_MARKER) == 1, name
         code = emit.static_code(name)
         assert text.endswith(code + "\n") and code.strip(), name
@@ -86,7 +87,7 @@ def test_generated_modules_import_only_torch_triton_and_the_standard_library(sou
     for name, source in sources.items():
         assert _imported_modules(ast.parse(source)) <= ALLOWED_IMPORTS, name
     # The package imports shared.py itself, so all of it (not only its inlined code) must be standalone.
-    assert _imported_modules(ast.parse((STATIC / "shared.py").read_text())) <= ALLOWED_IMPORTS
+    assert _imported_modules(ast.parse((PACKAGE / "plan" / "shared.py").read_text())) <= ALLOWED_IMPORTS
 
 
 def test_preamble_defines_exactly_the_preamble_names(sources):

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from attngen import ir
+from attngen import intervals, ir
 from attngen.errors import SpecWarning
 from attngen.analysis import spans
 from attngen.analysis import derivatives
+from attngen.analysis import gathers
 from attngen.analysis import integers
 from attngen.analysis.spans import Region
 
@@ -31,6 +32,8 @@ class Analysis:
     between the query heads of one key/value head.
     narrow: most visited tiles are partial, so the planner starts from smaller tiles.
     gather_bytes: what the spec's loads indexed by both q and k read per score element.
+    score_gathers: the score's loads read at both q and k, each with whether the kernels read it as
+    point loads (gathers.score_gathers).
     score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
     each learnable input's load in the score with d score'/d load, for the backward kernels.
     length_limit, length_culprit: the longest Q_LEN/KV_LEN at which the kernels' ints are exact,
@@ -49,11 +52,12 @@ class Analysis:
     block_steps: Mapping[str, int | None]
     narrow: bool
     gather_bytes: int
+    score_gathers: tuple[tuple[ir.Load, bool], ...]
     score_derivative: ir.Expr | None
     learnable_derivatives: tuple[tuple[ir.Load, ir.Expr], ...]
     length_limit: int
     length_culprit: ir.Expr | None
-    ranges: integers.Ranges
+    ranges: intervals.Ranges
 
 
 def _warn_mask_allows_nothing(spec: ir.Spec) -> None:
@@ -68,11 +72,11 @@ def analyze(spec: ir.Spec) -> Analysis:
     params = spec.param_values
     if spans.allows_nothing(spec.mask, params):
         _warn_mask_allows_nothing(spec)
-    limit, culprit = integers.length_limit(spec)
+    limit, culprit = intervals.length_limit(spec)
     regions = spans.regions(spec.mask, params)
     steps = spans.block_steps(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
-    ranges = integers.Ranges(integers.box(spec, limit))
+    ranges = intervals.Ranges(intervals.box(spec, limit))
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
                                       integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
                    for loop, region in regions.items()}
@@ -89,6 +93,7 @@ def analyze(spec: ir.Spec) -> Analysis:
         block_steps=MappingProxyType(steps),
         narrow=spans.is_narrow(spec.mask, params, regions, steps),
         gather_bytes=derivatives.gather_bytes(spec),
+        score_gathers=gathers.score_gathers(spec, ranges),
         score_derivative=derivatives.derivative(spec.score, ir.Score()) if spec.score is not None else None,
         learnable_derivatives=tuple((load, derivatives.derivative(spec.score, load)) for load in derivatives.learnable_loads(spec)),
         length_limit=limit,

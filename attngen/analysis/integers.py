@@ -1,15 +1,8 @@
-"""Exact integer arithmetic: every int a spec computes gets a range, and from it its kernel width, the lengths it fits at, and exact loop bounds.
+"""Exact loop bounds: the analysis' loop bounds, computed in int64 that provably cannot wrap.
 
-The reference computes every int in int64 (torch), and "exact" means the kernels agree
-with it and neither wraps. So each int node gets its range over everything a call may
-bring (`box`: lengths up to a limit, batch and heads up to the launch grid's limit, head
-dims 1..256, params as set, tensor inputs anywhere in their dtype) by the interval rules
-of `attngen.intervals`. The kernels compute a node in int32 where that range fits, and in
-int64 otherwise (`Ranges.wide`). Where a range does not fit int64 either at the longest
-sequences, `length_limit` finds the longest lengths at which every int fits; the module
-refuses longer ones at call time, and `attngen.checks` rejects a spec whose limit is too
-short to be of use. The analysis' loop bounds combine such ints too (`prefix[b] - 1`),
-so `exact_span` proves their int64 arithmetic cannot wrap, or makes it so.
+The loop bounds of `analysis.spans` combine the spec's ints (`prefix[b] - 1`), whose ranges over
+every call `attngen.intervals` gives (`Ranges`); `exact_span` proves the bounds' int64 arithmetic
+cannot wrap, or makes it so, and `linear_steps` is the order of operations the kernels follow.
 """
 
 from __future__ import annotations
@@ -18,14 +11,9 @@ import math
 
 from attngen import ir
 from attngen.analysis.spans import Bound, Extremum, Gate, Linear, Span
-from attngen.analysis.intervals import I32_RANGE, I64_RANGE, Num, TileBox, Truth, node_value
+from attngen.intervals import MAX_LENGTH, Num, Ranges, Truth, fits
+from attngen.ir import I64_RANGE
 
-# Positions are int32 in the kernels (their offsets are int32 tiles, and Triton passes an int
-# argument below 2**31 as i32), so no length reaches 2**31.
-MAX_LENGTH = 2 ** 31 - 1
-# The launch grid's second axis is B * H, at most 65535 on CUDA: so B, H and HKV are at most 65535.
-MAX_BATCH_HEADS = 65535
-HEAD_DIMS = (1, 256)  # the head dims the generated module accepts
 # Loop bounds clamp to [0, LEN] with LEN <= MAX_LENGTH: values beyond these ends all clamp alike.
 _SPAN_ENDS = (-1, MAX_LENGTH)
 _GATE_ENDS = (-1, 0)  # a gate only asks `cond >= 0`
@@ -33,130 +21,6 @@ _GATE_ENDS = (-1, 0)  # a gate only asks `cond >= 0`
 # position, yet far enough below 2**63 that the bound's own arithmetic cannot wrap.
 SATURATE = 2 ** 40
 
-
-def box(spec: ir.Spec, length: int) -> TileBox:
-    """Everything a call may bring, with Q_LEN and KV_LEN at most `length`; a cache call's query
-    positions q_offset + i too, which the module checks lie below `length`, so Q_OFFSET does."""
-    length = max(1, min(length, MAX_LENGTH))
-    heads = (1, MAX_BATCH_HEADS)
-    return TileBox(q=(0, length - 1), k=(0, length - 1), params=spec.param_values,
-                   sizes={"B": heads, "H": heads, "HKV": heads, "Q_LEN": (1, length), "KV_LEN": (1, length),
-                          "D": HEAD_DIMS, "Q_OFFSET": (0, length - 1)},
-                   uniform={}, dtypes={i.name: i.dtype for i in spec.inputs})
-
-
-def postorder(expr: ir.Expr):
-    """Every node of an expression, children before parents, without recursion."""
-    stack = [(expr, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            yield node
-            continue
-        stack.append((node, True))
-        stack.extend((child, False) for child in reversed(ir.children(node)))
-
-
-def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
-    """Whether the reference computes node `e` as an int (int64), from whether it computes its children so.
-
-    That is its IR type, except that torch keeps an int ** int an int even where the IR types it
-    float (`q ** c`, a param exponent), and so do +, -, *, //, %, min, max, clamp, abs and where
-    on what it computes as ints."""
-    if isinstance(e, ir.Binary):
-        return e.op in ir.ARITHMETIC_OPS and e.op != "div" and all(args_int)
-    if isinstance(e, ir.Unary):
-        return e.op == "neg" and args_int[0]
-    if isinstance(e, ir.Call):
-        if e.fn in ("floor", "ceil"):
-            return True
-        if e.fn == "where":
-            return args_int[1] and args_int[2]
-        return ir.FUNCTIONS[e.fn][1] == "same" and all(args_int)
-    return e.type == "int"
-
-
-def is_constant(e: ir.Expr) -> bool:
-    """Whether an expression is made of literals and params only (known at compile time)."""
-    return not any(isinstance(n, (ir.Var, ir.Size, ir.Load, ir.Score)) for n in postorder(e))
-
-
-def fits(value: Num | Truth, bounds: tuple[int, int] = I64_RANGE) -> bool:
-    return isinstance(value, Truth) or (bounds[0] <= value.lo and value.hi <= bounds[1] and not value.nan)
-
-
-class Ranges:
-    """The value of every node over a box, and whether the reference computes it as an int;
-    computed once per node object (children first, so nesting costs no recursion)."""
-
-    def __init__(self, box_: TileBox):
-        self.box = box_
-        self._known: dict[int, tuple[ir.Expr, Num | Truth, bool]] = {}  # id -> (node kept alive, value, int?)
-
-    def _fill(self, expr: ir.Expr) -> None:
-        stack = [(expr, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if id(node) in self._known:
-                continue
-            if not expanded:
-                stack.append((node, True))
-                stack.extend((child, False) for child in ir.children(node))
-                continue
-            kids = [self._known[id(c)] for c in ir.children(node)]
-            is_int = computes_int(node, [k[2] for k in kids])
-            if is_int and isinstance(node, ir.Binary) and node.op == "pow" and kids[1][1].lo < 0:
-                # An int to a negative power has no value in the reference (torch raises); the
-                # kernels compute the float power the IR types it as.
-                is_int = False
-            typed = node if not is_int or node.type == "int" else node.model_copy(update={"type": "int"})
-            self._known[id(node)] = (node, node_value(typed, [k[1] for k in kids], self.box), is_int)
-
-    def value(self, expr: ir.Expr) -> Num | Truth:
-        self._fill(expr)
-        return self._known[id(expr)][1]
-
-    def is_int(self, expr: ir.Expr) -> bool:
-        self._fill(expr)
-        return self._known[id(expr)][2]
-
-    def wide(self, expr: ir.Expr) -> bool:
-        """Whether the kernels must compute this int in int64: its range does not fit int32."""
-        return self.is_int(expr) and not fits(self.value(expr), I32_RANGE)
-
-    def overflow(self, expr: ir.Expr) -> ir.Expr | None:
-        """The innermost int of `expr` whose range does not fit int64, or None."""
-        self._fill(expr)
-        return next((n for n in postorder(expr) if self._known[id(n)][2] and not fits(self._known[id(n)][1])),
-                    None)
-
-
-def _expressions(spec: ir.Spec) -> list[ir.Expr]:
-    return [e for e in (spec.mask, spec.score) if e is not None]
-
-
-def length_limit(spec: ir.Spec) -> tuple[int, ir.Expr | None]:
-    """The longest Q_LEN and KV_LEN at which every int of the mask and score fits int64 (MAX_LENGTH
-    when nothing else limits them; 0 when none does), and the innermost expression that limits it.
-
-    Ranges only grow with the lengths, so a bisection finds the limit."""
-    def overflow(length: int) -> ir.Expr | None:
-        ranges = Ranges(box(spec, length))
-        return next((o for o in map(ranges.overflow, _expressions(spec)) if o is not None), None)
-
-    if overflow(MAX_LENGTH) is None:
-        return MAX_LENGTH, None
-    lo, hi = 0, MAX_LENGTH  # every int fits at lo (0: trivially), some int overflows at hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if overflow(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    return lo, overflow(hi)
-
-
-# --- loop bounds -----------------------------------------------------------------------------------
 
 def _linear_terms(expr: ir.Expr | None) -> tuple[dict[ir.Expr, int], int]:
     """expr as c0 + sum(coef * leaf), reading through +, -, unary - and products with an int literal

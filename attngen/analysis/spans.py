@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
-from attngen import ir
-from attngen.analysis import intervals
+from attngen import intervals, ir
 
 # A gate's sentinels: far outside any sequence, so a closed gate empties a span and an open one
 # leaves the other side of a min/max in charge. Kernels clamp bounds to [0, LEN] afterwards.

@@ -8,9 +8,10 @@ from typing import Mapping
 
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.analysis.integers import Ranges, fits, postorder
-from attngen.analysis.intervals import I32_RANGE, I64_RANGE
-from attngen.emit.fold import fold
+from attngen.intervals import Ranges
+from attngen.ir import I32_RANGE, I64_RANGE, postorder
+from attngen.analysis.fold import fold, pinned
+from attngen.analysis.gathers import corner_bounded, uniform
 from attngen.frontend.printer import literal
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
@@ -34,22 +35,6 @@ def int64(code: str) -> str:
     """`code` (a literal, constexpr, scalar or tensor) as int64. tl.cast takes all of them; a literal
     at or above 2**31 becomes int64 through it too (alone Triton types 2**31..2**32-1 as uint32)."""
     return f"tl.cast({code}, tl.int64)"
-
-
-def _pinned(e: ir.Expr, sizes: Mapping[str, int]) -> ir.Expr:
-    """`e` with the sizes in `sizes` as int constants (the very same object where it reads none)."""
-    if isinstance(e, ir.Size) and e.name in sizes:
-        return ir.Const(type="int", value=sizes[e.name])
-    if not sizes or not any(isinstance(n, ir.Size) and n.name in sizes for n in postorder(e)):
-        return e
-    kids = [_pinned(c, sizes) for c in ir.children(e)]
-    if isinstance(e, ir.Load):
-        return e.model_copy(update={"index": tuple(kids)})
-    if isinstance(e, ir.Unary):
-        return e.model_copy(update={"operand": kids[0]})
-    if isinstance(e, ir.Binary):
-        return e.model_copy(update={"left": kids[0], "right": kids[1]})
-    return e.model_copy(update={"args": tuple(kids)})
 
 
 @dataclass
@@ -129,7 +114,7 @@ class TritonEmitter:
         return self._spell(self._fold(e))
 
     def _fold(self, e: ir.Expr) -> ir.Expr:
-        return fold(_pinned(e, self.spelling.sizes), self.params)
+        return fold(pinned(e, self.spelling.sizes), self.params)
 
     def _spell(self, e: ir.Expr) -> str:
         if e in self.memo:
@@ -244,35 +229,34 @@ class TritonEmitter:
     def interval(self, e: ir.Expr) -> tuple[str, str] | None:
         """Scalar int64 names of bounds on the values int `e` takes over the tile: interval arithmetic
         from the tile's corners (`spelling.corners`), exact ops only, so when the bounds are equal every
-        element has that value. None where the kernel has no corners, or `e` holds an op this does not
-        follow (float math, whose rounding need not be monotone; mod; products of two varying terms) or a
-        value the analysis did not bound within int32 (so sums of bounds cannot wrap int64)."""
+        element has that value. None where the kernel has no corners, or the analysis' rule does not bound
+        `e` (`analysis.gathers.corner_bounded`, which this spells)."""
         if self.spelling.corners is None:
             return None
-        return self._interval(self._fold(e))
+        folded = self._fold(e)
+        if not corner_bounded(folded, self.ranges, self._varying):
+            return None
+        return self._interval(folded)
 
-    def _interval(self, e: ir.Expr) -> tuple[str, str] | None:
+    @property
+    def _varying(self) -> frozenset[str]:
+        return frozenset(name for name, dims in self.spelling.dims.items() if dims)
+
+    def _interval(self, e: ir.Expr) -> tuple[str, str]:
         key = ("interval", e)
         if key not in self.memo:
             self.memo[key] = self._interval_of(e)
         return self.memo[key]
 
-    def _uniform(self, e: ir.Expr) -> bool:
-        """Whether `e` is one value over the tile: it reads no score and no index that varies on it."""
-        return not any(isinstance(n, ir.Score) or (isinstance(n, (ir.Var, ir.Size)) and self.spelling.dims.get(n.name))
-                       for n in postorder(e))
-
-    def _interval_of(self, e: ir.Expr) -> tuple[str, str] | None:
-        if not self.ranges.is_int(e) or not fits(self.ranges.value(e), I32_RANGE):
-            return None
+    def _interval_of(self, e: ir.Expr) -> tuple[str, str]:
+        """The bounds of `e`, which `corner_bounded` admits, as are all the subexpressions this reaches."""
         scalar = frozenset()
         if isinstance(e, ir.Const):
             code = self._int_literal(int(e.value))
             return code, code
-        if self._uniform(e):
+        if uniform(e, self._varying):
             code = self._spell(e)
-            if self.dims_of(code):
-                return None
+            assert not self.dims_of(code), code
             code = self._temp(int64(code), scalar, True)
             return code, code
         if isinstance(e, ir.Var) and e.name in ("q", "k"):
@@ -281,8 +265,6 @@ class TritonEmitter:
         # A `where` is bounded by its branches, whatever its condition.
         children = e.args[1:] if isinstance(e, ir.Call) and e.fn == "where" else ir.children(e)
         args = [self._interval(c) for c in children]
-        if not args or None in args:
-            return None
 
         def op(code: str) -> str:
             return self._temp(code, scalar, True)
@@ -301,7 +283,6 @@ class TritonEmitter:
                     c = self._int_literal(int(factor.value))
                     return (op(f"{c} * {lo}"), op(f"{c} * {hi}")) if factor.value >= 0 else \
                         (op(f"{c} * {hi}"), op(f"{c} * {lo}"))
-            return None
         if isinstance(e, ir.Binary) and e.op == "floordiv" and isinstance(e.right, ir.Const) and e.right.value > 0:
             (lo, hi), (c, _) = args
             return op(f"_floordiv({lo}, {c})"), op(f"_floordiv({hi}, {c})")
@@ -321,7 +302,7 @@ class TritonEmitter:
             for fn, n in steps:  # monotone in every argument
                 lo, hi = op(f"{fn}({lo}, {args[n][0]})"), op(f"{fn}({hi}, {args[n][1]})")
             return lo, hi
-        return None
+        raise AssertionError(f"corner_bounded admits an expression the emitter does not bound: {e!r}")
 
     def _binary(self, e: ir.Binary) -> str:
         if e.op == "pow" and self.ranges.is_int(e):

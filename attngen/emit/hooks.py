@@ -8,32 +8,30 @@ from dataclasses import dataclass, replace
 
 from attngen import ir
 from attngen.analysis import Analysis
-from attngen.analysis.integers import postorder
 from attngen.emit.expressions import Spelling, TritonEmitter, address, indented
-from attngen.emit.fold import fold
+from attngen.analysis.fold import fold
+from attngen.analysis.gathers import NO_OFFSET
 from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
 from attngen.frontend.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
 _UNIFORM = {"b": "off_b", "h": "off_h", "hkv": "off_hkv"}
-# Kernels that run no cache call: query i sits at position i (Q_OFFSET, the position of query 0, is 0).
-_NO_OFFSET = {"Q_OFFSET": 0}
 # Forward and dQ tiles are (query, key); the dK/dV kernel works on transposed (key, query) tiles.
 ROW_MAJOR = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[:, None]", "k": "offs_n[None, :]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)", sizes=_NO_OFFSET)
+    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)", sizes=NO_OFFSET)
 TRANSPOSED = Spelling(
     names={**_SIZES, **_UNIFORM, "q": "offs_m[None, :]", "k": "offs_n[:, None]", "score": "s"},
     dims={"q": frozenset("m"), "k": frozenset("n"), "score": frozenset("mn")},
-    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)", rows="n", sizes=_NO_OFFSET)
+    zeros="tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)", rows="n", sizes=NO_OFFSET)
 # The forward kernels also serve cache calls, whose query i sits at position pos_m = q_off + i
 # (q_off = q_offset[b], 0 otherwise); the backward kernels never see an offset.
 FORWARD_ROWS = Spelling(
     names={**ROW_MAJOR.names, "q": "pos_m[:, None]", "Q_OFFSET": "q_off"},
     dims=ROW_MAJOR.dims,
     zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
-BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0", sizes=_NO_OFFSET)
+BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0", sizes=NO_OFFSET)
 # The forward kernels' bounds, for rows of a cache call too.
 FORWARD_BOUNDS = Spelling(names={**_SIZES, **_UNIFORM, "Q_OFFSET": "q_off"}, dims={}, zeros="0.0")
 # The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
@@ -47,22 +45,22 @@ DECODE_ROWS = Spelling(
 # scores call tanh.approx.f32 (one MUFU op; the family takes 16-bit inputs only, where its 1e-5 relative
 # error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
 HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
-                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)", sizes=_NO_OFFSET)
+                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)", sizes=NO_OFFSET)
 # Their score hooks know the tile's corners (the consumer's first row off_m, the key tile's start_n), for
 # point loads.
 HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
                         tanh="_tanh_approx",
                         corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
-                        corner_names=("off_m", "start_n"), sizes=_NO_OFFSET)
+                        corner_names=("off_m", "start_n"), sizes=NO_OFFSET)
 # Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
 # the scores with the forward's tanh, so P is the one the forward's LSE normalised.
 HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
-                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n", sizes=_NO_OFFSET)
+                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n", sizes=NO_OFFSET)
 HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
                             tanh="_tanh_approx", rows="n",
                             corners=("start_m", "start_m + BLOCK_M - 1",
                                      "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
-                            corner_names=("start_m", "start_n"), sizes=_NO_OFFSET)
+                            corner_names=("start_m", "start_n"), sizes=NO_OFFSET)
 
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
@@ -403,17 +401,6 @@ def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
     key_range = Hook("key_range", ("off_b", "off_hkv", "q_off", "block_row", "G"), bounds.outputs, "\n".join(code))
     return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
             "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
-
-
-def score_gathers(facts: Analysis) -> list[tuple[ir.Load, bool]]:
-    """The score's loads whose index varies along both tile axes (a gather an element), each with
-    whether the Hopper and portable kernels test a tile for one entry (a point load: the index bounded
-    over the tile by TritonEmitter.interval), as their score hooks decide it."""
-    if facts.spec.score is None:
-        return []
-    em = _emitter(facts, HOPPER_SCORE, "sc")
-    loads = dict.fromkeys(n for n in postorder(facts.spec.score) if isinstance(n, ir.Load))
-    return [(load, em.point(load.index) is not None) for load in loads if em.varies_on_tile(load.index)]
 
 
 def _hopper_hooks(facts: Analysis, forward: dict[str, Hook]) -> dict[str, Hook]:

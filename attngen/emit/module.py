@@ -11,8 +11,8 @@ from importlib import resources
 
 import jinja2
 
-from attngen import ir
-from attngen.analysis import Analysis, integers
+from attngen import intervals, ir
+from attngen.analysis import Analysis
 from attngen.errors import ArgumentError
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
@@ -33,10 +33,13 @@ KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_quer
 FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES")
 LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
-# Each static file (emit/static/NAME.py, in the order module.py.jinja inlines them) is inlined from
-# the line after this one.
+# Each static file is inlined from the line after this one.
 INLINE_MARKER = "# ---- inlined into every generated module from here on ----\n"
-STATIC_FILES = ("shared", "launch", "helpers", "host")
+# The static files by name, in the order module.py.jinja inlines them, with their paths in the package:
+# plan/shared.py first, the facts the planner shares with every module; then the emitter's own host code.
+STATIC_PATHS = {"shared": "plan/shared.py", "launch": "emit/static/launch.py", "helpers": "emit/static/helpers.py",
+                "host": "emit/static/host.py"}
+STATIC_FILES = tuple(STATIC_PATHS)
 
 
 def _identifier(name: object) -> str:
@@ -60,9 +63,9 @@ def _environment() -> jinja2.Environment:
 
 @lru_cache(maxsize=None)
 def static_code(name: str) -> str:
-    """The code of emit/static/`name`.py that every module inlines, verbatim: the file after its
+    """The code of static file `name` (STATIC_PATHS) that every module inlines, verbatim: the file after its
     INLINE_MARKER line."""
-    return _inlined(resources.files("attngen.emit.static").joinpath(f"{name}.py").read_text(), name)
+    return _inlined(resources.files("attngen").joinpath(STATIC_PATHS[name]).read_text(), name)
 
 
 @lru_cache(maxsize=None)
@@ -156,7 +159,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         table_steps=repr(dict(facts.block_steps)),
         table_per_b=facts.table_per_batch, table_per_h=facts.table_per_head,
         max_length=facts.length_limit, max_length_reason=_length_reason(facts),
-        max_batch_heads=integers.MAX_BATCH_HEADS,
+        max_batch_heads=intervals.MAX_BATCH_HEADS,
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,

@@ -1,4 +1,4 @@
-"""The front end: spec text to parse tree (parser), parse tree to typed IR (lower, with the number checks), IR back to text (printer)."""
+"""The front end: spec text to parse tree (parser), parse tree to typed IR (lower, with the number checks), IR back to text (printer), param overrides (checks.with_params)."""
 
 import os
 from pathlib import Path
@@ -6,6 +6,7 @@ from pathlib import Path
 from attngen import ir
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend import checks
+from attngen.frontend.checks import with_params
 from attngen.frontend.printer import expr_to_source
 from attngen.frontend.lower import lower
 from attngen.frontend.parser import parse
@@ -59,4 +60,4 @@ def _read_spec_file(path: Path) -> str:
                             f"line {line}, column {column} (byte offset {e.start})") from None
 
 
-__all__ = ["SpecLike", "load_spec", "parse_spec"]
+__all__ = ["SpecLike", "load_spec", "parse_spec", "with_params"]

@@ -1,23 +1,24 @@
 """The compile-time checks of a spec's numbers: a spec that cannot be computed exactly is rejected before any kernel exists.
 
 Lowering runs them on the declared params and positions each problem at its node; build-time
-param overrides (`ir.Spec.with_params`) run them again on the new values, naming the params
-and printing the offending expression, since an override has no place in the text.
+param overrides (`with_params`) run them again on the new values, naming the params and printing
+the offending expression, since an override has no place in the text.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from attngen import ir
 from attngen.errors import ArgumentError
-from attngen.analysis.integers import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit, postorder
+from attngen.intervals import HEAD_DIMS, MAX_LENGTH, Ranges, box, is_constant, length_limit
 from attngen.frontend.printer import expr_to_source, host_scale
 
 # A spec whose ints overflow int64 below this length is rejected: it could serve only toy
 # sequences, so the overflow is more likely a mistake than a design. Above it, the generated
-# module refuses the lengths beyond its limit at call time (integers.length_limit).
+# module refuses the lengths beyond its limit at call time (intervals.length_limit).
 MIN_LENGTH = 1024
 _DIVIDES = {"div": "/", "floordiv": "//", "mod": "%"}
 # The largest |scale|. The kernels exponentiate base-2 scores (score * log2(e)) in float32, and the
@@ -52,7 +53,7 @@ def problems(spec: ir.Spec) -> list[Problem]:
     # Divisors widen with the lengths: one nonzero up to the longest length any call may have.
     widest = Ranges(box(spec, MAX_LENGTH))
     for expr in (spec.mask, spec.score, spec.scale):
-        for node in postorder(expr) if expr is not None else ():
+        for node in ir.postorder(expr) if expr is not None else ():
             found += _node_problems(node, ranges, widest)
     # The scale is computed on the host in float64 (`_scale_problems` checks its value); the rest
     # runs in the kernels, whose float constants are float32.
@@ -98,7 +99,7 @@ def _node_problems(node: ir.Expr, ranges: Ranges, widest: Ranges) -> list[Proble
 
 def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
     """Float literals, params and expressions of them alone are float32 numbers computed in float32
-    (`reference.Env.constant_dtype`, `emit.fold`): one finite in float64 but not in float32 (`1e39`,
+    (`reference.Env.constant_dtype`, `analysis.fold`): one finite in float64 but not in float32 (`1e39`,
     `1e20 * 1e20`, `exp(100.0)`) would turn the spec's finite number into inf, so it is rejected
     (innermost first; inf itself, and what inf makes, are the spec's own)."""
     # Imported here: a spec that fails before its numbers are checked is reported without torch.
@@ -111,7 +112,7 @@ def _float32_problems(spec: ir.Spec, exprs) -> list[Problem]:
               for p in spec.params}
     found, flagged = [], set()
     for expr in exprs:
-        for node in postorder(expr) if expr is not None else ():
+        for node in ir.postorder(expr) if expr is not None else ():
             if node.type != "float" or not is_constant(node) or any(id(c) in flagged for c in ir.children(node)):
                 continue
             try:
@@ -157,12 +158,33 @@ def _scale_problems(spec: ir.Spec, ranges: Ranges) -> list[Problem]:
     return []
 
 
-def check_overrides(spec: ir.Spec, overrides: dict[str, int | float]) -> None:
-    """Raise ArgumentError if param overrides made `spec` (with them applied) inexact, naming the
-    params and the expression."""
-    found = problems(spec)
+def with_params(spec: ir.Spec, overrides: dict[str, int | float] | None) -> ir.Spec:
+    """`spec` with some params given new values (build-time overrides, `-D`), checked as lowering checks
+    the declared ones: an ArgumentError names the params, and the expression they make inexact."""
+    if not overrides:
+        return spec
+    declared = {p.name: p for p in spec.params}
+    for name, value in overrides.items():
+        if name not in declared:
+            known = ", ".join(declared) or "none"
+            raise ArgumentError(f"params: unknown param '{name}' (the spec declares: {known})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ArgumentError(f"params: '{name}' must be a number, got {value!r}")
+        # nan and inf, and an int past the largest float for a float param, would be baked in as inf.
+        if not (-sys.float_info.max <= value <= sys.float_info.max):
+            raise ArgumentError(f"params: '{name}' must be a finite number, got {value!r}")
+        if declared[name].type == "int" and isinstance(value, float) and not value.is_integer():
+            raise ArgumentError(f"params: '{name}' is an int param and must be an integer, got {value!r}")
+        if declared[name].type == "int" and not ir.I64_RANGE[0] <= value <= ir.I64_RANGE[1]:
+            raise ArgumentError(f"params: '{name}' is an int param and must fit in int64, got {value!r}")
+    params = tuple(
+        p.model_copy(update={"value": (int(overrides[p.name]) if p.type == "int" else float(overrides[p.name]))})
+        if p.name in overrides else p
+        for p in spec.params)
+    changed = spec.model_copy(update={"params": params})
+    found = problems(changed)
     if not found:
-        return
+        return changed
     problem = found[0]
     named = [n for n in overrides if ir.uses(problem.node, ir.Param, n)] or list(overrides)
     values = ", ".join(f"'{n}' = {overrides[n]!r}" for n in named)

@@ -10,7 +10,6 @@ from lark import Token, Tree
 from attngen import ir
 from attngen.frontend import checks
 from attngen.errors import Position, SpecError
-from attngen.analysis.intervals import I64_RANGE
 
 _BUILTIN_CONSTANTS = {"true": ("bool", True), "false": ("bool", False), "inf": ("float", math.inf)}
 _BUILTIN_MASKS = tuple(ir.BUILTIN_MASKS)
@@ -124,9 +123,9 @@ def _ir_depth(expr: ir.Expr) -> int:
 
 
 def _int64(value: int, what: str, token: Token) -> int:
-    if not I64_RANGE[0] <= value <= I64_RANGE[1]:
+    if not ir.I64_RANGE[0] <= value <= ir.I64_RANGE[1]:
         got = value if len(str(value)) <= 40 else f"a {len(str(abs(value)))}-digit number"
-        raise SpecError(f"{what} must fit in int64 ({I64_RANGE[0]} .. {I64_RANGE[1]}), got {got}", position(token))
+        raise SpecError(f"{what} must fit in int64 ({ir.I64_RANGE[0]} .. {ir.I64_RANGE[1]}), got {got}", position(token))
     return value
 
 
@@ -475,6 +474,6 @@ class Lowerer:
 def lower(tree: Tree, check_numbers: bool = True) -> ir.Spec:
     """Lower a parse tree to a Spec; raise SpecError (without source attached) on a semantic error.
 
-    `check_numbers=False` skips attngen.checks (exact integers, zero divisors, a finite scale):
+    `check_numbers=False` skips attngen.frontend.checks (exact integers, zero divisors, a finite scale):
     for tests of the syntax and types alone, such as the printer's round trips over random IR."""
     return Lowerer(check_numbers).start(tree)

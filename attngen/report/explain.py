@@ -8,7 +8,6 @@ says what is decided at run time. `plot` draws the forward tile map.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from attngen import ir
@@ -59,14 +58,14 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
-def _gathers(facts: Analysis, gathers: Sequence[tuple[ir.Load, bool]]) -> list[str]:
+def _gathers(facts: Analysis) -> list[str]:
     """The score's inputs read at both q and k, and whether the kernels take one entry a tile where
     the index is constant over it (docs/language.md, "Inputs read at both q and k")."""
-    if not gathers:
+    if not facts.score_gathers:
         return []
     lines = ["score inputs read at both q and k (a gather an element)"]
     learnable = {i.name for i in facts.spec.learnable_inputs}
-    for load, point in gathers:
+    for load, point in facts.score_gathers:
         if point:
             how = ("point loads: a tile whose index bounds meet (interval arithmetic from its corners) reads "
                    "one entry, loaded once")
@@ -81,11 +80,8 @@ def _gathers(facts: Analysis, gathers: Sequence[tuple[ir.Load, bool]]) -> list[s
 
 
 def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim: int, head_dim_v: int,
-           dtype: str, batch: int = 1, heads: int = 1,
-           gathers: Sequence[tuple[ir.Load, bool]] = ()) -> tuple[str, dict[str, TileMap]]:
-    """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from;
-    `gathers` are the score's loads read at both q and k and whether each takes point loads (the emitter
-    decides that: emit.hooks.score_gathers)."""
+           dtype: str, batch: int = 1, heads: int = 1) -> tuple[str, dict[str, TileMap]]:
+    """The text of the explanation of an analysed and planned spec, and the tile maps it was computed from."""
     for name, value in (("--q-len", q_len), ("--kv-len", kv_len), ("--batch", batch), ("--heads", heads)):
         if value < 1:
             raise ArgumentError(f"{name} must be at least 1, got {value}")
@@ -112,7 +108,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
-    lines += _gathers(facts, gathers)
+    lines += _gathers(facts)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
             "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}

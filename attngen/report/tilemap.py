@@ -17,7 +17,7 @@ import torch
 
 from attngen.analysis import spans
 from attngen.analysis import Analysis
-from attngen.analysis.intervals import TileBox, TileClass, classify
+from attngen.intervals import TileBox, TileClass, classify
 from attngen.analysis.bounds import RuntimeDecided, bound_value, uniform_env
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

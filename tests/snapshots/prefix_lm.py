@@ -121,7 +121,7 @@ TABLE_STEPS = {'q': 0, 'k': 0}
 # programs fill the SMs that dK/dV's last wave leaves)
 ONE_LAUNCH_BACKWARD = True
 # The longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact, and why
-# (attngen.analysis.integers proved the widths up to it); B * H is the launch grid's second axis.
+# (attngen.intervals proved the widths up to it); B * H is the launch grid's second axis.
 MAX_LENGTH = 2147483647
 MAX_LENGTH_REASON = "positions are int32 in the kernels"
 MAX_BATCH_HEADS = 65535
@@ -213,7 +213,7 @@ def softmax_scale(D):
     return float(1.0 / math.sqrt(D))
 
 
-# --- facts the package shares: attngen/emit/static/shared.py ---------------------------------
+# --- facts the package shares: attngen/plan/shared.py ---------------------------------------
 # q, k and v's dtypes, by the names the plan keys its tiles with.
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 # The torch dtype of each dtype an input may declare.

@@ -7,7 +7,7 @@ import torch
 
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.launch import _launch
-from attngen.emit.static.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _empty_in_layout,
+from attngen.plan.shared import (INTERPRETING, _DTYPES, _INPUT_DTYPES, _cdiv, _empty_in_layout,
                                        _next_power_of_2, _pad, _tile_widths)
 
 # ---- inlined into every generated module from here on ----

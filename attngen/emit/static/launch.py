@@ -10,7 +10,7 @@ for each set of facts Triton specializes on, and launches it directly when the f
 import torch
 import triton.compiler
 
-from attngen.emit.static.shared import INTERPRETING
+from attngen.plan.shared import INTERPRETING
 
 # ---- inlined into every generated module from here on ----
 

@@ -5,7 +5,7 @@ import torch
 from attngen.emit.static.helpers import LOG2E
 from attngen.emit.static.host import _sm_count
 from attngen.emit.static.launch import _launch
-from attngen.emit.static.shared import _cdiv, _empty_in_layout
+from attngen.plan.shared import _cdiv, _empty_in_layout
 
 # ---- inlined into every generated module from here on ----
 

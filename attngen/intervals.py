@@ -1,4 +1,4 @@
-"""Interval arithmetic over a tile: is a mask true everywhere on it (full), nowhere (empty), or mixed (partial)?
+"""Interval arithmetic over the IR: is a mask full, empty or mixed on a tile, and what range has each int a spec computes over every call?
 
 Every expression of the language gets an abstract value over the tile `q in [q0, q1]`,
 `k in [k0, k1]` (with params, and sizes when known): a number interval (plus whether
@@ -8,11 +8,19 @@ either", so a tile may be called partial when it is full or empty, never the rev
 Float comparisons are decided only with a margin, so fp32 rounding in the kernels
 cannot flip a tile's class. Tensor inputs are unknown here (any value of their
 dtype); masks that read them at `q` or `k` are classified at call time by the tile
-table kernel instead. The same values, over every tile at once and sizes given as ranges,
-bound each int of a spec for `attngen.integers`.
+table kernel instead.
 
-This is what `attngen explain` shows and what the analysis' loop bounds are tested
-against; the kernels themselves use the closed-form spans of `analysis.region`.
+The same values, over every tile at once and sizes given as ranges (`box`: lengths up to a
+limit, batch and heads up to the launch grid's limit, head dims 1..256, params as set, tensor
+inputs anywhere in their dtype), bound each int of a spec (`Ranges`). The reference computes
+every int in int64 (torch), and "exact" means the kernels agree with it and neither wraps: the
+kernels compute a node in int32 where its range fits, and in int64 otherwise (`Ranges.wide`).
+Where a range does not fit int64 either at the longest sequences, `length_limit` finds the
+longest lengths at which every int fits; the module refuses longer ones at call time, and the
+frontend's number checks (`frontend.checks`) reject a spec whose limit is too short to be of use.
+
+It reads only the IR, so the frontend's checks, the analysis (spans, exact loop bounds in
+`analysis.integers`), the emitter's int widths and `attngen explain`'s tile map all build on it.
 """
 
 from __future__ import annotations
@@ -27,9 +35,7 @@ from attngen import ir
 INF = math.inf
 # Relative margin for deciding float comparisons: far above fp32 rounding of a short expression.
 FLOAT_MARGIN = 1e-5
-I32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
-I64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
-_INT_DTYPE_RANGES = {"i32": I32_RANGE, "i64": I64_RANGE}
+_INT_DTYPE_RANGES = {"i32": ir.I32_RANGE, "i64": ir.I64_RANGE}
 
 
 class TileClass(str, Enum):
@@ -143,7 +149,7 @@ def _load(e: ir.Load, box: TileBox) -> Num | Truth:
     if e.type == "bool":
         return UNKNOWN_BOOL
     if e.type == "int":
-        return Num(*_INT_DTYPE_RANGES.get(box.dtypes.get(e.input), I64_RANGE))
+        return Num(*_INT_DTYPE_RANGES.get(box.dtypes.get(e.input), ir.I64_RANGE))
     return ANY_FLOAT
 
 
@@ -339,7 +345,7 @@ def _call(e: ir.Call, args):
         if not x.is_float:
             return Num(x.lo, x.hi, False, x.nan)
         if x.nan or not (-(2 ** 31) <= x.lo and x.hi < 2 ** 31):
-            return Num(*I64_RANGE)  # converting NaN, inf or a huge float to an int is undefined
+            return Num(*ir.I64_RANGE)  # converting NaN, inf or a huge float to an int is undefined
         f = math.floor if fn == "floor" else math.ceil
         return Num(f(x.lo), f(x.hi), False)
     if fn == "softcap":
@@ -373,3 +379,123 @@ def _exp(v: float) -> float:
 
 def _log(v: float) -> float:
     return -INF if v == 0 else math.log(v)
+
+
+# --- each int's range over every call ------------------------------------------------------------
+
+# Positions are int32 in the kernels (their offsets are int32 tiles, and Triton passes an int
+# argument below 2**31 as i32), so no length reaches 2**31.
+MAX_LENGTH = 2 ** 31 - 1
+# The launch grid's second axis is B * H, at most 65535 on CUDA: so B, H and HKV are at most 65535.
+MAX_BATCH_HEADS = 65535
+HEAD_DIMS = (1, 256)  # the head dims the generated module accepts
+
+
+def box(spec: ir.Spec, length: int) -> TileBox:
+    """Everything a call may bring, with Q_LEN and KV_LEN at most `length`; a cache call's query
+    positions q_offset + i too, which the module checks lie below `length`, so Q_OFFSET does."""
+    length = max(1, min(length, MAX_LENGTH))
+    heads = (1, MAX_BATCH_HEADS)
+    return TileBox(q=(0, length - 1), k=(0, length - 1), params=spec.param_values,
+                   sizes={"B": heads, "H": heads, "HKV": heads, "Q_LEN": (1, length), "KV_LEN": (1, length),
+                          "D": HEAD_DIMS, "Q_OFFSET": (0, length - 1)},
+                   uniform={}, dtypes={i.name: i.dtype for i in spec.inputs})
+
+
+def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
+    """Whether the reference computes node `e` as an int (int64), from whether it computes its children so.
+
+    That is its IR type, except that torch keeps an int ** int an int even where the IR types it
+    float (`q ** c`, a param exponent), and so do +, -, *, //, %, min, max, clamp, abs and where
+    on what it computes as ints."""
+    if isinstance(e, ir.Binary):
+        return e.op in ir.ARITHMETIC_OPS and e.op != "div" and all(args_int)
+    if isinstance(e, ir.Unary):
+        return e.op == "neg" and args_int[0]
+    if isinstance(e, ir.Call):
+        if e.fn in ("floor", "ceil"):
+            return True
+        if e.fn == "where":
+            return args_int[1] and args_int[2]
+        return ir.FUNCTIONS[e.fn][1] == "same" and all(args_int)
+    return e.type == "int"
+
+
+def is_constant(e: ir.Expr) -> bool:
+    """Whether an expression is made of literals and params only (known at compile time)."""
+    return not any(isinstance(n, (ir.Var, ir.Size, ir.Load, ir.Score)) for n in ir.postorder(e))
+
+
+def fits(value: Num | Truth, bounds: tuple[int, int] = ir.I64_RANGE) -> bool:
+    return isinstance(value, Truth) or (bounds[0] <= value.lo and value.hi <= bounds[1] and not value.nan)
+
+
+class Ranges:
+    """The value of every node over a box, and whether the reference computes it as an int;
+    computed once per node object (children first, so nesting costs no recursion)."""
+
+    def __init__(self, box_: TileBox):
+        self.box = box_
+        self._known: dict[int, tuple[ir.Expr, Num | Truth, bool]] = {}  # id -> (node kept alive, value, int?)
+
+    def _fill(self, expr: ir.Expr) -> None:
+        stack = [(expr, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if id(node) in self._known:
+                continue
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((child, False) for child in ir.children(node))
+                continue
+            kids = [self._known[id(c)] for c in ir.children(node)]
+            is_int = computes_int(node, [k[2] for k in kids])
+            if is_int and isinstance(node, ir.Binary) and node.op == "pow" and kids[1][1].lo < 0:
+                # An int to a negative power has no value in the reference (torch raises); the
+                # kernels compute the float power the IR types it as.
+                is_int = False
+            typed = node if not is_int or node.type == "int" else node.model_copy(update={"type": "int"})
+            self._known[id(node)] = (node, node_value(typed, [k[1] for k in kids], self.box), is_int)
+
+    def value(self, expr: ir.Expr) -> Num | Truth:
+        self._fill(expr)
+        return self._known[id(expr)][1]
+
+    def is_int(self, expr: ir.Expr) -> bool:
+        self._fill(expr)
+        return self._known[id(expr)][2]
+
+    def wide(self, expr: ir.Expr) -> bool:
+        """Whether the kernels must compute this int in int64: its range does not fit int32."""
+        return self.is_int(expr) and not fits(self.value(expr), ir.I32_RANGE)
+
+    def overflow(self, expr: ir.Expr) -> ir.Expr | None:
+        """The innermost int of `expr` whose range does not fit int64, or None."""
+        self._fill(expr)
+        return next((n for n in ir.postorder(expr) if self._known[id(n)][2] and not fits(self._known[id(n)][1])),
+                    None)
+
+
+def _expressions(spec: ir.Spec) -> list[ir.Expr]:
+    return [e for e in (spec.mask, spec.score) if e is not None]
+
+
+def length_limit(spec: ir.Spec) -> tuple[int, ir.Expr | None]:
+    """The longest Q_LEN and KV_LEN at which every int of the mask and score fits int64 (MAX_LENGTH
+    when nothing else limits them; 0 when none does), and the innermost expression that limits it.
+
+    Ranges only grow with the lengths, so a bisection finds the limit."""
+    def overflow(length: int) -> ir.Expr | None:
+        ranges = Ranges(box(spec, length))
+        return next((o for o in map(ranges.overflow, _expressions(spec)) if o is not None), None)
+
+    if overflow(MAX_LENGTH) is None:
+        return MAX_LENGTH, None
+    lo, hi = 0, MAX_LENGTH  # every int fits at lo (0: trivially), some int overflows at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if overflow(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return lo, overflow(hi)

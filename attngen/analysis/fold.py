@@ -8,7 +8,7 @@
   (`(x + 2) - 3` is `x - 1`) and a negative one is subtracted, `-x + y` is `y - x`.
   Each is exact in int64's wrapping arithmetic too, and every node it builds has the value of a
   node of the input or a constant that fits int64, so the ranges that decide int32 or int64
-  widths (`integers.Ranges`, computed for new nodes as they come) stay sound.
+  widths (`intervals.Ranges`, computed for new nodes as they come) stay sound.
 - floats: a float literal or param is the float32 number nearest it, an int operand the float32
   nearest it, and `+ - * /` and comparisons on constants are computed in float32, as the kernels
   compute them and the reference computes every expression of literals and params alone
@@ -17,7 +17,7 @@
 - bools: `not`, comparisons, `and`, `or` and `where` on constants; `x and True` gives x, and so on.
 
 Params are constants (their values are given). No node changes its type, nor whether the reference
-computes it as an int (`integers.computes_int`: an int ** int the IR types float stays as it is).
+computes it as an int (`intervals.computes_int`: an int ** int the IR types float stays as it is).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Mapping
 import numpy as np
 
 from attngen import ir
-from attngen.analysis.integers import computes_int, postorder
-from attngen.analysis.intervals import I64_RANGE
+from attngen.intervals import computes_int
+from attngen.ir import I64_RANGE, postorder
 
 _INT_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -246,3 +246,19 @@ def _logic(e: ir.Binary) -> ir.Expr:
                 return x if c.value else c
             return c if c.value else x
     return e
+
+
+def pinned(e: ir.Expr, sizes: Mapping[str, int]) -> ir.Expr:
+    """`e` with the sizes in `sizes` as int constants (the very same object where it reads none)."""
+    if isinstance(e, ir.Size) and e.name in sizes:
+        return ir.Const(type="int", value=sizes[e.name])
+    if not sizes or not any(isinstance(n, ir.Size) and n.name in sizes for n in postorder(e)):
+        return e
+    kids = [pinned(c, sizes) for c in ir.children(e)]
+    if isinstance(e, ir.Load):
+        return e.model_copy(update={"index": tuple(kids)})
+    if isinstance(e, ir.Unary):
+        return e.model_copy(update={"operand": kids[0]})
+    if isinstance(e, ir.Binary):
+        return e.model_copy(update={"left": kids[0], "right": kids[1]})
+    return e.model_copy(update={"args": tuple(kids)})

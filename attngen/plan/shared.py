@@ -1,9 +1,11 @@
 """The facts the package and every generated module must agree on: head-dim tile widths, dtype tables,
 interpreter mode.
 
-The package imports this file (Plan.widths, the plan's and the tests' dtype tables, api's reading of
-TRITON_INTERPRET); every generated module inlines the code below the marker, so both run the same
-lines. The underscored names are the module's internals, not its API.
+The planner owns them (Plan.widths, the plan's dtype names), so they live in plan/, the earliest stage
+that needs them; the rest of the package reads them from here too (the tests' dtype table, api's reading
+of TRITON_INTERPRET). Every generated module inlines the code below the marker before the emitter's own
+static code (emit/static/), so both run the same lines. The underscored names are the module's
+internals, not its API.
 """
 
 import os
@@ -12,7 +14,7 @@ import torch
 
 # ---- inlined into every generated module from here on ----
 
-# --- facts the package shares: attngen/emit/static/shared.py ---------------------------------
+# --- facts the package shares: attngen/plan/shared.py ---------------------------------------
 # q, k and v's dtypes, by the names the plan keys its tiles with.
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 # The torch dtype of each dtype an input may declare.
