@@ -175,6 +175,13 @@ def test_folding_keeps_the_reference_value_type_and_width(e, float_dtype):
         assert before.lo <= after.lo and after.hi <= before.hi and (before.nan or not after.nan)
 
 
+@pytest.mark.parametrize("fn", ["floor", "ceil"])
+def test_floor_and_ceil_of_an_int_fold_to_that_int(fn):
+    # 2**62 + 1 has no float64 value: folding through a float gave 2**62 (a mask of k <= 0, not k <= 1).
+    spec = parse_spec(f"attention t\nmask: k <= {fn}(4611686018427387904 + 1) - 4611686018427387904\n")
+    assert expr_to_source(fold(spec.mask, {})) == "k <= 1"
+
+
 @given(text=strategies.spec_texts(), case=strategies.cases(max_len=24))
 def test_folding_drawn_specs_keeps_the_reference_value(text, case):
     spec = parse_spec(text)

@@ -155,6 +155,8 @@ def _constant_value(e: ir.Expr):
         return None if value is None or np.isnan(value) else float(value)
     if isinstance(e, ir.Binary):
         value = _int_power(*values) if e.op == "pow" else _INT_OPS[e.op](*values)
+    elif e.fn in ("floor", "ceil") and kids[0].type != "float":
+        value = values[0]  # the reference's floor and ceil of an int are that int (through a float, 2**62 + 1 is not)
     elif e.fn in ("floor", "ceil"):
         x = float(values[0])
         value = (math.floor(x) if e.fn == "floor" else math.ceil(x)) if math.isfinite(x) else None
