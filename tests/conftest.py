@@ -60,12 +60,15 @@ def build_small():
     return build
 
 
+# The mark of kernel cases that are slow in Triton's interpreter: on a GPU they stay in the default run.
+SLOW_IN_INTERPRETER = () if torch.cuda.is_available() else pytest.mark.slow
+
+
 def tiered(cases, fast, ids=None):
-    """`cases` (tuples of arguments) for pytest.mark.parametrize, each not in `fast` marked slow: on the
-    CPU the default run checks the `fast` ones, chosen for coverage, and the slow tier the rest of the
-    cross product. On a GPU all are in the default run: the tiers exist for the interpreter's time."""
+    """`cases` (tuples of arguments) for pytest.mark.parametrize, each not in `fast` marked
+    SLOW_IN_INTERPRETER: on the CPU the default run checks the `fast` ones, chosen for coverage, and
+    the slow tier the rest of the cross product."""
     fast = set(fast)
     assert fast <= set(cases), fast - set(cases)
-    slow = () if torch.cuda.is_available() else pytest.mark.slow
-    return [pytest.param(*case, id=ids(case) if ids else None, marks=() if case in fast else slow)
+    return [pytest.param(*case, id=ids(case) if ids else None, marks=() if case in fast else SLOW_IN_INTERPRETER)
             for case in cases]
