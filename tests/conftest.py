@@ -1,7 +1,11 @@
-"""Shared test setup: a private kernel cache per test session, the gpu marker, hypothesis profiles.
+"""Shared test setup: a private kernel cache per test session, the gpu marker, hypothesis profiles,
+the slow tier.
 
 Fuzzing profiles (tests/test_fuzz.py): `ci`, the default, is derandomized and sized for CI's
 time limit; `pytest --hypothesis-profile=long` draws many more examples at random.
+
+Tiers: `python -m pytest -q` runs every test not marked `slow` (pyproject's addopts), spread over
+the CPU's cores by pytest-xdist; `python -m pytest -q -m slow` runs the rest. CI runs both.
 """
 
 import os
@@ -25,6 +29,8 @@ settings.load_profile("ci")
 
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
+    # One per xdist worker (each has its own base temp folder): tests that damage a cached module
+    # must not race another worker loading it.
     os.environ["ATTNGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("attngen-cache"))
 
 
@@ -52,3 +58,17 @@ def build_small():
         declared = {p.name for p in attngen.load_spec(path)[0].params}
         return attngen.build(path, params={k: v for k, v in {**SMALL_PARAMS, **params}.items() if k in declared})
     return build
+
+
+# The mark of kernel cases that are slow in Triton's interpreter: on a GPU they stay in the default run.
+SLOW_IN_INTERPRETER = () if torch.cuda.is_available() else pytest.mark.slow
+
+
+def tiered(cases, fast, ids=None):
+    """`cases` (tuples of arguments) for pytest.mark.parametrize, each not in `fast` marked
+    SLOW_IN_INTERPRETER: on the CPU the default run checks the `fast` ones, chosen for coverage, and
+    the slow tier the rest of the cross product."""
+    fast = set(fast)
+    assert fast <= set(cases), fast - set(cases)
+    return [pytest.param(*case, id=ids(case) if ids else None, marks=() if case in fast else SLOW_IN_INTERPRETER)
+            for case in cases]

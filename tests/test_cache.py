@@ -12,6 +12,7 @@ import torch
 import attngen
 from attngen import reference, testing
 from attngen.testing import strategies
+from conftest import tiered
 
 SPECS = Path(__file__).parent.parent / "specs"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,8 +40,19 @@ def _assert_matches(attn, q, k, v, inputs, **cache):
     torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", CATALOG)
+def _ids(case):
+    return "-".join(c if isinstance(c, str) else "x".join(map(str, c)) if isinstance(c, tuple) else str(c)
+                    for c in case)
+
+
+# Each spec in chunked prefill (the portable forward) and in one of the two decode shapes, which turn
+# with the spec; the slow tier runs the other decode shape.
+CACHE_CASES = tiered([(name, shape) for name in CATALOG for shape in SHAPES],
+                     [(name, shape) for i, name in enumerate(CATALOG) for shape in (SHAPES[i % 2], SHAPES[2])],
+                     ids=_ids)
+
+
+@pytest.mark.parametrize("name, shape", CACHE_CASES)
 def test_cache_calls_match_the_reference(name, shape, build_small):
     attn = build_small(name)
     q, k, v, inputs, kv_len = _case(attn, shape)
@@ -190,10 +202,15 @@ def test_merge_of_two_halves_is_the_whole(build_small):
         attngen.merge([out, out], [lse, lse[:, :1]])
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["causal", "alibi_causal", "sliding_window", "learned_rel_bias", "document_causal",
-                                  "block_sparse"])
+PAGED = ["causal", "alibi_causal", "sliding_window", "learned_rel_bias", "document_causal", "block_sparse"]
+# Each spec on every shape; the page size turns with the spec and the shape, so each spec and each shape
+# meets both page sizes in the default run. The slow tier runs the rest of the cross product.
+PAGED_CASES = tiered([(name, shape, page) for name in PAGED for shape in SHAPES for page in (16, 32)],
+                     [(name, shape, (16, 32)[(i + j) % 2]) for i, name in enumerate(PAGED)
+                      for j, shape in enumerate(SHAPES)], ids=_ids)
+
+
+@pytest.mark.parametrize("name, shape, page_size", PAGED_CASES)
 def test_paged_cache_calls_match_the_reference(name, shape, page_size, build_small):
     attn = build_small(name)
     # A paged cache holds whole pages, and inputs sized KV_LEN (document ids) follow its length.

@@ -125,7 +125,13 @@ def _generate_static(model, implementation, device="cpu", **options):
                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **options)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Compiling a model takes 15-30 s on the CPU: the compiled tests run gemma2 (sliding and full layers,
+# a softcap) or mistral by default, and the other models in the slow tier.
+def _compiled_by_default(*names):
+    return [name if name in names else pytest.param(name, marks=pytest.mark.slow) for name in CONFIGS]
+
+
+@pytest.mark.parametrize("name", _compiled_by_default("gemma2"))
 def test_static_cache_generation_matches_eager(fresh_dynamo, name):
     """Eager, and compiled with fullgraph=True as generate compiles a static cache's decoding steps (on
     a GPU by default; _compile_all_devices asks for it on the CPU)."""
@@ -479,7 +485,7 @@ def _compiled(function, **options):
     return torch.compile(function, backend="aot_eager", fullgraph=True, **options)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _compiled_by_default("gemma2"))
 def test_compiled_model_has_no_graph_break(models, fresh_dynamo, monkeypatch, name):
     """A compiled model equals eager attngen: a left-padded forward, then greedy generation through
     a compiled forward (prefill, and a decoding step past the window). No spec is built before: each
@@ -508,7 +514,7 @@ def test_compiled_model_has_no_graph_break(models, fresh_dynamo, monkeypatch, na
     _assert_close_logits(f"{name} compiled step logits", torch.stack(actual.logits), torch.stack(eager.logits))
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_compiled_training_step_has_no_graph_break(models, fresh_dynamo, name):
     """Forward and backward of a compiled model in training mode give eager attngen's gradients."""
     model = models[name]
