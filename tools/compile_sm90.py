@@ -85,16 +85,19 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16),
                              (0, 0, 4, 1)))
         if family == "hopper":
-            launches.append(("_hopper_fwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                                                        Q_BUFFERS=tiles[4],
-                                                        PINGPONG=True, FOLLOW_TABLE=bool(module.TILE_TABLE),
-                                                        DEFER_SCALE=module.HOPPER_PLAIN_SCORE),
-                             tiles))
+            hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
+                              PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
+            launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False),
+                          tiles),
+                         ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
+                          tiles)]
         if family == "hopper_bwd":
-            launches.append(("_hopper_bwd_kernel", dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                                                        FOLLOW_TABLE=bool(module.TILE_TABLE),
-                                                        SPLIT_D=module._hopper_backward_config(*tiles[1:3])[2]),
-                             tiles))
+            hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
+                              SPLIT_D=module._hopper_backward_config(*tiles[1:3])[2])
+            launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False),
+                          tiles),
+                         ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
+                          tiles)]
             # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
             launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
                                                      HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,

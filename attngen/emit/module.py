@@ -30,7 +30,8 @@ KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_quer
                 "_table_by_key_classify", "_table_compact")
 # What the module defines after the host code: the families' forward and backward launches, in order of
 # preference.
-FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES")
+FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES", "PACKED_FAMILIES",
+                      "PACKED_BACKWARD_FAMILIES")
 LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
 
 # Each static file is inlined from the line after this one.
@@ -143,6 +144,8 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     others = [family for family in plan.families if family != PORTABLE.name]
     forward_families = "(" + "".join(f"({f!r}, _{f}_serves, _{f}_forward), " for f in others).rstrip(" ") + ")"
     table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
+    packed_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_forward)
+    packed_backward_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_backward)
     backward_families = "(" + "".join(
         f"({f.name!r}, {f.backward_name!r}, _{f.name}_backward_serves, _{f.name}_backward), " for f in FAMILIES
         if f.name in others and f.backward_tiles is not None).rstrip(" ") + ")"
@@ -163,6 +166,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
         family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
+        packed_families=packed_families, packed_backward_families=packed_backward_families,
         decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )

@@ -27,7 +27,9 @@ class Family:
     family. `tiles` gives its forward's launch shape per padded head dim pair and dtype, and
     `backward_tiles` its backward's, if it has one (it then follows the tile tables, built for its
     tiles); `follows_tables` says whether its forward follows the mask's tile tables (built for its
-    tiles) or decides every element of the mask's hull."""
+    tiles) or decides every element of the mask's hull; `packed_forward` and `packed_backward` whether its
+    forward and backward kernels also serve packed calls (sequences in FlashAttention's varlen layout,
+    their grid following the sequences)."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
@@ -36,6 +38,8 @@ class Family:
     tiles: TileRule | None = None
     backward_tiles: TileRule | None = None
     follows_tables: bool = False
+    packed_forward: bool = False
+    packed_backward: bool = False
 
     @property
     def backward_name(self) -> str:
@@ -162,10 +166,15 @@ HOPPER = Family(
     kernels=KERNELS,
     per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256, "
               "q, k, v with 16-byte-aligned bases and strides (any layout with D innermost: transposed views cost "
-              "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates)"),
+              "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates); the forward of packed "
+              "calls too, the total query and key lengths below that"),
     tiles=_hopper_tiles,
     backward_tiles=_hopper_backward_tiles,
     follows_tables=True,
+    packed_forward=True,
+    # Its backward's VARLEN kernel compiles but faults on the H200 (an illegal instruction, not yet
+    # found): packed calls' backward runs the portable kernels.
+    packed_backward=False,
 )
 
 # In order of preference; the portable family comes last and serves what the others do not.

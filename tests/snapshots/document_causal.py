@@ -1253,8 +1253,8 @@ def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, 
 
 @gluon.jit
 def _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B,
-                     H, HKV, Q_LEN, KV_LEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr):
+                     H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
     # Work item `work` of a persistent CTA: a query tile of BLOCK_M rows of one (batch, head), and the
     # key tiles it visits (TILE_RANGE). Items run head by head, each head's query tiles last first: under
     # causal-like masks those visit the most keys, and the CTAs running one head's items side by side
@@ -1264,6 +1264,19 @@ def _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblId
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
+    # Where the item's sequence lies in the descriptors (SEQUENCE): batch off_b from row 0, or in a packed
+    # call (VARLEN) sequence b = off_b of the (1, heads, TOTAL, D) views, from its first rows; Q_LEN and
+    # KV_LEN arrive as the longest sequence's (the item numbering's) and become this sequence's, so the
+    # tile range below is the sequence's and no tile of another sequence is visited.
+    tma_b = off_b
+    q_start = off_b * 0
+    k_start = off_b * 0
+    if VARLEN:
+        tma_b = off_b * 0
+        q_start = gl.load(CuSeqlensQ + off_b)
+        k_start = gl.load(CuSeqlensK + off_b)
+        Q_LEN = gl.load(CuSeqlensQ + off_b + 1) - q_start
+        KV_LEN = gl.load(CuSeqlensK + off_b + 1) - k_start
     # The family takes no cache calls: queries sit at positions 0 .. Q_LEN - 1.
     q_off = 0
     if FOLLOW_TABLE:
@@ -1286,16 +1299,21 @@ def _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblId
         masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
         full_tiles, full_lo, full_hi = 0, t1, t2
     n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
+    # An item past its sequence's end (packed calls number every sequence's items by the longest) has no
+    # rows: no tile to visit, nothing to store.
+    n_tiles = gl.where(start_m * BLOCK_M < Q_LEN, n_tiles, 0)
     return (start_m * BLOCK_M, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo,
-            masked_hi, gap_at, gap, full_tiles, full_lo, full_hi)
+            masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, tma_b, q_start, k_start, Q_LEN + off_b * 0,
+            KV_LEN + off_b * 0)
 
 
 @gluon.jit
 def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                      v_ready, v_empty, work_ids, work_counter, n_work, n_m, doc_ptr, stride_doc_0, size_doc_0,
-                     TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+                     TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     Q_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                     VARLEN: tl.constexpr):
     # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers, running ahead
     # of the consumers across work items (the next item's Q and first K/V tiles load while the consumers
     # finish this one). Boxes are (1, 1 head, rows, width) of (B, heads, length, D) tensors in their own
@@ -1310,19 +1328,24 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
     work = gl.atomic_add(work_counter, 1)
     while work < n_work:
         tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
-            full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0,
-                                                            TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV,
-                                                            Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, FOLLOW_TABLE)
+            full_tiles, full_lo, full_hi, tma_b, q_start, k_start, seq_q_len, seq_kv_len = \
+            _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh,
+                             tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N,
+                             FOLLOW_TABLE, VARLEN)
         n_masked = masked_hi - masked_lo
         slot = done % Q_BUFFERS
         # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
         mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) & 1) ^ 1)
         # The consumers read the item's number once its Q has landed (the arrival below releases it).
         work_ids.index(slot).store(gl.full([1], work, gl.int32, id_layout))
-        mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, tile_m + c * ROWS, 0], q_ready.index(slot),
-                                            _hopper_box(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
+        if tile_m < seq_q_len:
+            mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(NUM_CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [tma_b, off_h, q_start + tile_m + c * ROWS, 0],
+                                                q_ready.index(slot),
+                                                _hopper_box(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
+        else:  # an item past its sequence's end (packed calls): no Q to load, only its number to pass on
+            mbarrier.arrive(q_ready.index(slot), count=1)
         for i in range(n_tiles):
             stage = (ring + i) % STAGES
             phase = (((ring + i) // STAGES) & 1) ^ 1
@@ -1330,11 +1353,11 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
                                          full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n, 0], k_ready.index(stage),
+            tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n, 0], k_ready.index(stage),
                                             _hopper_box(k_bufs.index(stage), k_desc))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n, 0], v_ready.index(stage),
+            tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n, 0], v_ready.index(stage),
                                             _hopper_box(v_bufs.index(stage), v_desc))
         ring += n_tiles
         done += 1
@@ -1466,11 +1489,11 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                      o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work, n_m, sm_scale,
                      qk_scale, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B,
-                     H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr):
+                     H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                     WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -1493,10 +1516,10 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
     work = gl.max(work_ids.index(0).load(id_layout), 0)
     while work < n_work:
         tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
-            full_tiles, full_lo, full_hi = _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0,
-                                                            TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV,
-                                                            Q_LEN, KV_LEN, BLOCK_M * NUM_CONSUMERS, BLOCK_N,
-                                                            FOLLOW_TABLE)
+            full_tiles, full_lo, full_hi, tma_b, q_start, k_start, seq_q_len, seq_kv_len = \
+            _hopper_fwd_work(work, n_m, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh,
+                             tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                             BLOCK_M * NUM_CONSUMERS, BLOCK_N, FOLLOW_TABLE, VARLEN)
         slot = done % Q_BUFFERS
         q_smem = q_bufs.index(slot * NUM_CONSUMERS + WG)
         off_m = tile_m + WG * BLOCK_M
@@ -1520,30 +1543,30 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(first)))
             mbarrier.arrive(k_empty.index(first), count=1)
             p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
-                                                          qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                                          KV_LEN, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM,
-                                                          HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                                          BLOCK_N, True, DEFER_SCALE, s_layout)
+                                                          qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
+                                                          seq_kv_len, doc_ptr, stride_doc_0, size_doc_0,
+                                                          HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                                          BLOCK_M, BLOCK_N, True, DEFER_SCALE, s_layout)
             p = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
 
             o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs,
                                                    v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m,
                                                    offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
                                                    gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
-                                                   qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                                                   doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM, HEAD_DIM_V,
-                                                   HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
-                                                   FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout,
-                                                   p_layout, WG, NUM_CONSUMERS)
+                                                   qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
+                                                   seq_kv_len, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM,
+                                                   HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
+                                                   STAGES, True, FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout,
+                                                   o_layout, p_layout, WG, NUM_CONSUMERS)
             o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn,
                                                    q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                                    sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
                                                    masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
-                                                   sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                                   KV_LEN, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM,
-                                                   HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
-                                                   STAGES, False, FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout,
-                                                   o_layout, p_layout, WG, NUM_CONSUMERS)
+                                                   sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                                                   seq_q_len, seq_kv_len, doc_ptr, stride_doc_0, size_doc_0,
+                                                   HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                                                   BLOCK_N, STAGES, False, FOLLOW_TABLE, DEFER_SCALE, dtype,
+                                                   s_layout, o_layout, p_layout, WG, NUM_CONSUMERS)
 
             # Drain: the last tile's PV.
             last = (ring + n_tiles - 1) % STAGES
@@ -1563,20 +1586,25 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
-        if HEAD_DIM_V_PAD == HEAD_DIM_PAD:
+        if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN:
             # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
             # past the head's Q_LEN and the columns past HEAD_DIM_V. The buffer takes a later item's Q once the
-            # store has read it.
+            # store has read it. (A packed call's next rows are the next sequence's: stored by row below.)
             q_smem.store(o.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [off_b, off_h, off_m, 0], _hopper_box(q_smem, o_desc))
             tma.store_wait(pendings=0)
         else:
-            _hopper_store_rows(Out, o.to(dtype), off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh,
-                               stride_om, off_m, Q_LEN, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD, o_layout)
+            _hopper_store_rows(Out, o.to(dtype), tma_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+                               + q_start.to(gl.int64) * stride_om, stride_om, off_m, seq_q_len, HEAD_DIM_V, BLOCK_M,
+                               HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
         mbarrier.arrive(q_empty.index(slot), count=1)
-        gl.store(Lse + off_bh.to(gl.int64) * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
+        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
+            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
+        else:
+            lse_row = off_bh.to(gl.int64) * Q_LEN
+        gl.store(Lse + lse_row + offs_m, lse, mask=offs_m < seq_q_len)
         done += 1
         # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
         # epilogue, so the wait comes even for an item that visits no tile.
@@ -1599,10 +1627,11 @@ def _hopper_store_rows(Out, tile, head, stride_row, first_row, length, WIDTH: gl
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
                        sm_scale, qk_scale, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh,
-                       tbl_cols, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr):
+                       tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
+                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -1649,34 +1678,34 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
                                  n_m, sm_scale, qk_scale, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
                                  n_m, sm_scale, qk_scale, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 1, NUM_CONSUMERS)),
+                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, doc_ptr,
                                  stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV,
-                                 Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, NUM_CONSUMERS,
-                                 FOLLOW_TABLE)),
+                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
+                                 NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
                                  n_m, sm_scale, qk_scale, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS)),
+                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, doc_ptr,
                                  stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV,
-                                 Q_LEN, KV_LEN, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, NUM_CONSUMERS,
-                                 FOLLOW_TABLE)),
+                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
+                                 NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
         ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -1754,22 +1783,25 @@ def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 @gluon.jit
 def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                          delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b, off_hkv, B, H, HKV,
-                         Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh,
-                         tbl_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                         FOLLOW_TABLE: tl.constexpr):
+                         Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0, TblNum,
+                         TblIdx, tbl_sb, tbl_sh, tbl_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
     # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
     # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
     # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n * BLOCK_N, 0], kv_bar,
-                                    _hopper_box(k_smem, k_desc))
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n * BLOCK_N, 0], kv_bar,
-                                    _hopper_box(v_smem, v_desc))
+    group = H // HKV
+    # A packed call's key tile past its sequence's end (the grid follows the longest) visits nothing.
+    n_groups = gl.where(start_n * BLOCK_N < KV_LEN, group, 0)
+    if n_groups > 0:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
+                                        _hopper_box(k_smem, k_desc))
+        tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
+                                        _hopper_box(v_smem, v_desc))
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                 + delta_desc.block_type.nbytes)
-    group = H // HKV
     t = 0
-    for g in range(group):
+    for g in range(n_groups):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
             _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, doc_ptr,
@@ -1784,13 +1816,13 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
             mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, step_bytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar,
+            tma.async_copy_global_to_shared(q_desc, [tma_b, off_h, q_start + start_m, 0], bar,
                                             _hopper_box(q_bufs.index(stage), q_desc))
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar,
+            tma.async_copy_global_to_shared(do_desc, [tma_b, off_h, q_start + start_m, 0], bar,
                                             _hopper_box(do_bufs.index(stage), do_desc))
-            tma.async_copy_global_to_shared(lse_desc, [off_b * H + off_h, start_m], bar,
+            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, q_start + start_m], bar,
                                             _hopper_box(lse_bufs.index(stage), lse_desc))
-            tma.async_copy_global_to_shared(delta_desc, [off_b * H + off_h, start_m], bar,
+            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, q_start + start_m], bar,
                                             _hopper_box(delta_bufs.index(stage), delta_desc))
             t += 1
 
@@ -1799,10 +1831,11 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
                       dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
                       gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                      H, HKV, Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM: tl.constexpr,
-                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
-                      FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, dk_layout: tl.constexpr,
+                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                      HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                      SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, dk_layout: tl.constexpr,
                       dv_layout: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
@@ -1835,6 +1868,10 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         # Base 2; rows past Q_LEN and rows no key was allowed to hold +inf, so P = 0 there. From shared
         # memory: a column vector is 16 values a thread here, whose addresses by pointer spilled registers.
         lse = lse_bufs.index(stage).load(col_layout)
+        if VARLEN:
+            # A packed call's rows past the sequence's end are the next sequence's, their LSE finite: +inf
+            # here, so P = 0 on them too.
+            lse = gl.where(offs_m < Q_LEN, lse, float("inf"))
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
@@ -1887,7 +1924,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         gl.thread_barrier()
         dq_smem.store(dq)
         fence_async_shared()
-        _hopper_reduce_add(dq_desc, [off_b, off_h, start_m, 0], _hopper_box(dq_smem, dq_desc))
+        # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
+        _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -1896,10 +1934,11 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
                          stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
-                         doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr):
+                         tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb,
+                         tbl_sh, tbl_cols, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                         SPLIT_D: tl.constexpr, VARLEN: tl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -1913,10 +1952,13 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
     ragged = (start_n + 1) * BLOCK_N > KV_LEN
-    mbarrier.wait(kv_bar, 0)
     group = H // HKV
+    # A packed call's key tile past its sequence's end visits nothing and stores nothing (rows >= KV_LEN).
+    n_groups = gl.where(start_n * BLOCK_N < KV_LEN, group, 0)
+    if n_groups > 0:
+        mbarrier.wait(kv_bar, 0)
     t = 0
-    for g in range(group):
+    for g in range(n_groups):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
             _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, doc_ptr,
@@ -1931,38 +1973,54 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                       v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM, HEAD_DIM_V,
-                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
-                                      FOLLOW_TABLE, SPLIT_D, dk_layout, dv_layout)
+                                      KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                                      HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
+                                      STAGES, True, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout, dv_layout)
         t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                       k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
                                       n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                                       full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                      Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, HEAD_DIM, HEAD_DIM_V,
-                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
-                                      FOLLOW_TABLE, SPLIT_D, dk_layout, dv_layout)
+                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                                      HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
+                                      STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout, dv_layout)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty),
-                       off_b.to(gl.int64) * stride_dkz + off_hkv.to(gl.int64) * stride_dkh, stride_dkn,
-                       start_n * BLOCK_N, KV_LEN, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, dk_layout)
+                       tma_b.to(gl.int64) * stride_dkz + off_hkv.to(gl.int64) * stride_dkh
+                       + k_start.to(gl.int64) * stride_dkn, stride_dkn, start_n * BLOCK_N, KV_LEN, HEAD_DIM, BLOCK_N,
+                       HEAD_DIM_PAD, dk_layout)
     _hopper_store_rows(DV, dv.to(DV.dtype.element_ty),
-                       off_b.to(gl.int64) * stride_dvz + off_hkv.to(gl.int64) * stride_dvh, stride_dvn,
-                       start_n * BLOCK_N, KV_LEN, HEAD_DIM_V, BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
+                       tma_b.to(gl.int64) * stride_dvz + off_hkv.to(gl.int64) * stride_dvh
+                       + k_start.to(gl.int64) * stride_dvn, stride_dvn, start_n * BLOCK_N, KV_LEN, HEAD_DIM_V,
+                       BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
 
 
 @gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
                        stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, doc_ptr,
                        stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                       KV_LEN, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr):
+                       KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
+    # Where the program's sequence lies in the descriptors (SEQUENCE), as in the forward's work items: in a
+    # packed call (VARLEN) sequence b = off_b of the (1, heads, TOTAL, D) views from its first rows, whose
+    # lengths replace the longest ones the grid was sized by; a key tile past its end has nothing to do
+    # (its partitions skip their work: an early return here, before the warp specialization, faults).
+    tma_b = off_b
+    q_start = off_b * 0
+    k_start = off_b * 0
+    if VARLEN:
+        tma_b = off_b * 0
+        q_start = gl.load(CuSeqlensQ + off_b)
+        k_start = gl.load(CuSeqlensK + off_b)
+        Q_LEN = gl.load(CuSeqlensQ + off_b + 1) - q_start
+        KV_LEN = gl.load(CuSeqlensK + off_b + 1) - k_start
     dtype: gl.constexpr = q_desc.dtype
     # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1993,13 +2051,15 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
                                  stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, TblNum,
-                                 TblIdx, tbl_sb, tbl_sh, tbl_cols, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D)),
+                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr,
+                                 stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, HEAD_DIM,
+                                 HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE, SPLIT_D, VARLEN)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, TblNum,
-                                 TblIdx, tbl_sb, tbl_sh, tbl_cols, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr,
+                                 stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, BLOCK_M,
+                                 BLOCK_N, STAGES, FOLLOW_TABLE)),
     ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -2564,13 +2624,15 @@ def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None,
     return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan)
 
 
-def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
+def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None, packed=False):
     """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
     if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
-    (`cached`: a cache call; k holds pages if paged); ("portable", None) when none does."""
+    (`cached`: a cache call; k holds pages if paged; `packed`: a packed call's (1, heads, TOTAL, D)
+    views, which only PACKED_FAMILIES take); ("portable", None) when none does."""
     names = [name for name, _, _ in FORWARD_FAMILIES]
     families = FORWARD_FAMILIES[names.index(after) + 1:] if after is not None else FORWARD_FAMILIES
-    return next(((name, launch) for name, serves, launch in families if serves(q, k, v, HKV, KV_LEN, cached)),
+    return next(((name, launch) for name, serves, launch in families
+                 if (not packed or name in PACKED_FAMILIES) and serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
@@ -2697,10 +2759,12 @@ def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build, pl
                               plan=plan)
 
 
-def _backward_family(q, k, v):
+def _backward_family(q, k, v, packed=False):
     """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
-    of these tensors; ("portable", "portable", None) when none does."""
-    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES if serves(q, k, v)),
+    of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take);
+    ("portable", "portable", None) when none does."""
+    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES
+                 if (not packed or family in PACKED_BACKWARD_FAMILIES) and serves(q, k, v)),
                 ("portable", "portable", None))
 
 
@@ -2836,7 +2900,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "7ad5063dd52f0628"
+MODULE_DIGEST = "77961fcdc80f6081"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -2926,7 +2990,12 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        out, lse = _portable_forward(*map(_packed_view, (q, k, v)), tensors, (), packed=packed)
+        q, k, v = map(_packed_view, (q, k, v))
+        _, launch = _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)
+        if launch is not None:
+            out, lse = launch(q, k, v, tensors, (), packed=packed)
+        else:
+            out, lse = _portable_forward(q, k, v, tensors, (), packed=packed)
         return _unpacked(out), lse[0]
 
     @packed_op.register_fake
@@ -2940,9 +3009,13 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                            max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        dq, dk, dv, input_grads = _portable_backward(
-            *map(_packed_view, (q, k, v, out)), lse[None], _packed_view(do), dlse[None], tensors, ((), ()),
-            packed=packed)
+        q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
+        _, _, launch = _backward_family(q, k, v, packed=True)
+        if launch is not None:
+            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed)
+        else:
+            dq, dk, dv, input_grads = _portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors, ((), ()),
+                                                         packed=packed)
         return _unpacked(dq), _unpacked(dk), _unpacked(dv), [g for g in input_grads if g is not None]
 
     @packed_backward_op.register_fake
@@ -3260,11 +3333,13 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_s
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
     The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
-    A packed call (cu_seqlens_q=...) runs the portable kernels."""
+    A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
+    D) views, else the portable one."""
     q, k, v = _autocast(q, k, v)
     if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        return "portable"
+        q, k, v = map(_packed_view, (q, k, v))
+        return _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)[0]
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
@@ -3276,11 +3351,12 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_s
 def backward_family(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     **inputs):
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
-    or the family of BACKWARD_FAMILIES whose per-call rule admits it; "portable" for a packed call."""
+    or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
+    packed call)."""
     q, k, v = _autocast(q, k, v)
     if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        return "portable"
+        return _backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]
     _check(q, k, v, inputs)
     return _backward_family(q, k, v)[0]
 
@@ -3551,16 +3627,19 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
+                    packed=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
     the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
-    plan's: 2 where shared memory has room); `plan` the call's _CallPlan."""
-    B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
+    TOTAL, D) views (_packed_view), or None."""
+    D, DV = q.shape[3], v.shape[3]
+    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
     d_pad, dv_pad = _widths(D, DV)
     out = _empty_in_layout(q, DV)
-    lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
@@ -3571,38 +3650,40 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
+    packed_args, packed_flags = _packed_launch(packed, lse)
 
     def run():
         _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
-                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
-                HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
+                *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+                BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
-                bind=_plan_site(plan, "hopper", bool(table)))
+                bind=_plan_site(plan, "hopper", bool(table)), **packed_flags)
         return out, lse
 
     return run
 
 
-def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
     tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-    call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
+    call's _CallPlan; `packed` a packed call's, as for _hopper_prepare. Returns out and the natural-log
+    LSE, as the portable forward does."""
     block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed)()
 
 
 # Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
 HOPPER_DQ_FINISH_BLOCK = 2048
 
 
-def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-    (_backward_plan). Returns dq, dk, dv and one gradient per input (None for inputs that are not
-    learnable), as the portable backward does."""
-    B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    (_backward_plan); `packed` a packed call's, as for _hopper_prepare. Returns dq, dk, dv and one
+    gradient per input (None for inputs that are not learnable), as the portable backward does."""
+    D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
+    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
     # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
     if not _hopper_addressable(do):
         do = do.clone(memory_format=torch.contiguous_format)
@@ -3611,7 +3692,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
     dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
@@ -3622,13 +3703,14 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
+    packed_args, packed_flags = _packed_launch(packed, delta)
     _launch(
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
         *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
-        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
-        bind=_plan_site(plan, "hopper backward", bool(table)))
+        *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
+        maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags)
     dq = _empty_in_layout(q, D)
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
@@ -3644,3 +3726,7 @@ TABLE_FAMILIES = ('hopper',)
 # name, which keys its tiles and its tile table, per-call rule, launch); a call none of them admits runs
 # the portable backward. Each follows tile tables of its own tiles.
 BACKWARD_FAMILIES = (('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_backward),)
+# Those of them whose forward, and whose backward, also serve packed calls; the others' go to the
+# portable family.
+PACKED_FAMILIES = ('hopper',)
+PACKED_BACKWARD_FAMILIES = ()

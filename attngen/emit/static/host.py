@@ -424,13 +424,15 @@ def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None,
     return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan)
 
 
-def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None):
+def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None, packed=False):
     """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
     if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
-    (`cached`: a cache call; k holds pages if paged); ("portable", None) when none does."""
+    (`cached`: a cache call; k holds pages if paged; `packed`: a packed call's (1, heads, TOTAL, D)
+    views, which only PACKED_FAMILIES take); ("portable", None) when none does."""
     names = [name for name, _, _ in FORWARD_FAMILIES]
     families = FORWARD_FAMILIES[names.index(after) + 1:] if after is not None else FORWARD_FAMILIES
-    return next(((name, launch) for name, serves, launch in families if serves(q, k, v, HKV, KV_LEN, cached)),
+    return next(((name, launch) for name, serves, launch in families
+                 if (not packed or name in PACKED_FAMILIES) and serves(q, k, v, HKV, KV_LEN, cached)),
                 ("portable", None))
 
 
@@ -557,10 +559,12 @@ def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build, pl
                               plan=plan)
 
 
-def _backward_family(q, k, v):
+def _backward_family(q, k, v, packed=False):
     """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
-    of these tensors; ("portable", "portable", None) when none does."""
-    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES if serves(q, k, v)),
+    of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take);
+    ("portable", "portable", None) when none does."""
+    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES
+                 if (not packed or family in PACKED_BACKWARD_FAMILIES) and serves(q, k, v)),
                 ("portable", "portable", None))
 
 
@@ -786,7 +790,12 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        out, lse = _portable_forward(*map(_packed_view, (q, k, v)), tensors, (), packed=packed)
+        q, k, v = map(_packed_view, (q, k, v))
+        _, launch = _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)
+        if launch is not None:
+            out, lse = launch(q, k, v, tensors, (), packed=packed)
+        else:
+            out, lse = _portable_forward(q, k, v, tensors, (), packed=packed)
         return _unpacked(out), lse[0]
 
     @packed_op.register_fake
@@ -800,9 +809,13 @@ def _define_operators(table_name, forward_name, backward_name, cache_name, packe
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                            max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        dq, dk, dv, input_grads = _portable_backward(
-            *map(_packed_view, (q, k, v, out)), lse[None], _packed_view(do), dlse[None], tensors, ((), ()),
-            packed=packed)
+        q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
+        _, _, launch = _backward_family(q, k, v, packed=True)
+        if launch is not None:
+            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed)
+        else:
+            dq, dk, dv, input_grads = _portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors, ((), ()),
+                                                         packed=packed)
         return _unpacked(dq), _unpacked(dk), _unpacked(dv), [g for g in input_grads if g is not None]
 
     @packed_backward_op.register_fake
@@ -1120,11 +1133,13 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_s
     """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
     family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
     The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
-    A packed call (cu_seqlens_q=...) runs the portable kernels."""
+    A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
+    D) views, else the portable one."""
     q, k, v = _autocast(q, k, v)
     if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        return "portable"
+        q, k, v = map(_packed_view, (q, k, v))
+        return _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)[0]
     if page_table is not None:
         _check_paged(q, k, v, page_table, kv_len, inputs)
     else:
@@ -1136,11 +1151,12 @@ def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_s
 def backward_family(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     **inputs):
     """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
-    or the family of BACKWARD_FAMILIES whose per-call rule admits it; "portable" for a packed call."""
+    or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
+    packed call)."""
     q, k, v = _autocast(q, k, v)
     if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        return "portable"
+        return _backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]
     _check(q, k, v, inputs)
     return _backward_family(q, k, v)[0]
 

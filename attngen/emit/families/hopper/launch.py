@@ -3,7 +3,7 @@
 import torch
 
 from attngen.emit.static.helpers import LOG2E
-from attngen.emit.static.host import _sm_count
+from attngen.emit.static.host import _call_sizes, _packed_launch, _sm_count
 from attngen.emit.static.launch import _launch
 from attngen.plan.shared import _cdiv, _empty_in_layout
 
@@ -133,16 +133,19 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None):
+def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
+                    packed=None):
     """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
     lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
     the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
-    plan's: 2 where shared memory has room); `plan` the call's _CallPlan."""
-    B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
+    TOTAL, D) views (_packed_view), or None."""
+    D, DV = q.shape[3], v.shape[3]
+    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
     d_pad, dv_pad = _widths(D, DV)
     out = _empty_in_layout(q, DV)
-    lse = torch.empty((B, H, Q_LEN), device=q.device, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
     rows = block_m // 2 if pingpong else block_m
     q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
@@ -153,38 +156,40 @@ def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers
     work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
     sm_scale = softmax_scale(D)
     table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
+    packed_args, packed_flags = _packed_launch(packed, lse)
 
     def run():
         _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
-                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN, HEAD_DIM=D,
-                HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
+                *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+                BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                 DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
-                bind=_plan_site(plan, "hopper", bool(table)))
+                bind=_plan_site(plan, "hopper", bool(table)), **packed_flags)
         return out, lse
 
     return run
 
 
-def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None):
     """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
     tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-    call's _CallPlan. Returns out and the natural-log LSE, as the portable forward does."""
+    call's _CallPlan; `packed` a packed call's, as for _hopper_prepare. Returns out and the natural-log
+    LSE, as the portable forward does."""
     block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan)()
+    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed)()
 
 
 # Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
 HOPPER_DQ_FINISH_BLOCK = 2048
 
 
-def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
+def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-    (_backward_plan). Returns dq, dk, dv and one gradient per input (None for inputs that are not
-    learnable), as the portable backward does."""
-    B, H, Q_LEN, D = q.shape
-    HKV, KV_LEN, DV = k.shape[1], k.shape[2], v.shape[3]
+    (_backward_plan); `packed` a packed call's, as for _hopper_prepare. Returns dq, dk, dv and one
+    gradient per input (None for inputs that are not learnable), as the portable backward does."""
+    D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
+    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
     # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
     if not _hopper_addressable(do):
         do = do.clone(memory_format=torch.contiguous_format)
@@ -193,7 +198,7 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
     # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
     dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(Q_LEN, block_m) * block_m, dq_sum, plan=plan)
+    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
@@ -204,13 +209,14 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None):
                    _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
                    _hopper_descriptor(dq_sum, block_m, d_pad))
     table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
+    packed_args, packed_flags = _packed_launch(packed, delta)
     _launch(
         _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
         *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
         *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
-        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps, maxnreg=maxnreg,
-        bind=_plan_site(plan, "hopper backward", bool(table)))
+        *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
+        maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags)
     dq = _empty_in_layout(q, D)
     _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
             BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
