@@ -217,7 +217,7 @@ def test_packed_half_precision_on_gpu(name, dtype):
                                    seed=1, device="cuda")
     if ON_HOPPER:
         families = attn.forward_family(q, k, v, **inputs, **packed), attn.backward_family(q, k, v, **inputs, **packed)
-        assert families == ("hopper", "portable")
+        assert families == ("hopper", "hopper")
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
 
 
@@ -237,7 +237,7 @@ def test_packed_gqa_head_dims_on_gpu(head_dim):
                                    device="cuda")
     if ON_HOPPER:
         families = attn.forward_family(q, k, v, **inputs, **packed), attn.backward_family(q, k, v, **inputs, **packed)
-        assert families == ("hopper", "portable")
+        assert families == ("hopper", "hopper")
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
 
 

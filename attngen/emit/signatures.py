@@ -208,12 +208,12 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
             "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "q_bufs", "do_bufs", "lse_bufs",
             "delta_bufs", "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
-            *SEQUENCE, *inputs, *table),
-            ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE")),
+            "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
+            ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
             "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, *SEQUENCE,
+            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
                                        "VARLEN")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (

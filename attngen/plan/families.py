@@ -166,15 +166,13 @@ HOPPER = Family(
     kernels=KERNELS,
     per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256, "
               "q, k, v with 16-byte-aligned bases and strides (any layout with D innermost: transposed views cost "
-              "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates); the forward of packed "
-              "calls too, the total query and key lengths below that"),
+              "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates); packed calls too, the "
+              "total query and key lengths below that"),
     tiles=_hopper_tiles,
     backward_tiles=_hopper_backward_tiles,
     follows_tables=True,
     packed_forward=True,
-    # Its backward's VARLEN kernel compiles but faults on the H200 (an illegal instruction, not yet
-    # found): packed calls' backward runs the portable kernels.
-    packed_backward=False,
+    packed_backward=True,
 )
 
 # In order of preference; the portable family comes last and serves what the others do not.

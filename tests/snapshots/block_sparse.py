@@ -1794,28 +1794,50 @@ def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 
 
 @gluon.jit
+def _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, VARLEN: gl.constexpr):
+    # Where a backward program's sequence lies in the descriptors (SEQUENCE) and its lengths: batch off_b
+    # from row 0 with the call's lengths, or in a packed call (VARLEN) sequence b = off_b of the (1, heads,
+    # TOTAL, D) views from its first rows, with its own lengths (the grid is sized by the longest).
+    tma_b = off_b
+    q_start = off_b * 0
+    k_start = off_b * 0
+    q_len = Q_LEN + off_b * 0
+    kv_len = KV_LEN + off_b * 0
+    if VARLEN:
+        tma_b = off_b * 0
+        q_start = gl.load(CuSeqlensQ + off_b)
+        k_start = gl.load(CuSeqlensK + off_b)
+        q_len = gl.load(CuSeqlensQ + off_b + 1) - q_start
+        kv_len = gl.load(CuSeqlensK + off_b + 1) - k_start
+    return tma_b, q_start, k_start, q_len, kv_len
+
+
+@gluon.jit
 def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                          delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b, off_hkv, B, H, HKV,
-                         Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0, stride_layout_1,
+                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr, stride_layout_0, stride_layout_1,
                          stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb,
                          tbl_sh, tbl_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                         FOLLOW_TABLE: tl.constexpr):
+                         FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
     # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
     # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
     # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    group = H // HKV
-    # A packed call's key tile past its sequence's end (the grid follows the longest) visits nothing.
-    n_groups = gl.where(start_n * BLOCK_N < KV_LEN, group, 0)
-    if n_groups > 0:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
-                                        _hopper_box(k_smem, k_desc))
-        tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
-                                        _hopper_box(v_smem, v_desc))
+    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                                                  VARLEN)
+    # A packed call's key tile past its sequence's end (the grid follows the longest) takes no step, as a key
+    # tile no query tile sees: its K and V boxes are still loaded (TMA zero-fills past the tensor), so both
+    # partitions keep the one protocol.
+    live = start_n * BLOCK_N < KV_LEN
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
+                                    _hopper_box(k_smem, k_desc))
+    tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
+                                    _hopper_box(v_smem, v_desc))
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                 + delta_desc.block_type.nbytes)
+    group = H // HKV
     t = 0
-    for g in range(n_groups):
+    for g in range(group):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
             _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr,
@@ -1823,7 +1845,8 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                                    size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                                    BLOCK_M, BLOCK_N, FOLLOW_TABLE)
         n_masked = masked_hi - masked_lo
-        for i in range(n_masked + (full_hi - full_lo)):
+        n_steps = gl.where(live, n_masked + (full_hi - full_lo), 0)
+        for i in range(n_steps):
             start_m = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                                          full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
             stage = t % STAGES
@@ -1948,7 +1971,7 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
                          stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
-                         tma_b, q_start, k_start, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                         CuSeqlensQ, CuSeqlensK, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
                          size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1965,15 +1988,16 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                                         instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
+    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                                                  VARLEN)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
     ragged = (start_n + 1) * BLOCK_N > KV_LEN
+    # A packed call's key tile past its sequence's end takes no step and stores nothing (rows >= KV_LEN).
+    live = start_n * BLOCK_N < KV_LEN
+    mbarrier.wait(kv_bar, 0)
     group = H // HKV
-    # A packed call's key tile past its sequence's end visits nothing and stores nothing (rows >= KV_LEN).
-    n_groups = gl.where(start_n * BLOCK_N < KV_LEN, group, 0)
-    if n_groups > 0:
-        mbarrier.wait(kv_bar, 0)
     t = 0
-    for g in range(n_groups):
+    for g in range(group):
         off_h = off_hkv * group + g
         masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
             _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr,
@@ -1981,8 +2005,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                    size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                                    BLOCK_M, BLOCK_N, FOLLOW_TABLE)
         n_masked = masked_hi - masked_lo
-        n_steps = n_masked + (full_hi - full_lo)
-        n_checked = n_masked
+        n_steps = gl.where(live, n_masked + (full_hi - full_lo), 0)
+        n_checked = gl.minimum(n_masked, n_steps)
         if ragged:
             n_checked = n_steps
         t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
@@ -2029,19 +2053,8 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     off_bhkv = gl.program_id(1)
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
-    # Where the program's sequence lies in the descriptors (SEQUENCE), as in the forward's work items: in a
-    # packed call (VARLEN) sequence b = off_b of the (1, heads, TOTAL, D) views from its first rows, whose
-    # lengths replace the longest ones the grid was sized by; a key tile past its end has nothing to do
-    # (its partitions skip their work: an early return here, before the warp specialization, faults).
-    tma_b = off_b
-    q_start = off_b * 0
-    k_start = off_b * 0
-    if VARLEN:
-        tma_b = off_b * 0
-        q_start = gl.load(CuSeqlensQ + off_b)
-        k_start = gl.load(CuSeqlensK + off_b)
-        Q_LEN = gl.load(CuSeqlensQ + off_b + 1) - q_start
-        KV_LEN = gl.load(CuSeqlensK + off_b + 1) - k_start
+    # A packed call's sequence is read by each partition (_hopper_bwd_sequence), not here: values computed
+    # before the warp specialization reach the partitions through shared memory, and the kernel faulted so.
     dtype: gl.constexpr = q_desc.dtype
     # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -2072,17 +2085,17 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
                                  stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr,
+                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
                                  stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
                                  size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                                  HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
                                  FOLLOW_TABLE, SPLIT_D, VARLEN)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr,
+                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
                                  stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
                                  size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
-                                 BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE)),
+                                 BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE, VARLEN)),
     ], [1], [HOPPER_PRODUCER_REGS])
 
 
@@ -2774,7 +2787,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "87cd64c994129b01"
+MODULE_DIGEST = "a4611bb4c7619279"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -3495,4 +3508,4 @@ BACKWARD_FAMILIES = (('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_b
 # Those of them whose forward, and whose backward, also serve packed calls; the others' go to the
 # portable family.
 PACKED_FAMILIES = ('hopper',)
-PACKED_BACKWARD_FAMILIES = ()
+PACKED_BACKWARD_FAMILIES = ('hopper',)
