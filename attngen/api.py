@@ -6,15 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from attngen import ir, runtime
+from attngen import cache, ir
 from attngen.analysis import analyze
 from attngen.errors import ArgumentError
 from attngen.frontend import SpecLike, load_spec, parse_spec, with_params  # attngen's public names
 from attngen.plan import Plan, plan_for
+from attngen.emit.bundle import bundle
 from attngen.emit.module import render
-from attngen.plan import shared
 from attngen.plan.targets import Target, get_target
 from attngen.report.explain import report
+from attngen.runtime import shared
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,14 @@ def interpreter_problem() -> str | None:
     return None
 
 
-def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> str:
-    """The standalone module source for a spec (imports only torch and triton)."""
+def compile_source(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None,
+                   thin: bool = False) -> str:
+    """The module source for a spec: standalone (the spec's kernels, then attngen's runtime inlined; imports
+    only torch and triton), or with thin=True the spec's part alone, which imports attngen.runtime (what
+    build() caches and loads)."""
     facts, text, _, kernel_plan = _prepare(spec, params, target)
-    return render(facts, kernel_plan, text)
+    module = render(facts, kernel_plan, text)
+    return module if thin else bundle(module, kernel_plan.families)
 
 
 def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_v: int, dtype: str,
@@ -121,6 +126,6 @@ def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | 
     parsed = facts.spec
     # The source text is part of the module (its header), so it is part of the key: a spec of the
     # same name and meaning but other text never shares a module with it.
-    key = runtime.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
-    module, path = runtime.load(parsed.name, key, lambda: render(facts, kernel_plan, text))
+    key = cache.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
+    module, path = cache.load(parsed.name, key, lambda: render(facts, kernel_plan, text))
     return Attention(parsed, kernel_plan, module, path)

@@ -412,7 +412,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     except Exception:  # made again in Flex's first call, where a failure becomes its row's note
         block_mask = None
     tables = None
-    if attn.module.TILE_TABLE:  # the module says whether its kernels follow tile tables
+    if attn.module.FACTS.tile_table:  # the module says whether its kernels follow tile tables
         tables = attn.tile_tables(q, k, v, **inputs)
     # A fresh compile: past dynamo's recompile limit flex_attention would silently run eagerly.
     torch._dynamo.reset()

@@ -103,14 +103,17 @@ def compile_command(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the kernel module.")],
     define: DefineOption = None,
     target: TargetOption = None,
+    thin: Annotated[bool, typer.Option("--thin", help="Write only the spec's part (its kernels and declaration), "
+                                       "which imports attngen.runtime, as attngen.build caches it.")] = False,
 ) -> None:
-    """Write a standalone, readable kernel module (imports only torch and triton) exposing attn()."""
+    """Write a standalone, readable kernel module (imports only torch and triton) exposing attn(): the
+    spec's kernels, then attngen's runtime inlined below a marker; with --thin, the spec's part alone."""
     _read_spec_first(spec, define)
     from attngen import ArgumentError, SpecError, compile_source
 
     _check_output("--output", output)
     try:
-        source = compile_source(spec, params=_defines(define), target=target)
+        source = compile_source(spec, params=_defines(define), target=target, thin=thin)
         output.write_text(source)
     except (SpecError, ArgumentError, ValueError) as e:
         _fail(e)

@@ -80,7 +80,7 @@ def sweep() -> None:
     attn = attngen.build(SPECS["full"])
     module = attn.module
     key = (128, 128, "bf16")
-    planned = module.FAMILY_TILES[key]["decode"]
+    planned = module.FACTS.family_tiles[key]["decode"]
     for B, q_len, kv_len in ((8, 1, 32768), (64, 1, 4096), (1, 1, 131072)):
         q = torch.randn(B, H, q_len, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, HKV, kv_len, D, device="cuda", dtype=torch.bfloat16)
@@ -90,7 +90,7 @@ def sweep() -> None:
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     for per_sm in (2, 4, 8):
-                        module.FAMILY_TILES[key] = {"decode": (planned[0], block_n, warps, stages)}
+                        module.FACTS.family_tiles[key] = {"decode": (planned[0], block_n, warps, stages)}
                         module.DECODE_PROGRAMS_PER_SM = per_sm
                         try:
                             t = bench(lambda: attn(q, k, v))
@@ -98,7 +98,7 @@ def sweep() -> None:
                                   f"{per_sm}/SM: {t:.4f} ms {cache / t / 1e9:.2f} TB/s", flush=True)
                         except Exception as e:  # out of resources: report and go on
                             print(f"sweep {block_n} {warps} {stages}: {type(e).__name__}", flush=True)
-    module.FAMILY_TILES[key] = {"decode": planned}
+    module.FACTS.family_tiles[key] = {"decode": planned}
     module.DECODE_PROGRAMS_PER_SM = 2
 
 
@@ -288,10 +288,10 @@ def main() -> None:
             torch.cuda.synchronize()
             row["graph_matches"] = bool(torch.equal(graphed, out))
             row["attngen_graph_ms"] = bench(graph.replay)
-            saved = attn.module.FORWARD_FAMILIES
-            attn.module.FORWARD_FAMILIES = ()
+            saved = attn.module.forward_families
+            attn.module.forward_families = ()
             row["portable_ms"] = bench(lambda: attn(q, k, v, **inputs))
-            attn.module.FORWARD_FAMILIES = saved
+            attn.module.forward_families = saved
             block_mask, score_mod = flex_mask(name, q_len, kv_len)
             if name != "alibi_decode":
                 row["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=block_mask, score_mod=score_mod,

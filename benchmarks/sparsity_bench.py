@@ -97,7 +97,7 @@ def time_variants(B, H, N, D, names, device="cuda") -> list[dict]:
         flex = torch.compile(flex_attention, dynamic=False)
         path, params, mask_mod, inputs = variants(B, H, N, device)[name]
         attn = attngen.build(path, params=params)
-        row = dict(variant=name, B=B, H=H, N=N, D=D, dtype="bf16", tile_table=bool(attn.module.TILE_TABLE))
+        row = dict(variant=name, B=B, H=H, N=N, D=D, dtype="bf16", tile_table=bool(attn.module.FACTS.tile_table))
         try:
             def block_mask():
                 return create_block_mask(mask_mod, B, H, N, N, device=device)
@@ -117,18 +117,18 @@ def time_variants(B, H, N, D, names, device="cuda") -> list[dict]:
                 row["attngen_fwd_ms"] = bench(ours)
                 row["flex_fwd_ms"] = bench(theirs)
                 row["flex_fwd_with_block_mask_ms"] = bench(theirs_with_mask)
-                if attn.module.TILE_TABLE:
+                if attn.module.FACTS.tile_table:
                     row["attngen_fwd_reusing_tables_ms"] = bench(ours_reusing)
             row["attngen_fwdbwd_ms"] = bench(lambda: ours().backward(do), grad_to_none=[q, k, v])
             row["flex_fwdbwd_ms"] = bench(lambda: theirs().backward(do), grad_to_none=[q, k, v])
             row["flex_fwdbwd_with_block_mask_ms"] = bench(lambda: theirs_with_mask().backward(do),
                                                           grad_to_none=[q, k, v])
-            if attn.module.TILE_TABLE:
+            if attn.module.FACTS.tile_table:
                 row["attngen_fwdbwd_reusing_tables_ms"] = bench(lambda: ours_reusing().backward(do),
                                                                 grad_to_none=[q, k, v])
             row["create_block_mask_ms"] = bench(block_mask)
-            if attn.module.TILE_TABLE:
-                tensors = [inputs[n].contiguous() for n in attn.module.INPUTS]
+            if attn.module.FACTS.tile_table:
+                tensors = [inputs[n].contiguous() for n in attn.module.FACTS.inputs]
                 bm, bn = attn.module._tiles(q, v, 0)[:2]
                 sizes = (B, H, H, N, N)
                 row["attngen_table_kernel_ms"] = bench(

@@ -435,7 +435,7 @@ def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Resu
         except Exception:  # made again in Flex's first call, where a failure becomes its row's note
             pass
     tables = None
-    if not isinstance(attn, Unbuilt) and attn.module.TILE_TABLE:
+    if not isinstance(attn, Unbuilt) and attn.module.FACTS.tile_table:
         tables = attn.tile_tables(q, k, v, **inputs)
     # A fresh compile: past dynamo's recompile limit flex_attention would silently run eagerly.
     torch._dynamo.reset()

@@ -63,12 +63,12 @@ def setup(name: str, n: int):
 def apply(attn, config):
     one_launch, tiles = config
     key = (128, 128, "bf16")
-    planned = list(attn.module.PLAN[key])
+    planned = list(attn.module.FACTS.plan[key])
     for index, t in tiles.items():
         planned[index] = t
-    attn.module.PLAN[key] = tuple(planned)
+    attn.module.FACTS.plan[key] = tuple(planned)
     if one_launch is not None:
-        attn.module.ONE_LAUNCH_BACKWARD = one_launch
+        attn.module.FACTS.one_launch_backward = one_launch
 
 
 def measure(attn, q, k, v, inputs, do, kernel: str, time_it: bool = True) -> float:

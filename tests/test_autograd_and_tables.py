@@ -6,6 +6,7 @@ built on every call unless the caller passes its own), and bf16 in Triton's inte
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,8 @@ def test_tile_tables_that_do_not_fit_the_call_are_refused(monkeypatch):
         attn(q, k, v, doc=doc, tile_tables={})
     # fp16 with tiles other than fp32's: tables built for fp32 q do not fit an fp16 call.
     module = attn.module
-    monkeypatch.setattr(module, "PLAN", {key: ((32, 16, 4, 1),) * 3 if key[2] == "f16" else tiles
-                                         for key, tiles in module.PLAN.items()})
+    monkeypatch.setattr(module.ATTENTION, "facts", dataclasses.replace(module.FACTS, plan={
+        key: ((32, 16, 4, 1),) * 3 if key[2] == "f16" else tiles for key, tiles in module.FACTS.plan.items()}))
     with pytest.raises(ValueError, match=r"must be built for this call's q dtype torch.float16.*got tables for "
                                          r"q dtype torch.float32"):
         attn(q.half(), k.half(), v.half(), doc=doc, tile_tables=tables)

@@ -92,7 +92,7 @@ def test_quickstart_example_runs():
     assert "out (1, 4, 200, 64)" in result.stdout
 
 
-def test_wheel_carries_grammar_templates_and_static_code(tmp_path):
+def test_wheel_carries_grammar_templates_and_the_runtime(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                              "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
     if result.returncode != 0 and "No module named" in result.stderr:
@@ -101,7 +101,7 @@ def test_wheel_carries_grammar_templates_and_static_code(tmp_path):
     wheel = next(tmp_path.glob("attngen-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     package = ROOT / "attngen"
-    data = {f"attngen/{p.relative_to(package).as_posix()}" for pattern in ("**/*.lark", "**/*.jinja", "**/static/*.py")
+    data = {f"attngen/{p.relative_to(package).as_posix()}" for pattern in ("**/*.lark", "**/*.jinja", "runtime/*.py")
             for p in package.glob(pattern)}
     assert "attngen/frontend/grammar/attn.lark" in data and any(n.endswith("fwd.py.jinja") for n in data)
     assert data <= names, f"missing from the wheel: {sorted(data - names)}"

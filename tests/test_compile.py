@@ -14,6 +14,7 @@ import torch
 
 import attngen
 from attngen import testing
+from attngen.runtime import portable
 
 B, H, HKV, D = 1, 2, 1, 16
 SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable input, an input
@@ -182,7 +183,7 @@ def test_opcheck(name):
     table_op, forward_op, backward_op = attn.module.OPERATORS[:3]
     tensors = [inputs[i.name] for i in attn.spec.inputs]
     tables = []
-    if attn.module.TILE_TABLE:
+    if attn.module.FACTS.tile_table:
         key = attn.module._table_key(q, v, 0)
         torch.library.opcheck(table_op, (q, k, tensors, *key))
         tables = list(table_op(q, k, tensors, *key))
@@ -191,7 +192,7 @@ def test_opcheck(name):
     with torch.no_grad():
         out, lse = forward_op(q, k, v, tensors, tables)
     module = attn.module
-    backward_tables = module._resolve([1, 2], q, v, {}, module._builder(module._sizes(q, k), q.device, tensors))
+    backward_tables = module._resolve([1, 2], q, v, {}, module._builder(portable._sizes(q, k), q.device, tensors))
     for t in (q, k, v, *learnable):
         t.requires_grad_(False)
     torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse),

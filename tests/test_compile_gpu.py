@@ -119,7 +119,7 @@ def test_opcheck_on_non_contiguous_inputs_on_gpu(name):
     table_op, forward_op, backward_op, cache_op = attn.module.OPERATORS[:4]
     tensors = [inputs[i.name] for i in attn.spec.inputs]
     tables = []
-    if attn.module.TILE_TABLE:
+    if attn.module.FACTS.tile_table:
         key = attn.module._table_key(q, v, 0)
         torch.library.opcheck(table_op, (q, k, tensors, *key))
         tables = list(table_op(q, k, tensors, *key))

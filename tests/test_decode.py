@@ -13,6 +13,7 @@ import torch
 import attngen
 from attngen import api, testing
 from attngen.plan import families
+from attngen.runtime import decode, hopper, portable
 from conftest import tiered
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -69,7 +70,7 @@ def test_decode_splits_keys_and_merges_empty_shares(build_small):
     q, k, v, inputs = _decoded(attn, (1, 4, 1, 2, 400, 16, 16), torch.float32)
     # 25 key tiles of 16: 7 shares of 4 tiles in the interpreter's count of SMs, but the window
     # reaches 1 tile, so all shares but one are empty and weigh nothing in the merge.
-    assert attn.module._decode_splits(25, 1, q.device) > 1
+    assert decode._decode_splits(25, 1, q.device) > 1
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
 
 
@@ -114,13 +115,13 @@ def test_chunked_prefill_goes_to_the_kernel_predicted_faster(B, Q_LEN, KV_LEN, f
     # The H200's plan and SM count; the shapes alone decide (tensors on the meta device hold no data, so
     # the rule is asked directly, past the argument checks that want the call's device).
     attn = attngen.build(SPECS / "causal.attn", target="h200")
-    monkeypatch.setattr(attn.module, "_sm_count", lambda device: 132)
+    for counting in (portable, hopper, decode):  # each reads the SM count by its own imported name
+        monkeypatch.setattr(counting, "_sm_count", lambda device: 132)
     q = torch.empty(B, 32, Q_LEN, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(B, 8, KV_LEN, 128, dtype=torch.bfloat16, device="meta")
     assert attn.module._forward_family(q, k, k, 8, KV_LEN, False)[0] == faster
     # A mask that follows tile tables keeps long calls on the portable forward, whose table the model does not see.
     documents = attngen.build(SPECS / "document_causal.attn", target="h200")
-    monkeypatch.setattr(documents.module, "_sm_count", lambda device: 132)
     assert documents.module._forward_family(q, k, k, 8, KV_LEN, False)[0] == "portable"
 
 
@@ -136,7 +137,7 @@ def test_specs_the_decode_family_cannot_serve_stay_portable(spec, why):
     q, k, v = testing.random_qkv(B, H, HKV, N, M, 16, 16, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
     assert attn.module.forward_family(q, k, v, **inputs) == "portable"
-    assert attn.module.FORWARD_FAMILIES == ()
+    assert attn.module.forward_families == ()
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
 
 

@@ -1,6 +1,7 @@
-"""Kernel families are plug-ins: a folder of templates under attngen/emit/families/ plus an entry in
-plan/families.py. A second family is added to a copy of the package with nothing else changed, and
-the planner picks it where its entry says it serves, and says why it did not elsewhere."""
+"""Kernel families are plug-ins: a folder of templates under attngen/emit/families/, its runtime side
+(attngen/runtime/<family>.py), and an entry each in plan/families.py, runtime/families.py and
+emit/module.py's FAMILY_KERNELS. A second family is added to a copy of the package with nothing else
+changed, and the planner picks it where its entry says it serves, and says why it did not elsewhere."""
 
 import os
 import shutil
@@ -26,20 +27,21 @@ def test_the_portable_family_serves_every_target_last_and_says_so():
 
 
 MIRROR_KERNELS = "# rendered from the mirror family\n"
-MIRROR_LAUNCH = """\"\"\"A test family: the portable forward, counted.\"\"\"
-
-# ---- inlined into every generated module from here on ----
+MIRROR_RUNTIME = """\"\"\"A test family: the portable forward, counted.\"\"\"
 
 MIRROR_CALLS = []
 
 
-def _mirror_serves(q, k, v, HKV, KV_LEN, cached):
-    return q.shape[2] == 1
+class MirrorFamily:
+    def __init__(self, rt):
+        self.rt = rt
 
+    def serves(self, q, k, v, HKV, KV_LEN, cached):
+        return q.shape[2] == 1
 
-def _mirror_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
-    MIRROR_CALLS.append(tuple(q.shape))
-    return _portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table, plan=plan)
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+        MIRROR_CALLS.append(tuple(q.shape))
+        return self.rt._portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table, plan=plan)
 """
 
 
@@ -49,13 +51,17 @@ def test_a_new_family_is_a_folder_and_an_entry(tmp_path):
     mirror = package / "emit" / "families" / "mirror"
     mirror.mkdir()
     (mirror / "kernels.py.jinja").write_text(MIRROR_KERNELS)
-    (mirror / "launch.py").write_text(MIRROR_LAUNCH)
+    (package / "runtime" / "mirror.py").write_text(MIRROR_RUNTIME)
     script = f"""
 import os
 import torch
 import attngen
 from attngen import api
 from attngen.plan import families
+from attngen.emit import module
+from attngen.runtime import families as runtime_families
+module.FAMILY_KERNELS["mirror"] = ""
+runtime_families.FAMILIES["mirror"] = ("mirror", "MirrorFamily")
 assert attngen.__file__.startswith({str(package)!r}), attngen.__file__
 MIRROR = families.Family("mirror", "a test family", lambda facts, target: None if target.name != "a100" else "not on a100",
                          kernels=("fwd",), per_call="one query")
@@ -67,7 +73,8 @@ for target in ("interpreter", "a100"):
 attn = attngen.build({str(CAUSAL)!r})
 q, k, v = (torch.randn(1, 2, n, 16) for n in (1, 5, 5))
 assert torch.equal(attn(q, k, v), attn.module._portable_forward(q, k, v, [], ())[0])
-print(attn.module.MIRROR_CALLS, attn.module.forward_family(q, k, v))
+from attngen.runtime import mirror
+print(mirror.MIRROR_CALLS, attn.module.forward_family(q, k, v))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "pkg"), os.environ.get("PYTHONPATH", "")]),
            "ATTNGEN_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": "1"}

@@ -214,9 +214,9 @@ def test_decoding_steps_run_the_decode_kernels(models, monkeypatch):
 
     for name in vars(hf._BUILT):
         module = getattr(hf._BUILT, name).module
-        monkeypatch.setattr(module, "_portable_forward", recording("portable", module._portable_forward))
-        monkeypatch.setattr(module, "FORWARD_FAMILIES", tuple(
-            (family, serves, recording(family, launch)) for family, serves, launch in module.FORWARD_FAMILIES))
+        monkeypatch.setattr(module.ATTENTION, "_portable_forward", recording("portable", module._portable_forward))
+        monkeypatch.setattr(module.ATTENTION, "forward_families", tuple(
+            (family, serves, recording(family, launch)) for family, serves, launch in module.forward_families))
     model.generate(max_new_tokens=4, **kwargs)
     layers = SIZES["num_hidden_layers"]
     assert ran == ["portable"] * layers + ["decode"] * layers * 3

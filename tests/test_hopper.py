@@ -20,6 +20,7 @@ from attngen import api, testing
 from attngen.analysis import analyze
 from attngen.plan import families
 from attngen.plan.targets import get_target
+from attngen.runtime import hopper
 
 SPECS = Path(__file__).parent.parent / "specs"
 # The shared memory one block may hold on the Hopper targets (227 KiB): a kernel needing more fails to launch.
@@ -107,9 +108,9 @@ def test_the_spec_runs_in_the_gluon_backward():
 
 def test_tile_table_specs_follow_tables_of_the_family_s_tiles():
     module = attngen.build(SPECS / "document_causal.attn", target="h200").module
-    assert module.TABLE_FAMILIES == ("hopper",)
-    assert attngen.build(SPECS / "causal.attn", target="h200").module.TABLE_FAMILIES == ("hopper",)
-    assert attngen.build(SPECS / "causal.attn", target="a100").module.TABLE_FAMILIES == ()
+    assert module.FACTS.table_families == ("hopper",)
+    assert attngen.build(SPECS / "causal.attn", target="h200").module.FACTS.table_families == ("hopper",)
+    assert attngen.build(SPECS / "causal.attn", target="a100").module.FACTS.table_families == ()
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
     assert module._table_key(q, q, "hopper") == (True, 128, 128)
     # The backward walks query tiles of 64 rows for each key tile of 128, as dK/dV does.
@@ -211,10 +212,10 @@ def _transposed(B, heads, length, D, **kwargs):
 
 def test_the_per_call_rule():
     module = attngen.build(SPECS / "causal.attn", target="h200").module
-    serves = module._hopper_serves
+    serves = module.families["hopper"].serves
     # Stand-in devices: "cuda:7" is a Hopper GPU, "cuda:8" an A100 (a module built for --target h200 may
     # run on any GPU; the family's kernels compile for sm_90 only).
-    module._HOPPER_DEVICES.update({"cuda:7": True, "cuda:8": False})
+    hopper._HOPPER_DEVICES.update({"cuda:7": True, "cuda:8": False})
     assert not serves(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3, 8, 1000, False)
     q, k = _Tensor(2, 8, 1000, 128), _Tensor(2, 2, 1000, 128)
     assert serves(q, k, k, 2, 1000, False)
@@ -245,7 +246,7 @@ def test_the_per_call_rule():
     assert not serves(long, long, long, 1, 2**31 - 128, False)
     assert not serves(_Tensor(1, 1, 16, 128), long, long, 1, 2**31 - 128, False)  # the keys' rows count too
     # The backward: the forward's rule, every head dim included (above 128 on tiles of its own).
-    backward = module._hopper_backward_serves
+    backward = module.families["hopper"].backward_serves
     assert backward(q, k, k) and backward(_Tensor(2, 8, 1000, 80), _Tensor(2, 2, 1000, 80), _Tensor(2, 2, 1000, 128))
     wide = _Tensor(2, 2, 1000, 136)
     assert backward(_Tensor(2, 8, 1000, 136), wide, k) and backward(q, k, wide)
@@ -273,17 +274,17 @@ def test_the_family_s_descriptors_pass_tensor_descriptor_s_checks(dims, dtype):
                .as_strided((1, heads, length, width), (3, length * width, width, 1))}
     for (layout, make), Q_LEN in itertools.product(layouts.items(), (1, 17, 1000)):
         q, k, v = (make(heads, Q_LEN, width) for heads, width in ((8, D), (2, D), (2, DV)))
-        assert all(module._hopper_addressable(t) for t in (q, k, v)), layout
+        assert all(hopper._hopper_addressable(t) for t in (q, k, v)), layout
         block_m, block_n = module._family_tiles(q, v, "hopper")[:2]
         bwd_m, bwd_n = module._family_tiles(q, v, "hopper_bwd")[:2]
         rows = -(-Q_LEN // bwd_m) * bwd_m
-        made = [module._hopper_descriptor(q, block_m // 2, d_pad), module._hopper_descriptor(k, block_n, d_pad),
-                module._hopper_descriptor(v, block_n, dv_pad), module._hopper_descriptor(q, bwd_m, d_pad),
-                module._hopper_descriptor(k, bwd_n, d_pad),
-                module._hopper_descriptor(torch.zeros(2, 8, Q_LEN, D, dtype=torch.float32), bwd_m, d_pad),
-                module._hopper_row_descriptor(torch.zeros(2, 8, rows, dtype=torch.float32), bwd_m)]
+        made = [hopper._hopper_descriptor(q, block_m // 2, d_pad), hopper._hopper_descriptor(k, block_n, d_pad),
+                hopper._hopper_descriptor(v, block_n, dv_pad), hopper._hopper_descriptor(q, bwd_m, d_pad),
+                hopper._hopper_descriptor(k, bwd_n, d_pad),
+                hopper._hopper_descriptor(torch.zeros(2, 8, Q_LEN, D, dtype=torch.float32), bwd_m, d_pad),
+                hopper._hopper_row_descriptor(torch.zeros(2, 8, rows, dtype=torch.float32), bwd_m)]
         for descriptor in made:
-            assert isinstance(descriptor, module._HopperDescriptor)
+            assert isinstance(descriptor, hopper._HopperDescriptor)
             TensorDescriptor.__post_init__(descriptor)  # raises AssertionError on a descriptor TMA cannot take
 
 

@@ -66,7 +66,7 @@ def test_products_of_i32_inputs_are_exact():
 def test_lengths_past_what_int64_holds_are_refused_at_call_time():
     attn = attngen.build("attention t\nscore: score + (q - k) ** 5 * 1e-20\n")
     limit = 6209  # 6208 ** 5 < 2**63 <= 6209 ** 5
-    assert attn.module.MAX_LENGTH == limit
+    assert attn.module.FACTS.max_length == limit
     q, k, v = testing.random_qkv(1, 1, 1, 8, limit + 1, 16, 16, torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match=rf"Q_LEN and KV_LEN must be at most {limit} \(beyond it "
                                          r"'\(q - k\) \*\* 5' overflows int64\), got 8 and 6210"):
@@ -104,7 +104,7 @@ def test_loop_bounds_from_extreme_i32_inputs(mask):
 def test_loop_bounds_from_extreme_i64_inputs(mask):
     lens = torch.tensor([-2 ** 63, 2 ** 63 - 1, -2 ** 62, 7], dtype=torch.int64)
     attn = _check(f"attention t\ninput lens: i64[B]\nmask: {mask}\n", n=20, inputs={"lens": lens}, B=4)
-    assert not attn.module.TILE_TABLE  # still closed-form spans: the loaded values were saturated
+    assert not attn.module.FACTS.tile_table  # still closed-form spans: the loaded values were saturated
 
 
 def test_a_bound_that_cannot_be_made_exact_is_widened():

@@ -1,7 +1,7 @@
-"""Launches bound once per specialization (emit/static/launch.py): the facts a launch is keyed by decide
+"""Launches bound once per specialization (attngen/runtime/launch.py): the facts a launch is keyed by decide
 Triton's specialization (checked against the JIT's own binder, on the CPU), a repeated launch reuses
 the compiled kernel with the arguments the JIT would pass, and on a GPU the kernels reached that way
-still match the reference. Call plans (host.py's _CallPlan): a call whose tensors' facts recur skips
+still match the reference. Call plans (runtime/plans.py's _CallPlan): a call whose tensors' facts recur skips
 the checks and the family's rule, and never lets past a call the checks would stop."""
 
 import inspect
@@ -21,7 +21,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import attngen
 from attngen import testing
-from attngen.emit.static import launch
+from attngen.runtime import attention as runtime_attention
+from attngen.runtime import decode, hopper, launch, portable, tables
 
 SPECS = Path(__file__).parent.parent / "specs"
 
@@ -192,7 +193,7 @@ def test_inference_calls_make_no_autograd_node(monkeypatch):
     q.requires_grad_()
     with_node = attn(q, k, v)
     assert with_node.grad_fn is not None
-    monkeypatch.setattr(attn.module, "_Attention", None)  # any use of the autograd node now fails
+    monkeypatch.setattr(runtime_attention, "_Attention", None)  # any use of the autograd node now fails
     with torch.no_grad():
         without = attn(q, k, v)
     assert without.grad_fn is None
@@ -211,17 +212,17 @@ def test_bound_launches_match_the_reference_on_gpu(target):
     for q_len in (300, 172):
         q, k, v = testing.random_qkv(2, 4, 2, q_len, q_len + 21, 128, 128, torch.bfloat16, device="cuda", seed=q_len)
         testing.check_against_reference(attn.spec, attn, q, k, v)
-    kernels = [kernel for kernel in module._LAUNCHES if module._LAUNCHES[kernel]]
-    assert kernels and all(len(keys) == 1 for keys in module._LAUNCHES.values())
+    kernels = [kernel for kernel in launch._LAUNCHES if launch._LAUNCHES[kernel]]
+    assert kernels and all(len(keys) == 1 for keys in launch._LAUNCHES.values())
 
 
 # --- call plans -------------------------------------------------------------------------------------
 
 def _counting_checks(monkeypatch, module):
     calls = []
-    check = module._check
-    monkeypatch.setattr(module, "_check", lambda *args: calls.append(1) or check(*args))
-    monkeypatch.setattr(module, "_CALL_PLANS", {})
+    check = module.ATTENTION._check
+    monkeypatch.setattr(module.ATTENTION, "_check", lambda *args: calls.append(1) or check(*args))
+    monkeypatch.setattr(module.ATTENTION, "call_plans", {})
     return calls
 
 
@@ -234,7 +235,7 @@ def test_a_call_with_the_facts_of_an_earlier_one_reuses_its_plan(monkeypatch):
     # New tensors (other values, other storage) of the same facts: no second check, the same answer for
     # the same values.
     again = attn(q.clone(), k.clone(), v.clone(), doc=doc.clone())
-    assert len(checks) == 1 and len(attn.module._CALL_PLANS) == 1
+    assert len(checks) == 1 and len(attn.module.ATTENTION.call_plans) == 1
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     testing.check_against_reference(attn.spec, attn, q, k, v, {"doc": doc})
 
@@ -287,36 +288,41 @@ def test_tensor_subclasses_are_checked_every_call(monkeypatch):
     q, k, v = (t.as_subclass(Tagged) for t in testing.random_qkv(1, 2, 2, 24, 24, 16, 16, torch.float32, seed=3))
     for _ in range(2):
         attn(q, k, v)
-    assert len(checks) == 2 and not attn.module._CALL_PLANS
+    assert len(checks) == 2 and not attn.module.ATTENTION.call_plans
 
 
 def test_the_plans_kept_are_bounded(monkeypatch):
     attn = attngen.build("attention causal\nmask: causal\n")
     _counting_checks(monkeypatch, attn.module)
-    monkeypatch.setattr(attn.module, "_CALL_PLAN_KEYS", 3)
+    monkeypatch.setattr(attn.module.ATTENTION, "call_plan_keys", 3)
     for n in range(17, 27):
         attn(*testing.random_qkv(1, 1, 1, n, n, 16, 16, torch.float32, seed=n))
-    assert 1 <= len(attn.module._CALL_PLANS) <= 3
+    assert 1 <= len(attn.module.ATTENTION.call_plans) <= 3
+
+
+# The runtime's modules that launch kernels, each through its own imported _launch and _plan_site.
+_LAUNCHING = (portable, tables, hopper, decode)
 
 
 def _recorded_launches(monkeypatch, module):
     """Runs the module's launches through _launch as on a GPU (bound, plans included), but into fake
     kernels that record instead of running: each kernel's _Kernel, keyed by the real one."""
     fakes = {}
-    launch_for_real = module._launch
+    launch_for_real = launch._launch
 
     def recorded(kernel, grid, *args, **options):
         fake = fakes.setdefault(kernel, _Kernel(kernel.fn))
-        module.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
+        launch.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
         try:
             return launch_for_real(fake, grid, *args, **options)
         finally:
-            module.INTERPRETING = True
+            launch.INTERPRETING = True
 
-    monkeypatch.setattr(module, "_launch", recorded)
-    monkeypatch.setattr(module, "_LAUNCHES", {})
-    monkeypatch.setattr(module, "_CALL_PLANS", {})
-    monkeypatch.setattr(module, "_VERIFY_BINDS", True)
+    for launching in _LAUNCHING:
+        monkeypatch.setattr(launching, "_launch", recorded)
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+    monkeypatch.setattr(module.ATTENTION, "call_plans", {})
+    monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return fakes
 
@@ -330,8 +336,8 @@ def test_every_site_a_plan_binds_sees_the_facts_it_was_bound_with(monkeypatch, n
     attn = attngen.build(SPECS / f"{name}.attn", target="a100")
     fakes = _recorded_launches(monkeypatch, attn.module)
     verified = []
-    verify = attn.module._verify_bind
-    monkeypatch.setattr(attn.module, "_verify_bind", lambda *args: verified.append(args[0]) or verify(*args))
+    verify = launch._verify_bind
+    monkeypatch.setattr(launch, "_verify_bind", lambda *args: verified.append(args[0]) or verify(*args))
     for q_len in (1, 1, 40, 40):  # the decode family's calls, then the portable family's
         q, k, v = testing.random_qkv(2, 4, 2, q_len, 48, 64, 64, torch.float32, seed=q_len)
         inputs = testing.random_inputs(attn.spec, 2, 4, 2, q_len, 48)
@@ -340,7 +346,7 @@ def test_every_site_a_plan_binds_sees_the_facts_it_was_bound_with(monkeypatch, n
             loss(attn(q, k, v, **inputs)).backward()
         with torch.no_grad():
             attn(q, k, v, **inputs)
-    plans = list(attn.module._CALL_PLANS.values())
+    plans = list(attn.module.ATTENTION.call_plans.values())
     assert len(plans) == 2 and all(plan.launches and len(plan.backwards) == 2 for plan in plans)
     # Every kernel bound once per set of facts, and every kernel relaunched through a plan's site.
     assert fakes and all(len(fake.bindings) == len(fake.compiled) for fake in fakes.values())
@@ -353,8 +359,9 @@ def test_a_site_that_misses_a_fact_of_its_arguments_fails_the_check(monkeypatch)
     # each other's bindings.
     attn = attngen.build(SPECS / "document_causal.attn", target="a100")
     _recorded_launches(monkeypatch, attn.module)
-    monkeypatch.setattr(attn.module, "_plan_site", lambda plan, *site: None if plan is None else
-                        (plan.launches, site[0]))
+    for launching in _LAUNCHING:
+        monkeypatch.setattr(launching, "_plan_site", lambda plan, *site: None if plan is None else
+                            (plan.launches, site[0]))
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(2, 4, 2, 40, 300, 64, 64, torch.float32, seed=5))
     doc = torch.zeros(300, dtype=torch.int32)
     with pytest.raises(AssertionError, match="other argument facts"):
@@ -371,15 +378,15 @@ def test_planned_launches_see_the_facts_they_were_bound_with_on_gpu(name, target
     # calls of new tensors, values and lengths of the same facts, forward (inference and training, whose
     # tables and launches the plan binds) and backward, each against float64.
     attn = attngen.build(SPECS / f"{name}.attn", target=target)
-    monkeypatch.setattr(attn.module, "_VERIFY_BINDS", True)
-    monkeypatch.setattr(attn.module, "_CALL_PLANS", {})
+    monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
+    monkeypatch.setattr(attn.module.ATTENTION, "call_plans", {})
     for seed, (q_len, kv_len) in enumerate([(300, 321), (300, 321), (332, 353)]):
         q, k, v = testing.random_qkv(2, 4, 2, q_len, kv_len, 128, 128, torch.bfloat16, device="cuda", seed=seed)
         inputs = testing.random_inputs(attn.spec, 2, 4, 2, q_len, kv_len, device="cuda")
         with torch.no_grad():
             attn(q, k, v, **inputs)
         testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
-    plans = list(attn.module._CALL_PLANS.values())
+    plans = list(attn.module.ATTENTION.call_plans.values())
     assert len(plans) == 2 and all(plan.launches for plan in plans)
     # dO of other facts (a stride-0 expansion from .sum(), a dense one of the same values) gets
     # backward plans of its own, on the same call plan, with the same gradients.

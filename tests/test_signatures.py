@@ -1,7 +1,8 @@
-"""The host code (emit/static/host.py) launches each kernel with the arguments its declared signature
+"""The runtime (attngen/runtime/) launches each kernel with the arguments its declared signature
 (emit/signatures.py) names, in that order: the launches are recorded, not run, and every argument is
 checked against what its parameter's name says it is."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -58,24 +59,24 @@ def test_host_launches_follow_the_declared_signatures(name, monkeypatch):
     B, H, HKV, Q_LEN, KV_LEN, D = 2, 4, 2, 40, 33, 32
     q, k, v = random_qkv(B, H, HKV, Q_LEN, KV_LEN, D, D, torch.float32)
     inputs = random_inputs(spec, B, H, HKV, Q_LEN, KV_LEN)
-    tensors = [inputs[n].contiguous() for n in module.INPUTS]
+    tensors = [inputs[n].contiguous() for n in module.FACTS.inputs]
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
     tables = [module._build_table(module._table_key(q, v, kernel), tuple(sizes.values()), q.device, tensors)
               for kernel in range(3)]
 
     fwd = Recorder()
-    monkeypatch.setattr(module, "_fwd_kernel", fwd)
+    monkeypatch.setattr(module.ATTENTION, "kernels", dataclasses.replace(module.ATTENTION.kernels, forward=fwd))
     out, lse = module._forward(q, k, v, tensors, {0: tables[0]})
     bound = _bound(signatures["fwd_kernel"], *fwd.calls[0])
     _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v"), "Out": (out, "o")})
     assert bound["Lse"] is lse and {n: bound[n] for n in sizes} == sizes
     assert bound["sm_scale"] == module.softmax_scale(D) and bound["HEAD_DIM"] == D
     _check_inputs(bound, spec, inputs)
-    if module.TILE_TABLE:
+    if module.FACTS.tile_table:
         assert bound["TblNum"] is tables[0][0] and bound["TblIdx"] is tables[0][1]
 
     bwd = Recorder()
-    monkeypatch.setattr(module, "_bwd_kernel", bwd)
+    monkeypatch.setattr(module.ATTENTION, "kernels", dataclasses.replace(module.ATTENTION.kernels, backward=bwd))
     do = torch.randn_like(out)
     dq, dk, dv, _ = module._portable_backward(q, k, v, out, lse, do, None, tensors, tables[1:])
     for args, kwargs in bwd.calls:
@@ -86,7 +87,7 @@ def test_host_launches_follow_the_declared_signatures(name, monkeypatch):
         _check_inputs(bound, spec, inputs)
         for decl in spec.learnable_inputs:
             assert bound[f"{decl.name}_grad"].shape == inputs[decl.name].shape
-        if module.TILE_TABLE:
+        if module.FACTS.tile_table:
             assert bound["kv_TblNum"] is tables[1][0] and bound["q_TblNum"] is tables[2][0]
 
 
@@ -109,11 +110,11 @@ def test_decode_launches_follow_the_declared_signatures(monkeypatch):
     B, H, HKV, Q_LEN, KV_LEN, D = 2, 8, 2, 3, 300, 32
     q, k, v = random_qkv(B, H, HKV, Q_LEN, KV_LEN, D, D, torch.float32)
     inputs = random_inputs(spec, B, H, HKV, Q_LEN, KV_LEN)
-    tensors = [inputs[n].contiguous() for n in module.INPUTS]
+    tensors = [inputs[n].contiguous() for n in module.FACTS.inputs]
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
     split, combine = Recorder(), Recorder()
-    monkeypatch.setattr(module, "_decode_fwd_kernel", split)
-    monkeypatch.setattr(module, "_decode_combine", combine)
+    monkeypatch.setattr(module.families["decode"], "forward_kernel", split)
+    monkeypatch.setattr(module.families["decode"], "combine_kernel", combine)
     out, lse = module._forward(q, k, v, tensors, {})
     bound = _bound(signatures["decode_fwd"], *split.calls[0])
     _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v")})

@@ -173,8 +173,8 @@ def test_backward_launches_with_unequal_tiles_match_the_reference(name, one_laun
     attn = _build(path, None)
     module = attn.module
     monkeypatch.setattr(module, "ONE_LAUNCH_BACKWARD", one_launch)
-    fwd, _, _ = next(iter(module.PLAN.values()))
-    monkeypatch.setattr(module, "PLAN", {key: (fwd, (16, 32, 4, 1), (32, 16, 4, 1)) for key in module.PLAN})
+    fwd, _, _ = next(iter(module.FACTS.plan.values()))
+    monkeypatch.setattr(module, "PLAN", {key: (fwd, (16, 32, 4, 1), (32, 16, 4, 1)) for key in module.FACTS.plan})
     B, H, HKV, N, M, D = 2, 4, 2, 70, 70, 16
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)

@@ -1,16 +1,10 @@
-"""The generated module's static code (attngen/plan/shared.py, attngen/emit/static/*.py) is linted Python,
-inlined verbatim, and agrees with the package where the two share facts; no kernel runs.
-
-The static files read the names a module's preamble and kernel templates define; pyflakes takes those
-as builtins there (attngen.emit.module.LINT_BUILTINS). From the command line:
-
-    PYFLAKES_BUILTINS=$(python -c "import attngen.emit.module as m; print(','.join(m.LINT_BUILTINS))") \\
-        python -m pyflakes attngen/plan/shared.py attngen/emit/static
+"""The runtime (attngen/runtime/*.py) is linted Python that imports only torch, triton and itself; the
+generated modules, thin and bundled, are linted Python that import what they promise; and the runtime
+agrees with the package where the two share facts. No kernel runs.
 """
 
 import ast
 import itertools
-import re
 import sys
 from pathlib import Path
 
@@ -20,6 +14,7 @@ from pyflakes.checker import Checker
 import attngen
 from attngen import api, plan, testing
 from attngen.emit import module as emit
+from attngen.runtime import launch, shared
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attngen"
@@ -30,6 +25,11 @@ ALLOWED_IMPORTS = sys.stdlib_module_names | {"torch", "triton"}
 @pytest.fixture(scope="module")
 def sources():
     return {path.stem: attngen.compile_source(path.read_text(), target="h200") for path in SPECS}
+
+
+@pytest.fixture(scope="module")
+def thin_sources():
+    return {path.stem: attngen.compile_source(path.read_text(), target="h200", thin=True) for path in SPECS}
 
 
 def _flakes(text: str, filename: str, builtins=()) -> list:
@@ -56,51 +56,58 @@ def _imported_modules(tree: ast.Module) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted({*(PACKAGE / "emit" / "static").glob("*.py"), PACKAGE / "plan" / "shared.py"}),
-                         ids=lambda p: p.name)
-def test_static_files_pass_pyflakes(path, monkeypatch):
+RUNTIME = sorted((PACKAGE / "runtime").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+def test_runtime_files_pass_pyflakes(path, monkeypatch):
     monkeypatch.delenv("PYFLAKES_BUILTINS", raising=False)
-    assert not _flakes(path.read_text(), str(path), emit.LINT_BUILTINS)
+    assert not _flakes(path.read_text(), str(path))
 
 
-def test_static_files_are_inlined_verbatim_from_their_marker(sources):
-    for name in emit.STATIC_FILES:
-        text = (PACKAGE / emit.STATIC_PATHS[name]).read_text()
-        assert text.count(emit.INLINE_MARKER) == 1, name
-        code = emit.static_code(name)
-        assert text.endswith(code + "\n") and code.strip(), name
-        for source in sources.values():
-            # The one line the emitter fills in: the digest that names the module's operators.
-            unfilled = re.sub(r'\nMODULE_DIGEST = "[0-9a-f]{16}"\n', '\nMODULE_DIGEST = ""\n', source)
-            assert unfilled.count(code) == 1, name
+@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+def test_runtime_files_import_only_torch_triton_and_their_own_package_relatively(path):
+    # Relative imports only, so a bundle can serve the package under a private name.
+    tree = ast.parse(path.read_text())
+    assert not any(isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("attngen")
+                   for node in ast.walk(tree)), path.name
+    assert {n.split(".")[0] for n in _absolute_imports(tree)} <= ALLOWED_IMPORTS, path.name
+
+
+def _absolute_imports(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
 
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
-def test_generated_module_passes_pyflakes_with_no_builtins(path, sources, monkeypatch):
+def test_generated_modules_pass_pyflakes_with_no_builtins(path, sources, thin_sources, monkeypatch):
     monkeypatch.delenv("PYFLAKES_BUILTINS", raising=False)
-    source = sources[path.stem]
-    problems = _flakes(source, path.stem)
-    assert not problems, "\n".join(map(str, problems))
+    for source in (sources[path.stem], thin_sources[path.stem]):
+        problems = _flakes(source, path.stem)
+        assert not problems, "\n".join(map(str, problems))
 
 
-def test_generated_modules_import_only_torch_triton_and_the_standard_library(sources):
+def test_bundles_import_only_torch_triton_and_the_standard_library(sources):
     for name, source in sources.items():
-        assert _imported_modules(ast.parse(source)) <= ALLOWED_IMPORTS, name
-    # The package imports shared.py itself, so all of it (not only its inlined code) must be standalone.
-    assert _imported_modules(ast.parse((PACKAGE / "plan" / "shared.py").read_text())) <= ALLOWED_IMPORTS
+        imported = {module for module in _absolute_imports(ast.parse(source))
+                    if not module.startswith("_attngen_runtime_")}
+        assert {module.split(".")[0] for module in imported} <= ALLOWED_IMPORTS, name
 
 
-def test_preamble_defines_exactly_the_preamble_names(sources):
-    for name, source in sources.items():
-        preamble = ast.parse(source[:source.index(emit.static_code(emit.STATIC_FILES[0]))])
-        assert sorted(_top_level_names(preamble)) == sorted(emit.PREAMBLE_NAMES), name
+def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources):
+    for name, source in thin_sources.items():
+        attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
+        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.helpers"}, name
 
 
-def test_every_lint_builtin_is_defined_by_every_module(sources):
-    """A name in LINT_BUILTINS that some module does not define would hide an undefined name in the
-    static code; the table kernels of a spec without tile tables are defined as None."""
-    for name, source in sources.items():
-        assert set(emit.LINT_BUILTINS) <= set(_top_level_names(ast.parse(source))), name
+def test_modules_import_every_helper_the_runtime_offers_kernels():
+    tree = ast.parse((PACKAGE / "runtime" / "helpers.py").read_text())
+    assert sorted(_top_level_names(tree)) == sorted(emit.HELPER_NAMES)
 
 
 @pytest.mark.parametrize("target", ["h200", "interpreter"])
@@ -109,8 +116,8 @@ def test_the_module_shares_the_package_facts(target):
     module = attn.module
     for d, dv in itertools.product(range(1, 257), repeat=2):
         assert module._widths(d, dv) == attn.plan.widths(d, dv), (d, dv)
-    assert module._INPUT_DTYPES == testing.TORCH_DTYPES
-    assert tuple(module._DTYPES.values()) == plan.DTYPES
-    assert module.INTERPRETING == api._interpreting()
-    assert isinstance(module.TILE_TABLE, module.tl.constexpr) and not module.TILE_TABLE
+    assert shared._INPUT_DTYPES == testing.TORCH_DTYPES
+    assert tuple(shared._DTYPES.values()) == plan.DTYPES
+    assert launch.INTERPRETING == api._interpreting()
+    assert module.FACTS.tile_table is False
     assert isinstance(module.LOG2E.value, float)  # the host multiplies a float scale by it

@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
+from attngen.runtime import decode, hopper, portable, tables
 
 B, H, HKV, N, D = 2, 4, 2, 48, 64
 LAYOUTS = ("dense", "transposed", "fused_qkv", "one_batch_one_head")
@@ -43,8 +44,11 @@ def module():
 
 @pytest.fixture
 def stubbed(module, monkeypatch):
-    monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: None)
-    monkeypatch.setattr(module, "_sm_count", lambda device: 132)
+    # The runtime's modules that launch kernels or read the SM count, each by its own imported name.
+    for launching in (portable, tables, hopper, decode):
+        monkeypatch.setattr(launching, "_launch", lambda *args, **kwargs: None)
+    for counting in (portable, hopper, decode):
+        monkeypatch.setattr(counting, "_sm_count", lambda device: 132)
     return module
 
 
@@ -66,7 +70,7 @@ def _layout(t):
 def test_each_family_returns_the_strides_its_fakes_announce(stubbed, family, layout):
     q, k, v = _qkv(layout)
     out_fake, lse_fake, dq_fake, dk_fake, dv_fake = _fake_outputs(stubbed, q, k, v)
-    forward = getattr(stubbed, f"_{family}_forward")
+    forward = stubbed._portable_forward if family == "portable" else stubbed.families[family].forward
     out, lse = forward(q, k, v, [], ())
     assert _layout(out) == _layout(out_fake) and _layout(lse) == _layout(lse_fake)
     if family == "decode":  # a forward-only family: training calls' backwards run the others
@@ -75,7 +79,7 @@ def test_each_family_returns_the_strides_its_fakes_announce(stubbed, family, lay
     if family == "portable":
         dq, dk, dv, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
     else:
-        dq, dk, dv, _ = stubbed._hopper_backward(q, k, v, out, lse, do, None, [], ())
+        dq, dk, dv, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
     assert [_layout(t) for t in (dq, dk, dv)] == [_layout(t) for t in (dq_fake, dk_fake, dv_fake)]
 
 

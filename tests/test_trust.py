@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import ir, reference, runtime, testing
+from attngen import cache as module_cache, ir, reference, testing
 from attngen.errors import SpecError
 
 ROOT = Path(__file__).parent.parent
@@ -153,8 +153,8 @@ def test_a_damaged_cached_module_is_rebuilt_with_a_warning(damage, monkeypatch):
     path = attngen.build(CAUSAL).path
     text = path.read_text()
     path.write_text(text[: len(text) // 2] if damage == "truncate"
-                    else text.replace("def attn(", "raise SystemExit('tampered')\n\n\ndef attn("))
-    monkeypatch.setattr(runtime, "_LOADED", {})
+                    else text.replace("def softmax_scale(", "raise SystemExit('tampered')\n\n\ndef softmax_scale("))
+    monkeypatch.setattr(module_cache, "_LOADED", {})
     with pytest.warns(RuntimeWarning, match=f"cached kernel module {path} does not match its seal"):
         attn = attngen.build(CAUSAL)
     assert attn.path == path and path.read_text() == text
@@ -166,8 +166,8 @@ def test_an_unusable_cache_directory_falls_back_with_one_warning(tmp_path, monke
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(runtime, "_FALLBACK", [])
-    monkeypatch.setattr(runtime, "_LOADED", {})
+    monkeypatch.setattr(module_cache, "_FALLBACK", [])
+    monkeypatch.setattr(module_cache, "_LOADED", {})
     with pytest.warns(RuntimeWarning, match="cannot write kernel modules to the cache directory") as seen:
         first = attngen.build(CAUSAL)
         second = attngen.build(ROOT / "specs" / "sliding_window.attn")
@@ -200,7 +200,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path / "cache"))
     for state, empty in (("_FALLBACK", []), ("_LOADED", {}), ("_SECRET", [])):
-        monkeypatch.setattr(runtime, state, empty, raising=False)
+        monkeypatch.setattr(module_cache, state, empty, raising=False)
     return tmp_path
 
 
@@ -250,7 +250,7 @@ def test_a_module_sealed_for_another_key_is_not_served(private_cache):
     stock = attngen.build(CAUSAL).path
     other = attngen.build(other_text).path
     shutil.copyfile(stock, other)  # a module attngen wrote, under another module's name
-    runtime._LOADED.clear()
+    module_cache._LOADED.clear()
     with pytest.warns(RuntimeWarning, match=f"cached kernel module {other} does not match its seal"):
         rebuilt = attngen.build(other_text)
     assert "# another text, another key" in rebuilt.path.read_text()
@@ -262,7 +262,7 @@ def test_cache_files_and_folders_are_private_whatever_the_umask(private_cache):
         path = attngen.build(CAUSAL).path
     finally:
         os.umask(old)
-    key = runtime.key_path()
+    key = module_cache.key_path()
     assert key.is_relative_to(private_cache / "config")
     for folder in (private_cache / "cache", private_cache / "config", key.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
@@ -293,7 +293,7 @@ def _a_symlink_to_a_folder_others_can_write(cache: Path, monkeypatch) -> str:
 
 
 def _the_keys_folder(cache: Path, monkeypatch) -> str:
-    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(runtime.key_path().parent))
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(module_cache.key_path().parent))
     return "holds attngen's seal key"
 
 
@@ -314,7 +314,7 @@ def test_a_cache_directory_others_control_is_refused_with_one_warning(make, priv
                                     "in a folder others can write"])
 def test_a_key_others_could_read_or_plant_is_refused_with_one_warning(damage, private_cache):
     attngen.build(CAUSAL)
-    key = runtime.key_path()
+    key = module_cache.key_path()
     if damage == "readable by others":
         key.chmod(0o644)
     elif damage == "in a folder others can write":
@@ -329,8 +329,8 @@ def test_a_key_others_could_read_or_plant_is_refused_with_one_warning(damage, pr
         if os.geteuid() != 0:
             pytest.skip("only root can give a file to another user")
         os.chown(key, 65534, 65534)
-    runtime._SECRET.clear()
-    runtime._LOADED.clear()
+    module_cache._SECRET.clear()
+    module_cache._LOADED.clear()
     with pytest.warns(RuntimeWarning, match=f"cannot use the seal key {key}") as seen:
         first = attngen.build(CAUSAL)
         attngen.build(ROOT / "specs" / "sliding_window.attn")
@@ -379,9 +379,9 @@ def test_smuggled_input_names_are_refused():
 
 def test_the_cache_checks_file_names_with_no_assert(private_cache):
     with pytest.raises(attngen.ArgumentError, match="must be"):
-        runtime.load("../../x", "0" * 24, lambda: "")
+        module_cache.load("../../x", "0" * 24, lambda: "")
     with pytest.raises(attngen.ArgumentError, match="must be"):
-        runtime.load("x", "../0", lambda: "")
+        module_cache.load("x", "../0", lambda: "")
     # python -O removes asserts: the checks must not be asserts.
     code = ("import attngen\n"
             f"spec = attngen.parse_spec({CAUSAL!r}).model_copy(update={{'name': '../../x'}})\n"

@@ -62,23 +62,23 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     target = GPUTarget("cuda", 90, 32)
-    plan = module.PLAN[(head_dim, head_dim, "bf16")]
+    plan = module.FACTS.plan[(head_dim, head_dim, "bf16")]
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
                 COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
                 PAGE_SIZE=1, VARLEN=False)
-    forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.TILE_TABLE))
+    forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.FACTS.tile_table))
     # Also a cache call over pages of 16 keys (no tile table, per-row lengths and offsets) and a packed call.
     launches = [("_fwd_kernel", forward, plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
                                      PAGE_SIZE=16, LABEL="_paged"), plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
-                    FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False)
+                    FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     launches.append(("_bwd_kernel", dict(backward, PARTS=3, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                      max(plan[1], plan[2])))
-    for family, tiles in module.FAMILY_TILES.get((head_dim, head_dim, "bf16"), {}).items():
+    for family, tiles in module.FACTS.family_tiles.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
@@ -87,14 +87,14 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
                               PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
-            launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False),
+            launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                              SPLIT_D=module._hopper_backward_config(*tiles[1:3])[2])
-            launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.TILE_TABLE), VARLEN=False),
+                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
+            launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles)]
@@ -102,8 +102,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
                                                      HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
                                                      HEAD_DIM_PAD=head_dim, ZERO_DQ=True), (0, 0, 4, 1)))
-            launches.append(("_hopper_dq_finish", dict(BLOCK=module.HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
-    if module.TILE_TABLE:
+            launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
+    if module.FACTS.tile_table:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
                                         LOOP_STEP=0, LOOP_POINTS=1), (0, 0, 4, 1)))
@@ -112,7 +112,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if families and not any(name.startswith(f"_{family}") for family in families):
             continue
         fn = getattr(module, name)
-        signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.INPUTS)) for p in fn.params}
+        signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
             compiled = _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
@@ -138,6 +138,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     return sizes
 
 
+def _hopper_runtime(module):
+    """The Hopper family's runtime module of a generated module (the bundle's own copy of attngen.runtime.hopper)."""
+    return sys.modules[type(module.ATTENTION.families["hopper"]).__module__]
+
+
 def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target):
     """The Hopper family's Gluon forward or backward, typed as a bf16 launch of its host code would type
     it: TMA descriptors of the tiles' boxes (the forward's pingpong variant has half-height query boxes;
@@ -152,18 +157,18 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
     def descriptor(shape, element="bf16"):
         layout = gl.NVMMASharedLayout.get_default_for(shape, {"bf16": gl.bfloat16, "fp32": gl.float32}[element])
         return f"tensordesc<{element}[{', '.join(map(str, shape))}],{layout!r}>"
-    box = module._hopper_tile_box
+    box = _hopper_runtime(module)._hopper_tile_box
     if "PINGPONG" in constants:
         rows = block_m // 2
         boxes = {"q_desc": box(rows, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "o_desc": box(rows, dv)}
-        num_warps, maxnreg = module._hopper_launch_config(block_m, constants["PINGPONG"])
+        num_warps, maxnreg = _hopper_runtime(module)._hopper_launch_config(block_m, constants["PINGPONG"])
     else:
         boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "do_desc": box(block_m, dv)}
         signature = {**signature, "dq_desc": descriptor(box(block_m, d), "fp32"),
                      "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
-        num_warps, maxnreg, _ = module._hopper_backward_config(block_n, tiles[2])
+        num_warps, maxnreg, _ = _hopper_runtime(module)._hopper_backward_config(block_n, tiles[2])
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,
                           options=dict(num_warps=num_warps, maxnreg=maxnreg))

@@ -25,8 +25,8 @@ def main() -> None:
     if variant == "pad64":
         module._widths = lambda d, dv: (max(64, triton.next_power_of_2(d)), max(64, triton.next_power_of_2(dv)))
     elif variant == "m64":
-        for key in module.PLAN:
-            module.PLAN[key] = ((64, 128, 8, 3), *module.PLAN[key][1:])
+        for key in module.FACTS.plan:
+            module.FACTS.plan[key] = ((64, 128, 8, 3), *module.FACTS.plan[key][1:])
     elif variant != "planned":
         sys.exit(f"variant must be planned, m64 or pad64, got {variant!r}")
     q, k, v = testing.random_qkv(2, 2, 1, 300, 300, D, DV, torch.float16, device="cuda", seed=1)

@@ -1,5 +1,5 @@
-"""Renders a spec and its plan into the source of a standalone kernel module (jinja2 skeletons, IR hooks
-and the static code, inlined verbatim)."""
+"""Renders a spec and its plan into the source of its kernel module: what the spec decides (jinja2
+skeletons, IR hooks, its facts) and a declaration that hands it to attngen.runtime."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import ast
 import hashlib
 import textwrap
 from functools import lru_cache
-from importlib import resources
 
 import jinja2
 
@@ -20,27 +19,33 @@ from attngen.plan import Plan
 from attngen.plan.families import DECODE_MAX_ROWS, FAMILIES, PORTABLE
 from attngen.version import __version__
 
-# What the preamble in module.py.jinja defines (the spec's facts) and what the kernel templates define
-# (the kernels the host launches): the static files read them as globals, so pyflakes takes them
-# as builtins there.
-PREAMBLE_NAMES = ("SPEC_NAME", "FINGERPRINT", "INPUTS", "PLAN", "TILE_TABLE", "TABLE_READS", "TABLE_PER_B",
-                  "TABLE_PER_H", "TABLE_STEPS", "ONE_LAUNCH_BACKWARD", "MAX_LENGTH", "MAX_LENGTH_REASON",
-                  "MAX_BATCH_HEADS", "MASKED_WIDTH_FLOOR", "FAMILY_TILES", "softmax_scale")
-KERNEL_NAMES = ("_fwd_kernel", "_bwd_preprocess", "_bwd_kernel", "_table_by_query_classify",
-                "_table_by_key_classify", "_table_compact")
-# What the module defines after the host code: the families' forward and backward launches, in order of
-# preference.
-FAMILY_TABLE_NAMES = ("FORWARD_FAMILIES", "TABLE_FAMILIES", "BACKWARD_FAMILIES", "PACKED_FAMILIES",
-                      "PACKED_BACKWARD_FAMILIES")
-LINT_BUILTINS = PREAMBLE_NAMES + KERNEL_NAMES + FAMILY_TABLE_NAMES
+# The runtime names a module imports: its declaration's classes, and the @triton.jit helpers and
+# constants its kernels call (attngen/runtime/helpers.py; tests/test_static.py checks the list is whole).
+HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh", "_pow",
+                "_dot", "_load_tile", "_page_numbers", "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges",
+                "_tile_start", "_count_visit")
+_RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
-# Each static file is inlined from the line after this one.
-INLINE_MARKER = "# ---- inlined into every generated module from here on ----\n"
-# The static files by name, in the order module.py.jinja inlines them, with their paths in the package:
-# plan/shared.py first, the facts the planner shares with every module; then the emitter's own host code.
-STATIC_PATHS = {"shared": "plan/shared.py", "launch": "emit/static/launch.py", "helpers": "emit/static/helpers.py",
-                "host": "emit/static/host.py"}
-STATIC_FILES = tuple(STATIC_PATHS)
+
+def runtime_imports(code: str) -> str:
+    """The import lines of a module whose code (but these lines) is `code`: the declaration's classes,
+    and the helpers its kernels call."""
+    used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+    helpers = ", ".join(name for name in HELPER_NAMES if name in used)
+    return ("from attngen.runtime.attention import Attention, Kernels, SpecFacts\n"
+            + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else ""))
+
+
+# The line before the module's declaration (its facts and kernels handed to the runtime): a bundle
+# (attngen.emit.bundle) puts the runtime between the kernels and this line.
+DECLARATION_MARKER = "# ---- the declaration: this spec's facts and kernels, handed to the runtime ----\n"
+# What each family beside the portable one hands to its runtime class (attngen.runtime.families), by
+# keyword: the kernels its template defines and the facts it decides.
+FAMILY_KERNELS = {
+    "hopper": ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, "
+               "dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE"),
+    "decode": "forward_kernel=_decode_fwd_kernel, combine_kernel=_decode_combine, max_rows=DECODE_MAX_ROWS",
+}
 
 
 def _identifier(name: object) -> str:
@@ -60,27 +65,6 @@ def _environment() -> jinja2.Environment:
                                      autoescape=False)
     environment.filters["identifier"] = _identifier
     return environment
-
-
-@lru_cache(maxsize=None)
-def static_code(name: str) -> str:
-    """The code of static file `name` (STATIC_PATHS) that every module inlines, verbatim: the file after its
-    INLINE_MARKER line."""
-    return _inlined(resources.files("attngen").joinpath(STATIC_PATHS[name]).read_text(), name)
-
-
-@lru_cache(maxsize=None)
-def family_launch_code(family: str) -> str:
-    """The host code of a kernel family beside the portable one (emit/families/`family`/launch.py,
-    after its INLINE_MARKER line): its per-call rule `_<family>_serves(q, k, v, HKV, KV_LEN, cached)` and its
-    launch `_<family>_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None)` -> (out, lse)."""
-    return _inlined(resources.files("attngen.emit").joinpath(f"families/{family}/launch.py").read_text(), family)
-
-
-def _inlined(text: str, name: str) -> str:
-    _, marker, code = text.partition(INLINE_MARKER)
-    assert marker and INLINE_MARKER not in code, name
-    return code.strip("\n")
 
 
 def _length_reason(facts: Analysis) -> str:
@@ -142,13 +126,14 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
                     for family, t in e.family_tiles) + "},\n"
         for e in plan.entries if e.family_tiles) + "}" if any(e.family_tiles for e in plan.entries) else "{}"
     others = [family for family in plan.families if family != PORTABLE.name]
-    forward_families = "(" + "".join(f"({f!r}, _{f}_serves, _{f}_forward), " for f in others).rstrip(" ") + ")"
+    forward_families = _python_tuple(others)
     table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
     packed_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_forward)
     packed_backward_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_backward)
-    backward_families = "(" + "".join(
-        f"({f.name!r}, {f.backward_name!r}, _{f.name}_backward_serves, _{f.name}_backward), " for f in FAMILIES
-        if f.name in others and f.backward_tiles is not None).rstrip(" ") + ")"
+    backward_families = _python_tuple((f.name, f.backward_name) for f in FAMILIES
+                                      if f.name in others and f.backward_tiles is not None)
+    families_table = ("{" + "".join(f"\n        {f!r}: dict({FAMILY_KERNELS[f]})," for f in others) + "\n    }"
+                      if others else "{}")
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
         name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
@@ -163,14 +148,16 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         table_per_b=facts.table_per_batch, table_per_h=facts.table_per_head,
         max_length=facts.length_limit, max_length_reason=_length_reason(facts),
         max_batch_heads=intervals.MAX_BATCH_HEADS,
-        static={name: static_code(name) for name in STATIC_FILES}, families=plan.families,
-        family_tiles_table=family_tiles_table, family_launch=[family_launch_code(f) for f in others],
+        runtime_imports=_RUNTIME_IMPORTS_LINE.rstrip("\n"), declaration_marker=DECLARATION_MARKER.rstrip("\n"),
+        families=plan.families, family_tiles_table=family_tiles_table, families_table=families_table,
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
         decode_max_rows=DECODE_MAX_ROWS,
         **kernel_context(facts, plan.families),
     )
-    return _with_digest(_environment().get_template("module.py.jinja").render(**context))
+    text = _environment().get_template("module.py.jinja").render(**context)
+    assert text.count(_RUNTIME_IMPORTS_LINE) == 1
+    return _with_digest(text.replace(_RUNTIME_IMPORTS_LINE, runtime_imports(text)))
 
 
 _DIGEST_LINE = 'MODULE_DIGEST = ""\n'
@@ -180,7 +167,7 @@ def _with_digest(text: str) -> str:
     """The module with its MODULE_DIGEST line filled in: a hash of its code (every line but comment
     lines), which names its custom operators, so two modules share operators only when their code
     is the same."""
-    # Spec text enters only as comment lines (comment_lines), so this line is host.py's own.
+    # Spec text enters only as comment lines (comment_lines), so this line is the template's own.
     assert text.count("\n" + _DIGEST_LINE) == 1
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]

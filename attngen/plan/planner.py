@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from attngen import ir
 from attngen.analysis import Analysis
-from attngen.plan import shared
+from attngen.runtime import shared
 from attngen.plan.families import KERNELS, Family, choose_families
 from attngen.plan.targets import Target
 

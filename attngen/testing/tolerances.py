@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-from attngen.plan import shared
+from attngen.runtime import shared
 from attngen.ir import Load, Spec, walk
 from attngen.reference import (PackedRow, evaluate, evaluate_expr, evaluate_packed, make_env, modified_scores,
                                probabilities, scale_value)

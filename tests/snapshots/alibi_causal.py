@@ -2,6 +2,7 @@
 
 Use: out = attn(q, k, v, slopes=slopes), or with return_lse=True for (out, lse).
 q is (B, H, Q_LEN, D); k is (B, HKV, KV_LEN, D); v is (B, HKV, KV_LEN, DV).
+This module holds what the spec decides (its kernels and facts); attngen.runtime runs the calls.
 """
 # The spec and the plan are text from outside: they enter this module only as these comment lines
 # (attngen.emit.module.comment_lines), never as code or string literals.
@@ -18,499 +19,13 @@ q is (B, H, Q_LEN, D); k is (B, HKV, KV_LEN, D); v is (B, HKV, KV_LEN, DV).
 #
 # Plan: target h200; its tiles are PLAN below (`attngen explain` gives each entry's reasons).
 
-import contextlib
 import math
-import os
 
-import torch
 import triton
 import triton.language as tl
 
-# --- this spec's facts, which the host code and the kernels read ------------------------------------
-SPEC_NAME = "alibi_causal"
-FINGERPRINT = "a3ed7f9b8e750862"
-# name -> (dtype, dims, learnable); dims are B H HKV Q_LEN KV_LEN, ints or "*".
-INPUTS = {'slopes': ('f32', ('H',), False)}
-# (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for
-# the forward, dK/dV and dQ kernels.
-PLAN = {
-    (16, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (16, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (16, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (16, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (16, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (32, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (32, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (32, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (32, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (32, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (64, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (64, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (64, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (64, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (64, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (128, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 128, 'f16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 128, 'bf16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (128, 128, 'f32'): ((64, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
-    (128, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (128, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (128, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 16, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 16, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 16, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 32, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 32, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 32, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 64, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 64, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 64, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 128, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 128, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 128, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-    (256, 256, 'f16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 256, 'bf16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
-    (256, 256, 'f32'): ((32, 16, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
-}
-# Whether the kernels follow tile tables built at call time (the mask reads inputs at q or k, or
-# is not affine), which inputs the mask reads, and whether the table differs per batch and head.
-# A constexpr, so the kernels can read it too.
-TILE_TABLE = tl.constexpr(False)
-TABLE_READS = ()
-TABLE_PER_B = False
-TABLE_PER_H = False
-# The mask reads q (k) only as q // step: one point per block decides a tile (0: every element;
-# None: it does not read that index).
-TABLE_STEPS = {'q': 0, 'k': 0}
-# backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's layout: dQ
-# programs fill the SMs that dK/dV's last wave leaves)
-ONE_LAUNCH_BACKWARD = True
-# The longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact, and why
-# (attngen.intervals proved the widths up to it); B * H is the launch grid's second axis.
-MAX_LENGTH = 2147483647
-MAX_LENGTH_REASON = "positions are int32 in the kernels"
-MAX_BATCH_HEADS = 65535
-# Head dims that are not powers of two get tiles at least this wide (attngen/plan/planner.py says why).
-MASKED_WIDTH_FLOOR = 64
-# The kernel families beside the portable one (attngen/plan/families.py): (HEAD_DIM_PAD,
-# HEAD_DIM_V_PAD, dtype) -> family -> tiles (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers).
-FAMILY_TILES = {
-    (16, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (16, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (16, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (32, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (32, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (32, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (64, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (64, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (64, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (128, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
-    (128, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (128, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 16, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 16, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 32, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 32, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 64, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 64, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 128, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 128, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
-    (256, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
-    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
-    (256, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
-}
-
-
-def softmax_scale(D):
-    """The score scale for query/key head dim D."""
-    return float(1.0 / math.sqrt(D))
-
-
-# --- facts the package shares: attngen/plan/shared.py ---------------------------------------
-# q, k and v's dtypes, by the names the plan keys its tiles with.
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-# The torch dtype of each dtype an input may declare.
-_INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
-
-
-def _interpreting():
-    """Whether TRITON_INTERPRET asks Triton for its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
-# torch.compile traces reads no environment.
-INTERPRETING = _interpreting()
-
-
-# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,
-# ~5 us a call on the host, and a call used a dozen of them.
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_power_of_2(n):
-    return 1 << (n - 1).bit_length()
-
-
-_MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
-
-
-def _pad(n):
-    return max(_MIN_BLOCK, _next_power_of_2(n))
-
-
-def _empty_in_layout(t, last, dtype=None):
-    """An empty tensor of t's shape but with last dim `last`, whose dims lie in memory in t's order
-    (outermost first by stride; ties keep their order), densely.
-
-    The layout contract of every family, and of the operators' fake implementations, which call this
-    same function: O follows q's layout, dQ, dK and dV follow q's, k's and v's. So a model's
-    transposed (B, N, H, D) projections get O and their gradients back as (B, N, H, D) memory, which
-    the output projection and the projections' backward read with no copy; and what torch.compile is
-    told of an output's strides is what the kernels write."""
-    shape = (*t.shape[:-1], last)
-    if t.is_contiguous():  # the dims' own order; a quarter of the general path's host time
-        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
-    n = t.dim()
-    # Largest stride first; sorted is stable with reverse=True too. q, k, v have a unit-stride last dim.
-    order = sorted(range(n - 1), key=t.stride().__getitem__, reverse=True)
-    dense = torch.empty([shape[d] for d in order] + [last], dtype=dtype or t.dtype, device=t.device)
-    return dense.permute(*[order.index(d) for d in range(n - 1)], n - 1)
-
-
-def _tile_widths(D, DV, floor):
-    """Tile widths of head dims D and DV: each rounded up to a power of two >= 16, and when either is
-    not a power of two (its loads are masked), both at least `floor`."""
-    d, dv = _pad(D), _pad(DV)
-    if (d, dv) != (D, DV):
-        d, dv = max(d, floor), max(dv, floor)
-    return d, dv
-
-
-# --- host side: launches bound once per specialization (emit/static/launch.py) --------------------
-# Per kernel: {facts of a launch: (compiled kernel, the values of its parameters after the positional
-# arguments)}. A kernel has a handful of keys (its specializations and option sets); past _LAUNCH_KEYS
-# they are dropped and start over.
-_LAUNCHES = {}
-_LAUNCH_KEYS = 256
-
-
-def _launch_fact(arg):
-    """What Triton 3.6 specializes one positional argument on (tests/test_launch.py checks it against
-    the JIT's own binder): an int's == 1 (a constexpr), % 16 and width (i32, i64, u64); a tensor's
-    dtype and 16-byte alignment; a descriptor's dtype, box and layout; a float's and a bool's type; or
-    _UNBOUND for an argument of another kind."""
-    cls = arg.__class__
-    if cls is int:
-        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if arg is None or cls is float or cls is bool:
-        return cls
-    if hasattr(arg, "block_shape") and hasattr(arg, "layout"):  # a TMA descriptor (Gluon's or Triton's)
-        return cls, arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding
-    return _UNBOUND
-
-
-_UNBOUND = object()  # an argument of a kind _launch_fact does not know: that launch always binds anew
-
-
-def _launch(kernel, grid, *args, bind=None, **options):
-    """kernel[grid](*args, **options): the constexprs and launch options by keyword, the rest
-    positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
-    through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
-    with the same arguments the JIT would pass (every parameter, in the signature's order).
-    `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
-    site decide every argument's facts, the plan keeps the compiled kernel in `launches` under the kernel
-    and the site, and its later calls skip _launch_fact too."""
-    if INTERPRETING:
-        return kernel[grid](*args, **options)
-    if bind is not None:
-        bound = bind[0].get((kernel, bind[1]))
-        if bound is not None:
-            compiled, rest, facts = bound
-            if _VERIFY_BINDS:
-                _verify_bind(kernel, args, options, facts)
-            return compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel takes a 3-D grid
-    facts = _launch_facts(args, options)
-    known = _LAUNCHES.setdefault(kernel, {})
-    bound = known.get(facts)
-    if bound is None:
-        compiled = kernel[grid](*args, **options)
-        if not isinstance(compiled, triton.compiler.CompiledKernel) or _UNBOUND in facts:
-            return compiled
-        if len(known) >= _LAUNCH_KEYS:
-            known.clear()
-        parameters = list(kernel.signature.parameters.values())[len(args):]
-        bound = known[facts] = compiled, tuple(options[p.name] if p.name in options else p.default
-                                               for p in parameters)
-    else:
-        bound[0][(*grid, 1, 1)[:3]](*args, *bound[1])
-        compiled = bound[0]
-    if bind is not None:
-        bind[0][kernel, bind[1]] = (*bound, facts)
-    return compiled
-
-
-# Tests set this: every launch a plan binds then recomputes its facts and fails if they differ from
-# those the site was bound with (a site whose arguments the plan does not decide).
-_VERIFY_BINDS = False
-
-
-def _launch_facts(args, options):
-    """The key of a launch: the device, each positional argument's _launch_fact and the keywords."""
-    return (torch.cuda.current_device(), *map(_launch_fact, args), *options.items())
-
-
-def _verify_bind(kernel, args, options, facts):
-    if _launch_facts(args, options) != facts:
-        raise AssertionError(f"{getattr(kernel, '__name__', kernel)}: a call plan's bound launch saw other "
-                             f"argument facts than it was bound with")
-
-
-# --- scalar and element helpers -------------------------------------------------------------
-# Base-2 softmax (exp2 is one instruction): scores are scaled by log2(e) on the way in and the LSE
-# by ln(2) on the way out. The host reads LOG2E.value, a float, to fold it into qk_scale.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-# Python's floor division and modulo (Triton's `//` and `%` truncate toward zero, like C).
-@triton.jit
-def _floordiv(a, b):
-    q = a // b
-    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
-
-
-@triton.jit
-def _floormod(a, b):
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@triton.jit
-def _ceildiv(a, b):
-    return -_floordiv(-a, b)
-
-
-@triton.jit
-def _floordiv_f(a, b):
-    return tl.floor(a / b)
-
-
-@triton.jit
-def _floormod_f(a, b):
-    return a - b * tl.floor(a / b)
-
-
-@triton.jit
-def _tanh(x):
-    # From exp of a non-positive number: no overflow for any x, exact limits at +-inf. Near 0 that
-    # form loses digits to 1 - t (softcap's x = score / cap is small), so |x| < 0.25 uses the Taylor
-    # series to x^13 instead, whose next term is below 2e-12 relative there.
-    t = tl.exp(-2.0 * tl.abs(x))
-    y = (1.0 - t) / (1.0 + t)
-    y = tl.where(x >= 0, y, -y)
-    x2 = x * x
-    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
-        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (
-            -0.008863235529902197 + x2 * 0.003592128036572481))))))
-    return tl.where(tl.abs(x) < 0.25, series, y)
-
-
-@triton.jit
-def _pow(x, y):
-    # x ** y for any signs, as torch.pow: negative x needs an integral y. The bool algebra stays
-    # within y's shape and within x's (tl.where joins them), since y may be a scalar read once per
-    # program while x is a block, and the interpreter cannot `&` the two.
-    r = tl.exp2(y * tl.log2(tl.abs(x)))
-    integral = tl.floor(y) == y
-    odd = integral & (tl.floor(y * 0.5) * 2.0 != y)
-    signed = tl.where(integral, tl.where(odd, -r, r), float("nan"))
-    r = tl.where(x < 0, signed, r)
-    return tl.where(y == 0, 1.0, r)
-
-
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr):
-    # "ieee" asks for true fp32 products, so 16-bit operands are upcast first: the host asks so for
-    # fp32 inputs (a no-op there) and for bf16 in Triton's interpreter, whose bf16 tl.dot is wrong.
-    if DOT_PRECISION == "ieee":
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    # Bounds checks only where a tile can overhang: full tiles and unpadded head dims load plainly.
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            x = tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=rows_ok, other=0.0)
-    else:
-        if CHECK_COLS:
-            x = tl.load(ptrs, mask=cols_ok, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
-def _page_numbers(pages, offs_n, KV_LEN, PAGE_SIZE: tl.constexpr):
-    # The physical page of each key of a paged cache's row (0 past the row's keys); clamped by the
-    # caller to the pool, so no table entry can reach past its memory.
-    return tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < KV_LEN, other=0)
-
-
-@triton.jit
-def _min_max_sum(lo_a, hi_a, sum_a, lo_b, hi_b, sum_b):
-    # _scatter_tile's one reduction of a gradient tile: its smallest and largest address and its sum.
-    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b), sum_a + sum_b
-
-
-@triton.jit
-def _sum_pair(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _index_bound(x, n):
-    # A loop bound clamped to [0, n], as int32: bounds are computed in int64 (exactly: see
-    # attngen.integers), and the loops' tile counters must keep one type (a clamp first keeps the
-    # narrowing exact).
-    return tl.minimum(tl.maximum(x, 0), n).to(tl.int32)
-
-
-@triton.jit
-def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
-    # Element bounds [lo, hi) to visit and [full_lo, full_hi) fully allowed, as tile numbers:
-    # [start, first_full) masked, [first_full, last_full) unmasked, [last_full, end) masked.
-    hi = tl.maximum(hi, lo)
-    start = lo // BLOCK
-    end = tl.where(hi > lo, (hi + BLOCK - 1) // BLOCK, start)
-    first_full = (tl.maximum(full_lo, lo) + BLOCK - 1) // BLOCK
-    last_full = tl.minimum(full_hi, hi) // BLOCK
-    none_full = first_full >= last_full
-    first_full = tl.where(none_full, end, first_full)
-    last_full = tl.where(none_full, end, last_full)
-    return start, first_full, last_full, end
-
-
-@triton.jit
-def _tile_start(tiles, j, j_hi, gap_at, gap, BLOCK: tl.constexpr, INDEXED: tl.constexpr):
-    # The j-th tile of a loop: from a tile table's list (masked: j may be one past the end), or
-    # the j-th of the grid, skipping `gap` tiles from number `gap_at` on (so one masked loop covers
-    # the partial tiles on both sides of the fully allowed stretch).
-    if INDEXED:
-        t = tl.load(tiles + j, mask=j < j_hi, other=0)
-    else:
-        t = tl.where(j >= gap_at, j + gap, j)
-    return t * BLOCK
-
-
-@triton.jit
-def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr):
-    # Instrumentation (visit_counts): 1 per masked visit of a tile, 16 per unmasked one.
-    if COUNT_VISITS:
-        if MASKED:
-            tl.atomic_add(visits + start // BLOCK, 1, sem="relaxed")
-        else:
-            tl.atomic_add(visits + start // BLOCK, 16, sem="relaxed")
-
+from attngen.runtime.attention import Attention, Kernels, SpecFacts
+from attngen.runtime.helpers import LOG2E, LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit  # the kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -1068,7 +583,6 @@ from triton.experimental import gluon  # noqa: E402  (the family's kernels are G
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 from triton.experimental.gluon.language._core import builtin as _gluon_builtin  # noqa: E402
 from triton._C.libtriton import ir as _triton_ir  # noqa: E402
 
@@ -2075,1521 +1589,213 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
     tl.store(Lse + rows, lse, mask=row_ok)
 
 
-# --- host side: argument checks, launches, autograd -------------------------------------------
-def _widths(D, DV):
-    """Tile widths of the head dims (HEAD_DIM_PAD, HEAD_DIM_V_PAD), as Plan.widths gives them."""
-    return _tile_widths(D, DV, MASKED_WIDTH_FLOOR)
 
-
-def _fail(message):
-    if torch.compiler.is_compiling():
-        _raise_while_tracing(f"{SPEC_NAME}: {message}")
-    raise ValueError(f"{SPEC_NAME}: {message}")
-
-
-# A `raise` in code dynamo traces is, under fullgraph=True, dynamo's own "Observed exception", with
-# the message only in its __cause__. A function dynamo calls instead of tracing (one marked
-# assume_constant_result) raises past it, and dynamo hands an error that is also its UserError to the
-# caller unwrapped (it adds the user code's lines to the message). So the caller of a compiled
-# function gets the eager ValueError, with or without fullgraph, and the successful path is unchanged.
-def _raise_while_tracing(message):
-    from torch._dynamo.exc import UserError, UserErrorType  # loaded already: dynamo is tracing
-
-    error = type("ValueError", (UserError, ValueError), {})  # UserError first: its __init__; named as the eager error
-    raise error(UserErrorType.INVALID_INPUT, message)
-
-
-# What torch.compiler.assume_constant_result sets, without importing dynamo (seconds) in every process.
-_raise_while_tracing._dynamo_marked_constant = True
-
-
-def _check(q, k, v, inputs):
-    """The sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) of a call with k and v (B, HKV, KV_LEN, D/DV),
-    after checking the tensors and the inputs."""
-    _check_tensors(q, k, v)
-    B, H, Q_LEN, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        _fail(f"k and v must have batch size {B} like q, got {k.shape[0]} and {v.shape[0]}")
-    HKV, KV_LEN = k.shape[1], k.shape[2]
-    if v.shape[1] != HKV or v.shape[2] != KV_LEN:
-        _fail(f"v must have {HKV} heads and length {KV_LEN} like k, got shape {tuple(v.shape)}")
-    _check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3], inputs, q.device)
-    return B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3]
-
-
-# --- call plans: what a call's facts decide, worked out once per set of facts ---------------------
-# A short call's host time is Python: the checks, the families' per-call rules, the launches' argument
-# facts. All of them read only what _call_facts collects of the call's tensors, so a call whose facts
-# recur reuses the first one's decisions: it passed the same checks, goes to the same family, and the
-# launch sites it binds (_plan_site) take arguments of the same facts.
-class _CallPlan:
-    """The decisions of calls with one set of facts: their sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) after
-    the checks passed, the forward's (family, launch) and the backward's (family, name, launch), the
-    launches bound by site, and the plans of their backwards by the facts of dO and dLSE
-    (_backward_plan)."""
-
-    __slots__ = ("sizes", "family", "backward_family", "launches", "backwards")
-
-    def __init__(self, sizes, family, backward_family):
-        self.sizes, self.family, self.backward_family = sizes, family, backward_family
-        self.launches, self.backwards = {}, {}
-
-
-_CALL_PLANS = {}
-_CALL_PLAN_KEYS = 256  # then they are dropped and start over, as _LAUNCHES's keys are
-
-
-def _call_facts(q, k, v, inputs):
-    """Everything the checks, the per-call rules and the bound launch sites read of a call's tensors:
-    the inputs' names, the current device, and each tensor's dtype, device, shape, strides and 16-byte
-    alignment; None when one of them is not a plain dense tensor or parameter (a subclass may answer
-    these differently from call to call: such calls are checked in full every time)."""
-    tensors = (q, k, v, *inputs.values())
-    for t in tensors:
-        if t.__class__ is not torch.Tensor and t.__class__ is not torch.nn.Parameter:
-            return None
-        if t.layout != torch.strided or t.is_nested:  # no strides to key on: _check refuses them
-            return None
-    return (tuple(inputs), torch.cuda.current_device() if q.is_cuda else None,
-            *[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors])
-
-
-def _call_plan(q, k, v, inputs):
-    """The _CallPlan of a call of these tensors: a new one after _check passes, unless a call with the
-    same facts made one already."""
-    facts = _call_facts(q, k, v, inputs)
-    plan = _CALL_PLANS.get(facts) if facts is not None else None
-    if plan is None:
-        sizes = _check(q, k, v, inputs)
-        # Both families once per facts, whether the call then runs a backward (or is a cache call) or not.
-        plan = _CallPlan(sizes, _forward_family(q, k, v, sizes[2], sizes[4], False), _backward_family(q, k, v))
-        if facts is not None:
-            if len(_CALL_PLANS) >= _CALL_PLAN_KEYS:
-                _CALL_PLANS.clear()
-            _CALL_PLANS[facts] = plan
-    return plan
-
-
-def _backward_plan(plan, do, dlse):
-    """The plan of a backward of a call of `plan` with this dO and dLSE: their facts (dtype, strides,
-    16-byte alignment; their shapes are out's and LSE's) decide the backward launches' arguments beside
-    the call's. None without a plan, or for a tensor subclass."""
-    if plan is None:
-        return None
-    upstream = (do, dlse) if dlse is not None else (do,)
-    if any(t.__class__ is not torch.Tensor for t in upstream):
-        return None
-    facts = tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in upstream)
-    backward = plan.backwards.get(facts)
-    if backward is None:
-        if len(plan.backwards) >= 16:
-            plan.backwards.clear()
-        backward = plan.backwards[facts] = _CallPlan(plan.sizes, plan.family, plan.backward_family)
-    return backward
-
-
-def _plan_site(plan, *site):
-    """_launch's `bind` for a launch site of a call with this plan (None: none, the launch binds by its facts).
-    `site` tells apart the launches of one kernel in a call: it names the site and anything of the call
-    besides the plan's facts that its arguments depend on."""
-    return None if plan is None else (plan.launches, site)
-
-
-def _autocast(q, k, v):
-    """q, k and v as torch.autocast hands them to scaled_dot_product_attention, which it runs in the
-    lower precision on CUDA and the CPU: float tensors cast to the autocast dtype, while autocast is on for
-    q's device. The custom operators have no autocast rule, so the cast is Python here, traced under
-    torch.compile; .to() is differentiable, so gradients come back in the caller's dtypes."""
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else t for t in (q, k, v))
-
-
-def _check_tensors(q, k, v):
-    """q, k and v: 4-D tensors of one float dtype on one device, unit stride along the head dim."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_nested:
-            _fail(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
-        if t.dim() != 4:
-            _fail(f"{name} must have 4 dims (B, heads, length, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            _fail(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-        if t.device != q.device:
-            _fail(f"{name} must be on {q.device} like q, got {t.device}")
-        if t.stride(-1) != 1:
-            _fail(f"{name} must be contiguous in its last dim (head_dim), got strides {t.stride()}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        _fail(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type != "cuda" and not INTERPRETING:
-        _fail(f"q must be on a CUDA device, got {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
-    if k.shape[-1] != q.shape[-1]:
-        _fail(f"k must have head_dim {q.shape[-1]} like q, got shape {tuple(k.shape)}")
-
-
-def _check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, DV, inputs, device):
-    """The call's sizes against the module's limits, then the inputs against the spec's declarations."""
-    if HKV == 0 or H % HKV != 0:
-        _fail(f"the query heads ({H}) must be a multiple of the key/value heads ({HKV})")
-    if not (1 <= D <= 256 and 1 <= DV <= 256):
-        _fail(f"head dims must be between 1 and 256, got D={D}, DV={DV}")
-    if min(B, H, Q_LEN, KV_LEN) < 1:
-        _fail(f"B, H, Q_LEN and KV_LEN must be at least 1, got {B}, {H}, {Q_LEN}, {KV_LEN}")
-    if max(Q_LEN, KV_LEN) > MAX_LENGTH:
-        _fail(f"Q_LEN and KV_LEN must be at most {MAX_LENGTH} ({MAX_LENGTH_REASON}), got {Q_LEN} and {KV_LEN}")
-    if B * H > MAX_BATCH_HEADS:
-        _fail(f"B * H must be at most {MAX_BATCH_HEADS} (the launch grid's limit), got {B} * {H}")
-    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
-    missing = [n for n in INPUTS if n not in inputs]
-    if missing:
-        _fail("missing input(s): " + ", ".join(f"{n}: {_declared(n)}" for n in missing))
-    unknown = [n for n in inputs if n not in INPUTS]
-    if unknown:
-        _fail(f"unknown input(s) {', '.join(map(repr, unknown))}; the spec declares "
-              + (", ".join(INPUTS) or "none"))
-    for name, (dtype, dims, learnable) in INPUTS.items():
-        t = inputs[name]
-        if not isinstance(t, torch.Tensor):
-            _fail(f"input '{name}' must be a torch.Tensor {_declared(name)}, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_nested:
-            _fail(f"input '{name}' must be a dense tensor {_declared(name)}, got a "
-                  f"{'nested' if t.is_nested else t.layout} one")
-        if t.dtype != _INPUT_DTYPES[dtype]:
-            _fail(f"input '{name}' must have dtype {_INPUT_DTYPES[dtype]} ({_declared(name)}), got {t.dtype}")
-        if t.device != device:
-            _fail(f"input '{name}' must be on {device} like q, got {t.device}")
-        expected = [sizes.get(d, d) for d in dims]
-        if t.dim() != len(dims) or any(e != "*" and e != n for e, n in zip(expected, t.shape)):
-            want = "(" + ", ".join(str(e) if e != "*" else "*" for e in expected) + ")"
-            _fail(f"input '{name}' must have shape {want} ({_declared(name)}), got {tuple(t.shape)}")
-
-
-def _declared(name):
-    dtype, dims, learnable = INPUTS[name]
-    return f"{dtype}[{', '.join(map(str, dims))}]" + (" learnable" if learnable else "")
-
-
-def _input_args(tensors):
-    # Per input: pointer, then one stride and one size per dim (bool is read as bytes).
-    args = []
-    for name, t in zip(INPUTS, tensors):
-        args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
-        args.extend(t.stride())
-        args.extend(t.shape)
-    return args
-
-
-def _tiles(q, v, kernel):
-    # The head dims pick the tiles and the kernels' constexprs: under torch.compile with dynamic
-    # shapes int() makes them static (a guard), as they are for the kernels.
-    return PLAN[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
-
-
-# Per device: its SM count (the decode family's splits, the Hopper forward's persistent grid).
-_SM_COUNTS = {}
-
-
-def _sm_count(device):
-    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
-
-
-def _family_tiles(q, v, family):
-    """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers) for these head dims and dtype
-    (FAMILY_TILES; int() as in _tiles)."""
-    return FAMILY_TILES[(*_widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
-
-
-def _dot_precision(dtype):
-    # fp32 inputs get true fp32 products (tf32 would not be fp32 attention); so do bf16 inputs in
-    # Triton's interpreter, whose bf16 tl.dot is wrong (_dot upcasts them; the products are exact).
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETING):
-        return "ieee"
-    return "tf32"
-
-
-# --- tile tables: built at call time from the inputs the mask reads --------------------------------
-# Built on every call by default (two small kernels per table): a table cached against the input
-# tensors would go stale on writes that their version counter does not see (`.data`, numpy or
-# DLPack views) and could not key inference tensors at all. A caller whose mask inputs stay fixed
-# builds them once with tile_tables() and passes them in; rebuilding them is the caller's job.
-TABLE_STATS = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
-
-
-class TileTables:
-    """The tile tables of one call's mask inputs, from tile_tables(q, k, v, **inputs), for
-    attn(q, k, v, tile_tables=..., **inputs): the kernels follow them instead of building their own.
-    They hold only which tiles the mask allows, computed from the inputs' values at build time:
-    build them again whenever those values change, or calls give answers for the old mask."""
-
-    def __init__(self, sizes, device, built_for, keys, tables):
-        self.sizes = sizes  # (B, H, HKV, Q_LEN, KV_LEN)
-        self.device = device
-        self.built_for = built_for  # q's dtype and the head dims, which decide the tiles
-        self.keys = keys  # kernel -> _table_key
-        self.tables = tables  # kernel (_table_kernels) -> (counts, indices)
-
-    def __repr__(self):
-        return f"TileTables({SPEC_NAME}, sizes={self.sizes}, {self.built_for}, device={self.device})"
-
-
-def _table_key(q, v, kernel):
-    """Which table kernel 0 (the portable forward), 1 (dK/dV), 2 (dQ), a family's forward (by its
-    name, one of TABLE_FAMILIES) or a family's backward (by its name in BACKWARD_FAMILIES) follows:
-    (rows are query tiles, BLOCK_M, BLOCK_N); kernels with equal keys share a table. A family's
-    backward walks query tiles for each key tile, as dK/dV does."""
-    if isinstance(kernel, str):
-        return (kernel not in _backward_names(), *_family_tiles(q, v, kernel)[:2])
-    return (kernel != 1, *_tiles(q, v, kernel)[:2])
-
-
-def _table_kernels(backward):
-    """The kernels whose tables travel with a call, in this order: the forwards' (the portable one's,
-    then those of TABLE_FAMILIES), then, with `backward`, dK/dV's, dQ's and those of BACKWARD_FAMILIES."""
-    return [0, *TABLE_FAMILIES, *([1, 2, *_backward_names()] if backward else [])]
-
-
-def _backward_names():
-    return [name for _, name, _, _ in BACKWARD_FAMILIES]
-
-
-def _pairs(flat):
-    """Tables passed flat through an operator, (counts, indices) again."""
-    return [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
-
-
-def _table_shape(by_query, block_m, block_n, sizes):
-    """(batch groups, head groups, rows per group, columns) of the tile table of tiles (block_m,
-    block_n); by_query: rows are query tiles (forward, dQ), else key tiles (dK/dV)."""
-    B, H, HKV, Q_LEN, KV_LEN = sizes
-    n_q, n_k = _cdiv(Q_LEN, block_m), _cdiv(KV_LEN, block_n)
-    n_rows, n_cols = (n_q, n_k) if by_query else (n_k, n_q)
-    return (B if TABLE_PER_B else 1), (H if TABLE_PER_H else 1), n_rows, n_cols
-
-
-def _empty_table(key, sizes, device):
-    """Uninitialised (counts, indices) tensors of the tile table `key`: per row, two counts (tiles
-    visited with and without mask code) and the column indices."""
-    g_b, g_h, n_rows, n_cols = _table_shape(*key, sizes)
-    rows = g_b * g_h * n_rows
-    return (torch.empty((rows * 2,), dtype=torch.int32, device=device),
-            torch.empty((rows * n_cols,), dtype=torch.int32, device=device))
-
-
-def _table_args(key, table, sizes, placeholder=None):
-    """A kernel's tile-table arguments: counts, indices, batch stride, head stride, row length. A
-    forward call without its table (a cache call: FOLLOW_TABLE off) passes `placeholder`, never read."""
-    if not TILE_TABLE:
-        return []
-    if not table:
-        return [placeholder, placeholder, 0, 0, 0]
-    g_b, g_h, n_rows, n_cols = _table_shape(*key, sizes)
-    return [*table, (g_h * n_rows if TABLE_PER_B else 0), (n_rows if TABLE_PER_H else 0), n_cols]
-
-
-def _resolve(kernels, q, v, known, build):
-    """Each of `kernels`' tile table (counts, indices): known[kernel] (the user's, or one this call
-    built), else a known table of a kernel with the same tiles, else build(key), which is then known."""
-    result = []
-    for kernel in kernels:
-        if kernel not in known:
-            key = _table_key(q, v, kernel)
-            same = [table for other, table in known.items() if _table_key(q, v, other) == key]
-            known[kernel] = same[0] if same else build(key)
-        result.append(known[kernel])
-    return result
-
-
-def _builder(sizes, device, tensors, plan=None):
-    """build(key) for _resolve in eager calls: runs the two table kernels (bound in `plan`, if given)."""
-    return lambda key: _build_table(key, sizes, device, tensors, plan)
-
-
-def _checked_tables(tables, q, v, sizes):
-    """The tables of a user's TileTables, after checking they were built for a call like this one."""
-    if not isinstance(tables, TileTables):
-        _fail(f"tile_tables must come from this attention's tile_tables(q, k, v, **inputs), got {tables!r}")
-    if tables.sizes != sizes:
-        _fail(f"tile_tables must be built for this call's (B, H, HKV, Q_LEN, KV_LEN) = {sizes}, "
-              f"got tables for {tables.sizes}")
-    if tables.device != q.device:
-        _fail(f"tile_tables must be on {q.device} like q, got {tables.device}")
-    if any(tables.keys[kernel] != _table_key(q, v, kernel) for kernel in _table_kernels(True)):
-        _fail(f"tile_tables must be built for this call's {_built_for(q, v)} (they decide the tiles), "
-              f"got tables for {tables.built_for}")
-    return dict(tables.tables)
-
-
-def _built_for(q, v):
-    return f"q dtype {q.dtype}, D={q.shape[-1]}, DV={v.shape[-1]}"
-
-
-def _build_table(key, sizes, device, tensors, plan=None):
-    """(counts, indices) of the tile table `key` (_table_key) of these mask inputs; () when the
-    kernels follow no table. `plan`: the call's _CallPlan, which binds the two launches."""
-    if not TILE_TABLE:
-        return ()
-    by_query, block_m, block_n = key
-    B, H, HKV, Q_LEN, KV_LEN = sizes
-    g_b, g_h, n_rows, n_cols = _table_shape(*key, sizes)
-    state = torch.empty((g_b * g_h * n_rows * n_cols,), dtype=torch.int8, device=device)
-    num, idx = _empty_table(key, sizes, device)
-    classify = _table_by_query_classify if by_query else _table_by_key_classify
-    q_step, q_points = _table_sampling(TABLE_STEPS["q"], block_m)
-    k_step, k_points = _table_sampling(TABLE_STEPS["k"], block_n)
-    (row_step, row_points), (loop_step, loop_points) = (
-        ((q_step, q_points), (k_step, k_points)) if by_query else ((k_step, k_points), (q_step, q_points)))
-    _launch(classify, (n_rows, n_cols, g_b * g_h), state, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN,
-            g_h, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, ROW_STEP=row_step, ROW_POINTS=row_points,
-            LOOP_STEP=loop_step, LOOP_POINTS=loop_points, num_warps=4, bind=_plan_site(plan, "classify", key))
-    _launch(_table_compact, (g_b * g_h * n_rows,), state, num, idx, n_cols, COLS=_pad(n_cols), num_warps=4,
-            bind=_plan_site(plan, "compact", key))
-    TABLE_STATS["built"] += 1
-    return num, idx
-
-
-def _table_sampling(step, block):
-    # (STEP, POINTS) for _table_points: an index the mask does not read needs one point per tile.
-    if step is None:
-        step = block
-    if step == 0:
-        return 0, 1
-    return step, max(2, _next_power_of_2(-(-block // step) + 1))
-
-
-def _sizes(q, k):
-    """(B, H, HKV, Q_LEN, KV_LEN) of a call."""
-    return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-
-
-def _forward(q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None):
-    """Runs the forward pass with the first family whose per-call rule admits this call
-    (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
-    (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
-    `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's;
-    `family` the call's (name, launch) when the caller has it already (_forward_family); `plan` the
-    call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables).
-    Counting visits (visit_counts) follows the portable tiles."""
-    cached = cache is not None or page_table is not None
-    if visits is not None:
-        family = ("portable", None)
-    elif family is None:
-        family = _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)
-    name, launch = family
-    if launch is not None:
-        return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan)
-    return _portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan)
-
-
-def _forward_family(q, k, v, HKV, KV_LEN, cached, after=None, packed=False):
-    """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
-    if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
-    (`cached`: a cache call; k holds pages if paged; `packed`: a packed call's (1, heads, TOTAL, D)
-    views, which only PACKED_FAMILIES take); ("portable", None) when none does."""
-    names = [name for name, _, _ in FORWARD_FAMILIES]
-    families = FORWARD_FAMILIES[names.index(after) + 1:] if after is not None else FORWARD_FAMILIES
-    return next(((name, launch) for name, serves, launch in families
-                 if (not packed or name in PACKED_FAMILIES) and serves(q, k, v, HKV, KV_LEN, cached)),
-                ("portable", None))
-
-
-def _forward_with_tables(q, k, v, tensors, known, build, plan=None):
-    """A training or inference call's forward (no cache), with the tile table of the family that runs
-    it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
-    decides which table to build and which kernel follows it; a call's _CallPlan has it, and binds the
-    launches."""
-    family = plan.family if plan is not None else _forward_family(q, k, v, k.shape[1], k.shape[2], False)
-    kernels = _forward_tables(family[0])
-    return _forward(q, k, v, tensors, dict(zip(kernels, _resolve(kernels, q, v, known, build))), family=family,
-                    plan=plan)
-
-
-def _forward_tables(name):
-    """The kernels whose tile tables a forward call run by the family `name` needs built: the portable
-    forward's, or a family's own if it follows tables (TABLE_FAMILIES; the others decide such masks
-    element by element); none if the mask needs no tables."""
-    if not TILE_TABLE:
-        return []
-    return [0] if name == "portable" else [name] if name in TABLE_FAMILIES else []
-
-
-def _kv_layout(k, v, page_table, placeholder=None):
-    """How a forward kernel reads the keys and values: (HKV, KV_LEN, k's and v's strides, the
-    PageTable, stride_pt and NUM_PAGES arguments, the PAGED and PAGE_SIZE constexprs). A contiguous
-    cache's strides are (batch, head, key, dim); a paged one's (page, head, slot, dim), and its
-    KV_LEN is MAX_PAGES * PAGE_SIZE. `placeholder` stands in for an absent page table (never read)."""
-    if page_table is None:
-        return (k.shape[1], k.shape[2], k.stride(), v.stride(), (placeholder, 0, 1),
-                dict(PAGED=False, PAGE_SIZE=1))
-    paged_strides = lambda t: (t.stride(0), t.stride(2), t.stride(1), t.stride(3))  # noqa: E731
-    return (k.shape[2], page_table.shape[1] * k.shape[1], paged_strides(k), paged_strides(v),
-            (page_table, page_table.stride(0), k.shape[0]), dict(PAGED=True, PAGE_SIZE=k.shape[1]))
-
-
-def _cache_launch(cache, placeholder):
-    """A forward kernel's cache arguments: (KvLen, QOffset) tensors (`placeholder` where absent,
-    never read) and their HAS_KV_LEN / HAS_Q_OFFSET flags."""
-    kv_len, q_offset = cache if cache is not None else (None, None)
-    args = [kv_len if kv_len is not None else placeholder, q_offset if q_offset is not None else placeholder]
-    return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
-
-
-def _packed_launch(packed, placeholder):
-    """A portable kernel's packed-call arguments: (CuSeqlensQ, CuSeqlensK, TOTAL_Q) and its VARLEN flag;
-    `packed` is a packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), or None
-    (then `placeholder` stands in for the offsets, never read)."""
-    if packed is None:
-        return [placeholder, placeholder, 0], dict(VARLEN=False)
-    return [packed[0], packed[1], packed[4]], dict(VARLEN=True)
-
-
-def _batch_strides(t, packed):
-    """t's strides as a kernel takes them: (batch, head, row, column), the batch stride 0 in a packed call,
-    whose (1, heads, TOTAL, D) view a program enters at its sequence's first token instead."""
-    return (0, *t.stride()[1:]) if packed is not None else t.stride()
-
-
-def _call_sizes(q, k, packed):
-    """(B, H, HKV, Q_LEN, KV_LEN) as the portable kernels take them: a packed call's B is its number of
-    sequences and its lengths the longest sequence's (the grid's)."""
-    if packed is None:
-        return _sizes(q, k)
-    return (packed[0].shape[0] - 1, q.shape[1], k.shape[1], packed[2], packed[3])
-
-
-def _portable_forward(q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None):
-    """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-    `cache`, `page_table` and `plan` as for _forward; `packed` a packed call's (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views (_packed_view);
-    its LSE is (1, H, TOTAL_Q)."""
-    _, H, Q_ROWS, D = q.shape
-    DV = v.shape[3]
-    sm_scale = softmax_scale(D)
-    out = _empty_in_layout(q, DV)
-    lse = torch.empty((q.shape[0], H, Q_ROWS), dtype=torch.float32, device=q.device)
-    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
-    B, Q_LEN = q.shape[0], Q_ROWS
-    if packed is not None:
-        B, _, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
-        k_strides, v_strides = _batch_strides(k, packed), _batch_strides(v, packed)
-    block_m, block_n, warps, stages = _tiles(q, v, 0)
-    d_pad, dv_pad = _widths(D, DV)
-    grid = (_cdiv(Q_LEN, block_m), B * H)
-    cache_args, cache_flags = _cache_launch(cache, lse)
-    packed_args, packed_flags = _packed_launch(packed, lse)
-    table_args = _table_args(_table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
-    _launch(
-        _fwd_kernel, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
-        *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
-        *_input_args(tensors), *table_args,
-        B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
-        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
-        **packed_flags, bind=_plan_site(plan, "forward", bool(table)))
-    return out, lse
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device):
-    if device.type != "cuda":
-        return None
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
-def _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known, build, plan=None):
-    """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
-    portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
-    tiles agree) or build(key). `plan`: the call's _CallPlan, which has the family and binds the
-    launches. Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
-    _, name, launch = plan.backward_family if plan is not None else _backward_family(q, k, v)
-    kernels = ([1, 2] if launch is None else [name]) if TILE_TABLE else []
-    tables = dict(zip(kernels, _resolve(kernels, q, v, known, build)))
-    plan = _backward_plan(plan, do, dlse)
-    if launch is not None:
-        return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan)
-    return _portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())),
-                              plan=plan)
-
-
-def _backward_family(q, k, v, packed=False):
-    """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
-    of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take);
-    ("portable", "portable", None) when none does."""
-    return next(((family, name, launch) for family, name, serves, launch in BACKWARD_FAMILIES
-                 if (not packed or family in PACKED_BACKWARD_FAMILIES) and serves(q, k, v)),
-                ("portable", "portable", None))
-
-
-def _row_terms(out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
-    """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
-    (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
-    rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-    in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, an
-    fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is zeroed in the
-    same pass. `plan`: the backward's (_backward_plan)."""
-    B, H, Q_LEN, DV = out.shape
-    D = dq_sum.shape[-1] if dq_sum is not None else DV
-    dlse = dlse.contiguous() if dlse is not None else None
-    q_rows = q_rows or Q_LEN
-    delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
-    lse2 = torch.empty_like(delta) if lse is not None else None
-    pre_m = 64
-    _launch(
-        _bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
-        lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta,
-        dq_sum if dq_sum is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV,
-        HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
-        HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, bind=_plan_site(plan, "row terms"))
-    return delta, lse2
-
-
-def _input_grads(tensors, device):
-    """An fp32 gradient of zeros per learnable input, None for the others: the kernels add into them."""
-    return [torch.zeros(t.shape, dtype=torch.float32, device=device) if learnable else None
-            for (name, (dtype, dims, learnable)), t in zip(INPUTS.items(), tensors)]
-
-
-def _in_input_dtypes(grads, tensors):
-    """The summed gradients of _input_grads, each in its input's dtype."""
-    return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
-
-
-def _portable_backward(q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None):
-    """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
-    backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward.
-    Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
-    D, DV = q.shape[3], v.shape[3]
-    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
-    sm_scale = softmax_scale(D)
-    sizes = _sizes(q, k)
-    # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
-    # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
-    # dense). contiguous() copies only when needed (an expansion is not contiguous).
-    do = do.contiguous() if do.stride(-1) != 1 else do
-    delta, _ = _row_terms(out, do, dlse, plan=plan)
-    tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
-    dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
-    grads = _input_grads(tensors, q.device)
-    grad_args = [g for g in grads if g is not None]
-    visits = visits or {}
-    bm1, bn1, warps1, stages1 = _tiles(q, v, 1)
-    bm2, bn2, warps2, stages2 = _tiles(q, v, 2)
-    n_kv_tiles, n_q_tiles = _cdiv(KV_LEN, bn1), _cdiv(Q_LEN, bm2) * (H // HKV)
-    table_args = [_table_args(_table_key(q, v, kernel), table, sizes, placeholder=delta)
-                  for kernel, table in zip((1, 2), tables)]
-    packed_args, packed_flags = _packed_launch(packed, delta)
-    args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
-            *[stride for t in (q, k, v, do, dq, dk, dv) for stride in _batch_strides(t, packed)],
-            *_input_args(tensors), *grad_args, *table_args[0], *table_args[1],
-            B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta), *packed_args)
-    d_pad, dv_pad = _widths(D, DV)
-    # The two kernels follow their tables together: both are built, or neither (a packed call).
-    constants = dict(HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
-                     BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
-                     COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype),
-                     FOLLOW_TABLE=all(tabled) and TILE_TABLE, **packed_flags)
-    if ONE_LAUNCH_BACKWARD:
-        _launch(_bwd_kernel, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
-                num_stages=max(stages1, stages2), **constants, bind=_plan_site(plan, "backward", 3, tabled))
-    else:
-        # Two launches, on two streams on a GPU, so each half gets its own warp count and one's
-        # last wave still overlaps the other's.
-        side = _side_stream(q.device)
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _launch(_bwd_kernel, (n_kv_tiles, B * HKV), *args, PARTS=1, num_warps=warps1, num_stages=stages1,
-                    **constants, bind=_plan_site(plan, "backward", 1, tabled))
-        _launch(_bwd_kernel, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants,
-                bind=_plan_site(plan, "backward", 2, tabled))
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
-                for t in (q, k, v, do, lse, delta, dk, dv, *tensors):
-                    t.record_stream(side)  # the allocator must not hand their memory out before dK/dV ends
-    return dq, dk, dv, _in_input_dtypes(grads, tensors)
-
-
-def _no_double_backward():
-    if torch.is_grad_enabled():
-        # Under create_graph=True the kernels' gradients would come back without a graph, so a
-        # loss built from them (a gradient penalty) would silently miss its own gradient.
-        _fail("double backward (backward with create_graph=True, as a gradient penalty needs) is not "
-              "supported: the kernels' gradients are not differentiable; compute such losses with "
-              "the float64 reference, attngen.reference.evaluate")
-
-
-class _Attention(torch.autograd.Function):
-    """Eager calls: the kernels behind one autograd node, reached without the dispatcher."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, known, plan, *tensors):
-        ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
-        ctx.plan = plan
-        ctx.build = _builder(_sizes(q, k), q.device, tensors, plan)
-        out, lse = _forward_with_tables(q, k, v, tensors, known, ctx.build, plan)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        _no_double_backward()
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(out)
-        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build,
-                                                        ctx.plan)
-        return (dq, dk, dv, None, None, *input_grads)
-
-
-# --- torch.compile: the kernels as custom operators ------------------------------------------------
-# Under torch.compile the kernels run as opaque custom operators (torch.library.custom_op: table,
-# forward, backward, the forward of cache calls, which has no backward, and a packed call's forward and
-# backward, which its eager calls run too) with fake
-# implementations that give shapes, and an autograd formula that calls the backward operator, so a compiled model has no graph break and dynamic lengths need
-# no recompile. The host code is the same Python as in eager; eager calls skip the dispatcher,
-# which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
-# The names carry a digest of this module's text: an identical module imported again in this
-# process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "e11c1dc977dee747"
-
-
-# A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
-# tensors, not None), in the order of INPUTS.
-def _learnable_grads_like(tensors):
-    """The fakes' learnable-input gradients: one shaped like each learnable input."""
-    return [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(INPUTS.items(), tensors) if learnable]
-
-
-def _per_input(grads):
-    """A backward operator's learnable gradients spread over INPUTS: None for an input that is not learnable."""
-    grads = iter(grads)
-    return [next(grads) if learnable else None for (_, (_, _, learnable)) in INPUTS.items()]
-
-
-def _define_operators(table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name):
-    @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
-    def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
-                 block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _build_table((by_query, block_m, block_n), _sizes(q, k), q.device, tensors)
-
-    @table_op.register_fake
-    def _(q, k, tensors, by_query, block_m, block_n):
-        return _empty_table((by_query, block_m, block_n), _sizes(q, k), q.device)
-
-    @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
-    def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                   tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # The user's tables, if any, else the table of the family that runs, built here (at run time,
-        # where the family is known without guarding the compiled graph on the shapes).
-        known = dict(zip(_table_kernels(True), _pairs(tables)))
-        return _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors))
-
-    # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
-    # torch.compile plans with are the ones the kernels write.
-    @forward_op.register_fake
-    def _(q, k, v, tensors, tables):
-        B, H, Q_LEN, _ = q.shape
-        return _empty_in_layout(q, v.shape[3]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
-
-    @torch.library.custom_op(f"attngen::{backward_name}", mutates_args=())
-    def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor], tables: list[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        # The user's tables, if any, else those of the family that runs, built here (as the forward does).
-        known = dict(zip(_table_kernels(True), _pairs(tables)))
-        dq, dk, dv, input_grads = _backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
-                                                        _builder(_sizes(q, k), q.device, tensors))
-        return dq, dk, dv, [g for g in input_grads if g is not None]
-
-    @backward_op.register_fake
-    def _(q, k, v, out, lse, do, dlse, tensors, tables):
-        return (_empty_in_layout(q, q.shape[3]), _empty_in_layout(k, k.shape[3]), _empty_in_layout(v, v.shape[3]),
-                _learnable_grads_like(tensors))
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, tensors, tables = inputs
-        ctx.save_for_backward(q, k, v, *output, *tensors, *tables)
-        ctx.counts = len(tensors), len(tables)
-
-    def backward(ctx, do, dlse):
-        _no_double_backward()
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        n_tensors, n_tables = ctx.counts
-        tensors, flat = rest[:n_tensors], rest[n_tensors:]
-        dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
-        return dq, dk, dv, _per_input(grads), [None] * n_tables
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
-
-    @torch.library.custom_op(f"attngen::{cache_name}", mutates_args=())
-    def cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                 kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv_len, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
-        return _cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages)
-
-    @cache_op.register_fake
-    def _(q, k, v, tensors, kv_len, q_offset, pages):
-        B, H, Q_LEN, _ = q.shape
-        return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
-
-    # Packed calls, eager or compiled, run these two: q, k, v, O and the gradients are (TOTAL, heads, D),
-    # LSE (H, TOTAL_Q); max_seqlen_q/k size the grid.
-    @torch.library.custom_op(f"attngen::{packed_name}", mutates_args=())
-    def packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        q, k, v = map(_packed_view, (q, k, v))
-        _, launch = _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)
-        if launch is not None:
-            out, lse = launch(q, k, v, tensors, (), packed=packed)
-        else:
-            out, lse = _portable_forward(q, k, v, tensors, (), packed=packed)
-        return _unpacked(out), lse[0]
-
-    @packed_op.register_fake
-    def _(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return (_unpacked(_empty_in_layout(_packed_view(q), v.shape[-1])),
-                q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
-
-    @torch.library.custom_op(f"attngen::{packed_backward_name}", mutates_args=())
-    def packed_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                           do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor],
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                           max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
-        q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
-        _, _, launch = _backward_family(q, k, v, packed=True)
-        if launch is not None:
-            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed)
-        else:
-            dq, dk, dv, input_grads = _portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors, ((), ()),
-                                                         packed=packed)
-        return _unpacked(dq), _unpacked(dk), _unpacked(dv), [g for g in input_grads if g is not None]
-
-    @packed_backward_op.register_fake
-    def _(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return (*(_unpacked(_empty_in_layout(_packed_view(t), t.shape[-1])) for t in (q, k, v)),
-                _learnable_grads_like(tensors))
-
-    def packed_setup_context(ctx, inputs, output):
-        q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
-        ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *tensors)
-        ctx.max_seqlens = max_seqlen_q, max_seqlen_k
-
-    def packed_backward(ctx, do, dlse):
-        _no_double_backward()
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
-        dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
-                                               cu_seqlens_k, *ctx.max_seqlens)
-        return dq, dk, dv, _per_input(grads), None, None, None, None
-
-    packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
-
-
-def _operators():
-    """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of
-    this module's kernels."""
-    names = [f"{SPEC_NAME}_{MODULE_DIGEST}_{part}"
-             for part in ("table", "forward", "backward", "cache", "packed", "packed_backward")]
-    if not all(hasattr(torch.ops.attngen, name) for name in names):
-        _define_operators(*names)
-    return tuple(getattr(torch.ops.attngen, name).default for name in names)
-
-
-OPERATORS = _operators()
-
-
-def _operator_builder(q, k, tensors):
-    """build(key) for _resolve under torch.compile: the table operator."""
-    return lambda key: tuple(OPERATORS[0](q, k, list(tensors), *key)) if TILE_TABLE else ()
-
-
-def _compiled_attention(q, k, v, tensors, known):
-    # The user's tables travel whole (the backward follows them too); else none: the forward operator
-    # picks the family at run time and builds its table (asking which here would guard the graph on the
-    # shapes, a recompile where dynamic lengths cross a family's rule), and the backward builds its own.
-    tables = _resolve(_table_kernels(True), q, v, known, _operator_builder(q, k, tensors)) if known else []
-    return OPERATORS[1](q, k, v, tensors, [t for table in tables for t in table])
-
-
-def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-         max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
-    """This module's attention: softmax over the allowed keys of the modified scores, times V.
-
-    Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
-    LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
-    in q, k, v and the learnable inputs, if any (once: no double backward).
-    A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
-    ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
-    first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
-    The mask and score see those positions as q and kv_len[b] as KV_LEN. Forward only.
-    A paged cache: k and v are pages (NUM_PAGES, PAGE_SIZE, HKV, D/DV), PAGE_SIZE a multiple of 16;
-    page_table ((B, MAX_PAGES) int32) maps row b's logical page p to a physical one; kv_len is
-    required (at most MAX_PAGES * PAGE_SIZE).
-    A packed call (FlashAttention's varlen layout): q (TOTAL_Q, H, D), k and v (TOTAL_K, HKV, D/DV);
-    sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v by
-    cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
-    length) size the grid. Positions restart at 0 in every sequence, b is its index and Q_LEN/KV_LEN its
-    lengths; an input dim declared Q_LEN or KV_LEN is max_seqlen_q or max_seqlen_k long. Returns out
-    (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs the portable kernels, with no tile tables.
-    tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
-    inputs across calls (built for these inputs' current values; by default each call builds its own).
-    Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
-    torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
-    """
-    q, k, v = _autocast(q, k, v)
-    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if _is_packed(*packed):
-        if kv_len is not None or q_offset is not None or page_table is not None:
-            _fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
-                  "packed calls are training and prefill calls, positions restarting at 0 in every sequence")
-        if tile_tables is not None:
-            _fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
-                  "equal lengths, and packed calls run without them")
-        out, lse = _packed_attention(q, k, v, inputs, *packed)
-        return (out, lse) if return_lse else out
-    if page_table is not None:
-        out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
-        return (out, lse) if return_lse else out
-    if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
-        plan, sizes = None, _check(q, k, v, inputs)
-    else:
-        plan = _call_plan(q, k, v, inputs)
-        sizes = plan.sizes
-    B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
-    if kv_len is not None or q_offset is not None:
-        out, lse = _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
-        return (out, lse) if return_lse else out
-    _check_learnable(inputs)
-    known = {} if tile_tables is None else _checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
-    if known:
-        plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
-    tensors = [inputs[name].contiguous() for name in INPUTS]
-    if torch.compiler.is_compiling():
-        out, lse = _compiled_attention(q, k, v, tensors, known)
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-        out, lse = _Attention.apply(q, k, v, known, plan, *tensors)
-    else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
-        out, lse = _forward_with_tables(q, k, v, tensors, known, _builder(_sizes(q, k), q.device, tensors, plan),
-                                        plan)
-    return (out, lse) if return_lse else out
-
-
-def _check_learnable(inputs):
-    if torch.is_grad_enabled():
-        for name, (_, _, learnable) in INPUTS.items():
-            if inputs[name].requires_grad and not learnable:
-                _fail(f"input '{name}' requires grad, but the spec does not declare it learnable, so it would "
-                      f"get no gradient: declare it `input {name}: {_declared(name)} learnable`, or pass it "
-                      f"detached")
-
-
-# --- packed calls: sequences of any lengths in FlashAttention's varlen layout ------------------------
-def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """Whether a call's keywords make it a packed call: any of the four (the others are then checked
-    present by _check_packed, rather than silently ignored)."""
-    return any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-
-
-def _packed_view(t):
-    """A packed (TOTAL, heads, D) tensor as the (1, heads, TOTAL, D) view the portable kernels read."""
-    return t.unsqueeze(0).transpose(1, 2)
-
-
-def _unpacked(t):
-    """_packed_view's inverse: (1, heads, TOTAL, D) back to (TOTAL, heads, D)."""
-    return t.squeeze(0).transpose(0, 1)
-
-
-def _packed_attention(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k): checked, then the packed operator, whose
-    autograd runs the packed backward."""
-    _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-    _check_learnable(inputs)
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
-    # captured or under torch.compile.
-    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    tensors = [inputs[name].contiguous() for name in INPUTS]
-    return OPERATORS[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
-def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
-    """A packed call's tensors, offsets' tensors and sizes; returns (B, H, HKV, max_seqlen_q, max_seqlen_k,
-    D, DV), B its number of sequences."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_nested:
-            _fail(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
-        if t.dim() != 3:
-            _fail(f"{name} must have 3 dims (TOTAL, heads, head_dim) in a packed call (cu_seqlens_q=...), "
-                  f"got shape {tuple(t.shape)}")
-    _check_tensors(*map(_packed_view, (q, k, v)))
-    TOTAL_K, HKV = k.shape[0], k.shape[1]
-    if v.shape[0] != TOTAL_K or v.shape[1] != HKV:
-        _fail(f"v must have {TOTAL_K} tokens of {HKV} heads like k, got shape {tuple(v.shape)}")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and t.shape[0] >= 2
-                and t.device == q.device):
-            _fail(f"{name} must be a 1-D int32 tensor of B + 1 >= 2 offsets on {q.device}, got "
-                  + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
-    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
-        _fail(f"cu_seqlens_k must have {cu_seqlens_q.shape[0]} offsets like cu_seqlens_q (one sequence each), "
-              f"got {cu_seqlens_k.shape[0]}")
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(n, (int, torch.SymInt)) or isinstance(n, bool):
-            _fail(f"{name} must be a Python int (the longest sequence's length), got {type(n).__name__}")
-        if not 1 <= n <= MAX_LENGTH:
-            _fail(f"{name} must lie in [1, {MAX_LENGTH}] ({MAX_LENGTH_REASON}), got {n}")
-    B = cu_seqlens_q.shape[0] - 1
-    _check_sizes(B, q.shape[1], HKV, max_seqlen_q, max_seqlen_k, q.shape[2], v.shape[2], inputs, q.device)
-    return B, q.shape[1], HKV, max_seqlen_q, max_seqlen_k, q.shape[2], v.shape[2]
-
-
-def _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """A packed call's offsets: each from 0 to its tensor's TOTAL, non-decreasing, no sequence longer than
-    its max_seqlen; every flag computed on the device, read in one sync."""
-    checks = (("q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("k", cu_seqlens_k, k.shape[0], max_seqlen_k))
-    flags = []
-    for _, cu, total, longest in checks:
-        lengths = cu[1:] - cu[:-1]
-        flags += [(cu[0] != 0) | (cu[-1] != total) | (lengths < 0).any(), (lengths > longest).any()]
-    bad = torch.stack(flags).tolist()
-    for n, (name, cu, total, longest) in enumerate(checks):
-        if bad[2 * n]:
-            shown = cu.tolist()
-            shown = shown if len(shown) <= 8 else [*shown[:4], "...", *shown[-3:]]
-            _fail(f"cu_seqlens_{name} must rise from 0 to TOTAL = {total} ({name}.shape[0]) without decreasing, "
-                  f"got {shown}")
-        if bad[2 * n + 1]:
-            _fail(f"max_seqlen_{name} must be at least every sequence's length, got {longest} for a sequence of "
-                  f"{int((cu[1:] - cu[:-1]).max())}")
-
-
-def _check_paged(q, k, v, page_table, kv_len, inputs):
-    """A paged call's tensors and sizes; returns MAX_KV, the longest row its page table can hold."""
-    _check_tensors(q, k, v)
-    B, H, Q_LEN, D = q.shape
-    NUM_PAGES, PAGE_SIZE, HKV = k.shape[0], k.shape[1], k.shape[2]
-    if tuple(v.shape[:3]) != (NUM_PAGES, PAGE_SIZE, HKV):
-        _fail(f"v must hold pages (NUM_PAGES, PAGE_SIZE, HKV, DV) = ({NUM_PAGES}, {PAGE_SIZE}, {HKV}, DV) like k, "
-              f"got shape {tuple(v.shape)}")
-    if PAGE_SIZE % 16 != 0:
-        _fail(f"the page size (k.shape[1]) must be a multiple of 16, got {PAGE_SIZE}")
-    if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32 and page_table.dim() == 2
-            and page_table.shape[0] == B and page_table.device == q.device):
-        _fail(f"page_table must be an int32 tensor of shape ({B}, MAX_PAGES) on {q.device}, got "
-              + (f"{page_table.dtype} {tuple(page_table.shape)} on {page_table.device}"
-                 if isinstance(page_table, torch.Tensor) else type(page_table).__name__))
-    if kv_len is None:
-        _fail("a paged cache needs kv_len, each row's number of valid keys")
-    MAX_KV = page_table.shape[1] * PAGE_SIZE
-    _check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
-    return MAX_KV
-
-
-def _cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None):
-    """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone."""
-    B, Q_LEN = q.shape[0], q.shape[2]
-    if page_table is not None:
-        MAX_KV = _check_paged(q, k, v, page_table, kv_len, inputs)
-    else:
-        MAX_KV = k.shape[2]
-    for name, t in (("kv_len", kv_len), ("q_offset", q_offset)):
-        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and tuple(t.shape) == (B,)
-                                  and t.device == q.device):
-            _fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
-                  + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
-    if tile_tables is not None:
-        _fail("tile_tables must be None in a call with kv_len, q_offset or page_table: tables are built for "
-              "query positions 0 .. Q_LEN-1, and cache calls run without them")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
-        _fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
-              "tensors that do not require grad")
-    defaulted = q_offset is None
-    if defaulted:
-        q_offset = kv_len - Q_LEN
-    if kv_len is not None:
-        kv_len = kv_len.contiguous()
-    q_offset = q_offset.contiguous()
-    # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
-    # captured or under torch.compile, where the kernels still clamp lengths and page numbers to
-    # the cache (memory stays safe).
-    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
-    tensors = [inputs[name].contiguous() for name in INPUTS]
-    pages = [page_table.contiguous()] if page_table is not None else []
-    if torch.compiler.is_compiling():
-        return OPERATORS[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages)
-    return _cache_forward(q, k, v, tensors, kv_len, q_offset, pages)
-
-
-def _check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
-    """A cache call's values: every flag computed on the device, read in one sync; the message,
-    only on failure, reads the offending range."""
-    Q_LEN = q.shape[2]
-    flags = [(q_offset < 0).any(), (q_offset > MAX_LENGTH - Q_LEN).any()]
-    if kv_len is not None:
-        flags += [(kv_len < 0).any(), (kv_len > MAX_KV).any()]
-    if page_table is not None:
-        page_size = MAX_KV // page_table.shape[1]
-        used = torch.arange(page_table.shape[1], device=q.device) * page_size < kv_len[:, None]
-        flags.append((used & ((page_table < 0) | (page_table >= NUM_PAGES))).any())
-    bad = torch.stack(flags).tolist()
-    if bad[0] or bad[1]:
-        offset = "q_offset (by default kv_len - Q_LEN)" if defaulted else "q_offset"
-        _fail(f"query positions q_offset + 0 .. q_offset + {Q_LEN - 1} must lie in [0, {MAX_LENGTH}): "
-              f"{offset} ranges over [{int(q_offset.min())}, {int(q_offset.max())}] for Q_LEN={Q_LEN}")
-    if kv_len is not None and (bad[2] or bad[3]):
-        length = "MAX_PAGES * PAGE_SIZE" if page_table is not None else "k.shape[2]"
-        _fail(f"kv_len must lie in [0, {MAX_KV}] (the cache's length, {length}), got values in "
-              f"[{int(kv_len.min())}, {int(kv_len.max())}]")
-    if page_table is not None and bad[4]:
-        named = page_table[used]
-        _fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
-              f"values in [{int(named.min())}, {int(named.max())}]")
-
-
-def _cache_forward(q, k, v, tensors, kv_len, q_offset, pages):
-    """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
-    FORWARD_FAMILIES picks, with no tile table."""
-    return _forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
-
-
-def tile_tables(q, k, v, **inputs):
-    """The tile tables of these mask inputs' current values, to pass to attn(q, k, v,
-    tile_tables=..., **inputs) in calls of the same sizes, dtype, head dims and device, so those
-    calls skip building them. Build them again whenever the values the mask reads change (a table
-    cannot tell), as with FlexAttention's BlockMask. A spec whose mask needs no tables gets an
-    empty object, so code can pass one whatever the spec."""
-    q, k, v = _autocast(q, k, v)  # the call's dtype decides the tiles
-    B, H, HKV, Q_LEN, KV_LEN, _, _ = _check(q, k, v, inputs)
-    sizes = (B, H, HKV, Q_LEN, KV_LEN)
-    tensors = [inputs[name].contiguous() for name in INPUTS]
-    known = {}
-    # Under torch.compile the table operator builds them, as in a call (the kernels' launch is not traceable).
-    build = _operator_builder(q, k, tensors) if torch.compiler.is_compiling() else _builder(sizes, q.device, tensors)
-    _resolve(_table_kernels(True), q, v, known, build)
-    keys = {kernel: _table_key(q, v, kernel) for kernel in _table_kernels(True)}
-    return TileTables(sizes, q.device, _built_for(q, v), keys, known)
-
-
-def forward_family(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                   max_seqlen_q=None, max_seqlen_k=None, **inputs):
-    """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
-    family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
-    The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
-    A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
-    D) views, else the portable one."""
-    q, k, v = _autocast(q, k, v)
-    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        q, k, v = map(_packed_view, (q, k, v))
-        return _forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)[0]
-    if page_table is not None:
-        _check_paged(q, k, v, page_table, kv_len, inputs)
-    else:
-        _check(q, k, v, inputs)
-    cached = kv_len is not None or q_offset is not None or page_table is not None
-    return _forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
-
-
-def backward_family(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    **inputs):
-    """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
-    or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
-    packed call)."""
-    q, k, v = _autocast(q, k, v)
-    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        return _backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]
-    _check(q, k, v, inputs)
-    return _backward_family(q, k, v)[0]
-
-
-def visit_counts(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs):
-    """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
-    counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
-    "dkdv": (B, H, key tiles, query tiles)} int32 tensors, one entry per tile: 0 skipped,
-    1 visited with mask code, 16 visited without; any other value would be a repeated visit.
-    A packed call's: B is its number of sequences, its tiles those of max_seqlen_q/k, counted from each
-    sequence's first token."""
-    q, k, v = _autocast(q, k, v)
-    packed = None
-    if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-        _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, q.shape[0])
-        q, k, v = map(_packed_view, (q, k, v))
-    else:
-        _check(q, k, v, inputs)
-    tensors = [inputs[name].contiguous() for name in INPUTS]
-    B, H, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
-
-    def counters(kernel, by_query):
-        block_m, block_n = _tiles(q, v, kernel)[:2]
-        n_q, n_k = _cdiv(Q_LEN, block_m), _cdiv(KV_LEN, block_n)
-        shape = (B, H, n_q, n_k) if by_query else (B, H, n_k, n_q)
-        return torch.zeros(shape, dtype=torch.int32, device=q.device)
-
-    counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
-    tables = _resolve(range(3), q, v, {}, _builder(_sizes(q, k), q.device, tensors)) if packed is None else [()] * 3
-    with torch.no_grad():
-        out, lse = _portable_forward(q, k, v, tensors, tables[0], visits=counts["fwd"], packed=packed)
-        _portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
-                           visits={"dkdv": counts["dkdv"], "dq": counts["dq"]}, packed=packed)
-    return counts
-
-
-# --- decode family: split-KV forward ----------------------------------------------------------------
-# Each program should still stream a few key tiles, so a share is at least this many tiles long; and
-# about this many programs per SM hide the loads' latency (the loop is memory-bound). Swept on an H200
-# (bf16, D=128, 32/8 heads, benchmarks/decode_bench.py --sweep): 2 per SM against 4 and 8, B=1 over
-# 128k keys took 0.152 ms against 0.212 and 0.259 (shorter shares pay their pipeline fill more
-# often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
-DECODE_MIN_TILES = 4
-DECODE_PROGRAMS_PER_SM = 2
-
-
-# Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
-# from the call's shapes alone (no sync, the same answer in a CUDA graph). The model: the portable forward
-# runs one program per SM (its 128 KiB of shared memory), so ceil(programs / SMs) waves of its loop over
-# the key tiles; the split kernel runs DECODE_PROGRAMS_PER_SM per SM, its tile math at the rate below,
-# or its K/V reads at HBM speed if slower. The rates are fitted on an H200 (bf16, D=128, GQA 32/8,
-# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`, in
-# BENCHMARKS.md), where the model picked the faster kernel on 62 of 63 shapes and the miss cost 1%.
-PORTABLE_FLOPS_PER_SM = 3.7e12
-SPLIT_FLOPS_PER_SM = 1.9e12
-HBM_BYTES_PER_SECOND = 4.0e12
-
-
-def _decode_serves(q, k, v, HKV, KV_LEN, cached):
-    """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
-    contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
-    the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
-    split kernel is predicted faster than the portable forward, which would run it otherwise."""
-    if (q.shape[1] // HKV) * q.shape[2] <= DECODE_MAX_ROWS:
-        return True
-    # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not
-    # see; and the model knows the portable forward's speed only: a call a later family takes (the Hopper
-    # family, any call but a cache call) runs there.
-    if TILE_TABLE or _forward_family(q, k, v, HKV, KV_LEN, cached, after="decode")[0] != "portable":
-        return False
-    portable, split = _predicted_seconds(q, v, HKV, KV_LEN)
-    return split < portable
-
-
-def _predicted_seconds(q, v, HKV, KV_LEN):
-    """(portable, split): the two forward kernels' predicted times for this call (the model above)."""
-    B, H, Q_LEN, D = q.shape
-    DV = v.shape[3]
-    sms = _sm_count(q.device)
-    block_m, block_n = _tiles(q, v, 0)[:2]
-    waves = _cdiv(_cdiv(Q_LEN, block_m) * B * H, sms)
-    portable = waves * _cdiv(KV_LEN, block_n) * 2 * block_m * block_n * (D + DV) / PORTABLE_FLOPS_PER_SM
-    rows = (H // HKV) * Q_LEN
-    split_m, split_n = _decode_block_m(rows), _decode_block_n(q, v)
-    row_blocks = _cdiv(rows, split_m)
-    n_tiles = _cdiv(KV_LEN, split_n)
-    splits = _decode_splits(n_tiles, B * HKV * row_blocks, q.device)
-    split_waves = max(1.0, splits * B * HKV * row_blocks / (DECODE_PROGRAMS_PER_SM * sms))
-    tile_seconds = DECODE_PROGRAMS_PER_SM * 2 * split_m * split_n * (D + DV) / SPLIT_FLOPS_PER_SM
-    reads = row_blocks * B * HKV * KV_LEN * (D + DV) * q.element_size() / HBM_BYTES_PER_SECOND
-    return portable, max(split_waves * _cdiv(n_tiles, splits) * tile_seconds, reads)
-
-
-def _decode_block_m(rows):
-    """The rows of one decode tile: the call's rows, at least 16 (tl.dot), at most DECODE_MAX_ROWS."""
-    return min(DECODE_MAX_ROWS, max(16, _next_power_of_2(rows)))
-
-
-def _decode_block_n(q, v):
-    return _family_tiles(q, v, "decode")[1]
-
-
-def _decode_splits(n_tiles, programs, device):
-    """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
-    (a runtime argument, so no recompile per batch size or length)."""
-    wanted = _cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs)
-    return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
-
-
-def _decode_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None):
-    """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
-    tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
-    (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
-    cache). Returns out and the natural-log LSE, as the portable forward does."""
-    B, H, Q_LEN, D = q.shape
-    DV = v.shape[3]
-    HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
-    sm_scale = softmax_scale(D)
-    d_pad, dv_pad = _widths(D, DV)
-    _, block_n, warps, stages, _ = _family_tiles(q, v, "decode")
-    rows = (H // HKV) * Q_LEN
-    block_m = _decode_block_m(rows)
-    row_blocks = _cdiv(rows, block_m)
-    splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
-    part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    cache_args, cache_flags = _cache_launch(cache, part_lse)
-    _launch(
-        _decode_fwd_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
-        *q.stride(), *k_strides, *v_strides, *_input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
-        *page_args,
-        HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
-        bind=_plan_site(plan, "decode"))
-    out = _empty_in_layout(q, DV)
-    lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
-    n_rows = B * H * Q_LEN
-    block_r = 16
-    _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse, H, Q_LEN, n_rows,
-            splits, HEAD_DIM_V=DV,
-            HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
-    return out, lse
-
-
-# --- hopper family: the Gluon forward -----------------------------------------------------------
-# The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
-# padded widths (zero-filled past the head dim on loads, clipped on stores), rows must be 16-byte
-# multiples (8 elements), and below 64 the padding would double the work.
-HOPPER_DTYPES = (torch.bfloat16, torch.float16)
-HOPPER_HEAD_DIMS = range(64, 257, 8)
-# The kernels address q, k, v and out by TMA as (B, heads, length, D) tensors, whose coordinates are
-# int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
-HOPPER_MAX_LENGTH = 2**31 - 256
-# TMA's bounds on a tensor's layout: a 16-byte-aligned base, the last dim dense, the other strides
-# multiples of 16 bytes below 2**40 (cuTensorMapEncodeTiled).
-HOPPER_TMA_ALIGN = 16
-HOPPER_TMA_MAX_STRIDE = 2**40
-
-
-# Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
-# be run on any GPU; the family's kernels compile for sm_90 only.
-_HOPPER_DEVICES = {}
-
-
-def _hopper_device(device):
-    if device not in _HOPPER_DEVICES:
-        _HOPPER_DEVICES[device] = torch.cuda.get_device_capability(device)[0] == 9
-    return _HOPPER_DEVICES[device]
-
-
-def _hopper_tma_strides(t):
-    """The strides of t's TMA descriptor: its own (any layout: a transposed (B, length, heads, D) view
-    costs nothing), except that a dim of size 1, which TMA never steps, gets a stride TMA takes (the
-    last dim's size: 16-byte multiples for the tensors _hopper_addressable admits)."""
-    strides = t.stride()
-    if 1 in t.shape:
-        strides = tuple(stride if size > 1 else (t.shape[-1] if i < t.dim() - 1 else 1)
-                        for i, (size, stride) in enumerate(zip(t.shape, strides)))
-    return strides
-
-
-def _hopper_addressable(t):
-    """Whether TMA can address t in _hopper_tma_strides: a 16-byte-aligned base, the last stride 1, the
-    others positive multiples of 16 bytes below 2**40."""
-    strides = _hopper_tma_strides(t)
-    step = HOPPER_TMA_ALIGN // t.element_size()
-    return (t.data_ptr() % HOPPER_TMA_ALIGN == 0 and strides[-1] == 1
-            and all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1]))
-
-
-def _hopper_serves(q, k, v, HKV, KV_LEN, cached):
-    """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
-    cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
-    addresses (_hopper_addressable: any strides of 16-byte multiples), lengths int32-addressable."""
-    B, H, Q_LEN, D = q.shape
-    return (not cached and q.is_cuda and q.dtype in HOPPER_DTYPES and _hopper_device(q.device)
-            and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
-            and all(_hopper_addressable(t) for t in (q, k, v)))
-
-
-def _hopper_backward_serves(q, k, v):
-    """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
-    whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config)."""
-    return _hopper_serves(q, k, v, k.shape[1], k.shape[2], False)
-
-
-def _hopper_launch_config(block_m, pingpong):
-    """(num_warps, maxnreg) of a launch: pingpong runs two 4-warp consumer warpgroups (the default
-    partition and a worker) and a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
-    num_warps, worker_warps = (4, 4 + 1) if pingpong else (block_m // 16, 1)
-    # Registers are granted per warpgroup: the 1-warp producer still takes a whole warpgroup's slots.
-    # Cap the kernel so all warps (rounded up to warpgroups) fit the 64K-register file; setmaxnreg then
-    # moves the producer down to HOPPER_PRODUCER_REGS and the consumers up to what is left.
-    total_threads = (num_warps + _cdiv(worker_warps, 4) * 4) * 32
-    return num_warps, min(256, (65536 // total_threads) // 8 * 8)
-
-
-def _hopper_backward_config(block_n, warps):
-    """(num_warps, maxnreg, SPLIT_D) of a backward launch of `warps` consumer warps over key tiles of block_n:
-    one consumer partition, a 16-key slab a warp; where the warps outnumber the tile's slabs (64-key tiles,
-    head dims above 128), two warpgroups side by side split the head dims' columns (SPLIT_D)."""
-    return (*_hopper_launch_config(16 * warps, False), 16 * warps > block_n)
-
-
-class _HopperDescriptor(TensorDescriptor):
-    """A TMA descriptor without TensorDescriptor's checks, which cost ~5 us each on the host and a call
-    builds up to seven: the family builds descriptors only of tensors its per-call rule admitted or that
-    it allocated (16-byte aligned bases, rows of 16-byte multiples, sizes of at least 1), in boxes of its
-    tiles (tests/test_hopper.py runs the checks on them)."""
-
-    def __post_init__(self):
-        pass
-
-
-def _hopper_tile_box(rows, width):
-    """The TMA box of one head's `rows` rows and `width` columns of a (B, heads, length, D) tensor."""
-    return [1, 1, rows, width]
-
-
-def _hopper_descriptor(t, rows, width):
-    """A TMA descriptor of t (B, heads, length, D) in its own strides (_hopper_tma_strides), read and
-    written in boxes of _hopper_tile_box (zero-filled past the head's length and D on loads, clipped there
-    on stores and reductions)."""
-    box = _hopper_tile_box(rows, width)
-    return _HopperDescriptor(t, t.shape, _hopper_tma_strides(t), box, _hopper_layout(box, t.dtype))
-
-
-def _hopper_row_descriptor(t, rows):
-    """A TMA descriptor of t (B, H, rows padded to whole tiles) fp32 as (B * H, padded rows), in boxes of
-    one head's `rows` rows."""
-    box = [1, rows]
-    view = t.view(-1, t.shape[-1])
-    return _HopperDescriptor(view, view.shape, view.stride(), box, _hopper_layout(box, t.dtype))
-
-
-# The shared-memory layout of each box shape and dtype, computed once: get_default_for is pure Python
-# and took a sixth of a call's host time on the H200 (tools/hopper/host_overhead.py).
-_HOPPER_LAYOUTS = {}
-
-
-def _hopper_layout(block_shape, dtype):
-    key = (*block_shape, dtype)
-    if key not in _HOPPER_LAYOUTS:
-        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-        _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
-    return _HOPPER_LAYOUTS[key]
-
-
-def _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
-                    packed=None):
-    """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
-    lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
-    the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
-    plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
-    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
-    TOTAL, D) views (_packed_view), or None."""
-    D, DV = q.shape[3], v.shape[3]
-    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
-    d_pad, dv_pad = _widths(D, DV)
-    out = _empty_in_layout(q, DV)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
-    rows = block_m // 2 if pingpong else block_m
-    q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
-    v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
-    # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
-    # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
-    grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
-    work_counter = torch.zeros(2, dtype=torch.int32, device=q.device)
-    sm_scale = softmax_scale(D)
-    table_args = _table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
-    packed_args, packed_flags = _packed_launch(packed, lse)
-
-    def run():
-        _launch(_hopper_fwd_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
-                sm_scale, sm_scale * LOG2E.value, *_input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
-                *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-                BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                DEFER_SCALE=HOPPER_PLAIN_SCORE and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
-                bind=_plan_site(plan, "hopper", bool(table)), **packed_flags)
-        return out, lse
-
-    return run
-
-
-def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None):
-    """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
-    tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-    call's _CallPlan; `packed` a packed call's, as for _hopper_prepare. Returns out and the natural-log
-    LSE, as the portable forward does."""
-    block_m, block_n, _, stages, q_buffers = _family_tiles(q, v, "hopper")
-    return _hopper_prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed)()
-
-
-# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
-HOPPER_DQ_FINISH_BLOCK = 2048
-
-
-def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
-    """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
-    (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-    (_backward_plan); `packed` a packed call's, as for _hopper_prepare. Returns dq, dk, dv and one
-    gradient per input (None for inputs that are not learnable), as the portable backward does."""
-    D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
-    B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
-    # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
-    if not _hopper_addressable(do):
-        do = do.clone(memory_format=torch.contiguous_format)
-    block_m, block_n, warps, stages, _ = _family_tiles(q, v, "hopper_bwd")
-    # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
-    # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
-    dq_sum = _empty_in_layout(q, D, torch.float32)
-    # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-    delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
-    d_pad, dv_pad = _widths(D, DV)
-    sm_scale = softmax_scale(D)
-    dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
-    grads = _input_grads(tensors, q.device)
-    num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
-    descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
-                   _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
-                   _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
-                   _hopper_descriptor(dq_sum, block_m, d_pad))
-    table_args = _table_args(_table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
-    packed_args, packed_flags = _packed_launch(packed, delta)
-    _launch(
-        _hopper_bwd_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
-        *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
-        *_input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
-        *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
-        maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags)
-    dq = _empty_in_layout(q, D)
-    _launch(_hopper_dq_finish, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
-            BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
-    return dq, dk, dv, _in_input_dtypes(grads, tensors)
-
-
-# The families whose forward kernel a call may run, in order of preference: (name, per-call rule,
-# launch); a call none of them admits runs the portable forward.
-FORWARD_FAMILIES = (('decode', _decode_serves, _decode_forward), ('hopper', _hopper_serves, _hopper_forward),)
-# Those of them whose forward follows the mask's tile tables, with tiles of its own (FAMILY_TILES).
-TABLE_FAMILIES = ('hopper',)
-# The families whose backward kernels a call may run, in order of preference: (family, its backward's
-# name, which keys its tiles and its tile table, per-call rule, launch); a call none of them admits runs
-# the portable backward. Each follows tile tables of its own tiles.
-BACKWARD_FAMILIES = (('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_backward),)
-# Those of them whose forward, and whose backward, also serve packed calls; the others' go to the
-# portable family.
-PACKED_FAMILIES = ('hopper',)
-PACKED_BACKWARD_FAMILIES = ('hopper',)
+# ---- the declaration: this spec's facts and kernels, handed to the runtime ----
+def softmax_scale(D):
+    """The score scale for query/key head dim D."""
+    return float(1.0 / math.sqrt(D))
+
+
+# The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
+MODULE_DIGEST = "6653b38ee3a02e9b"
+FACTS = SpecFacts(
+    name="alibi_causal",
+    fingerprint="a3ed7f9b8e750862",
+    digest=MODULE_DIGEST,
+    inputs={'slopes': ('f32', ('H',), False)},
+    plan={
+    (16, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (16, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (16, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (16, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (16, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (32, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (32, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (32, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (32, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (32, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (64, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 128, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 128, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (64, 128, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (64, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (64, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (64, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (128, 16, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 16, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 16, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 32, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 32, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 32, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 64, 'f16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 64, 'bf16'): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 64, 'f32'): ((64, 64, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 128, 'f16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 128, 'bf16'): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
+    (128, 128, 'f32'): ((64, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3)),
+    (128, 256, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (128, 256, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (128, 256, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 16, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 16, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 16, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 32, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 32, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 32, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 64, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 64, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 64, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 128, 'f16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 128, 'bf16'): ((64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 128, 'f32'): ((32, 32, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+    (256, 256, 'f16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 256, 'bf16'): ((64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2)),
+    (256, 256, 'f32'): ((32, 16, 4, 3), (32, 32, 8, 2), (64, 16, 8, 2)),
+},
+    tile_table=False,
+    table_reads=(),
+    table_per_b=False,
+    table_per_h=False,
+    table_steps={'q': 0, 'k': 0},
+    # backward: dK/dV and dQ programs in one launch (FlashAttention-2's and FlexAttention's
+    # layout: dQ programs fill the SMs that dK/dV's last wave leaves)
+    one_launch_backward=True,
+    max_length=2147483647,
+    max_length_reason="positions are int32 in the kernels",
+    max_batch_heads=65535,
+    masked_width_floor=64,
+    family_tiles={
+    (16, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (16, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (16, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (16, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (32, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (32, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (64, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (64, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 16, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 16, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 16, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 32, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 64, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'f16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'bf16'): {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 128, 'f32'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)},
+    (128, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (128, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 16, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 32, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 64, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 128, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 2), 'hopper_bwd': (64, 64, 8, 2, 1)},
+    (256, 256, 'f16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
+    (256, 256, 'bf16'): {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
+    (256, 256, 'f32'): {'decode': (64, 16, 4, 3, 1), 'hopper': (128, 64, 4, 2, 1), 'hopper_bwd': (64, 64, 8, 1, 1)},
+},
+    softmax_scale=softmax_scale,
+    forward_families=('decode', 'hopper'),
+    table_families=('hopper',),
+    backward_families=(('hopper', 'hopper_bwd'),),
+    packed_families=('hopper',),
+    packed_backward_families=('hopper',),
+)
+ATTENTION = Attention(
+    FACTS,
+    Kernels(forward=_fwd_kernel, bwd_preprocess=_bwd_preprocess, backward=_bwd_kernel,
+            table_by_query_classify=_table_by_query_classify, table_by_key_classify=_table_by_key_classify,
+            table_compact=_table_compact),
+    families={
+        'decode': dict(forward_kernel=_decode_fwd_kernel, combine_kernel=_decode_combine, max_rows=DECODE_MAX_ROWS),
+        'hopper': dict(forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE),
+    },
+)
+
+attn = ATTENTION.attn
+tile_tables = ATTENTION.tile_tables
+forward_family = ATTENTION.forward_family
+backward_family = ATTENTION.backward_family
+visit_counts = ATTENTION.visit_counts
+OPERATORS = ATTENTION.operators
+TABLE_STATS = ATTENTION.table_stats
+
+
+def __getattr__(name):
+    # The runtime's internals by name (tools and tests read them): module._tiles is ATTENTION._tiles.
+    return getattr(ATTENTION, name)

@@ -27,7 +27,7 @@ CAUSAL = "attention causal\nmask: causal\n"
 
 def inputs_for(attn, N: int) -> dict:
     """Values for the catalog's inputs: document ids of 512-token documents."""
-    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.INPUTS else {}
+    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.FACTS.inputs else {}
 
 
 def graph_time_us(call) -> str:

@@ -10,11 +10,13 @@ for each set of facts Triton specializes on, and launches it directly when the f
 import torch
 import triton.compiler
 
-from attngen.plan.shared import INTERPRETING
+from .shared import _interpreting
 
-# ---- inlined into every generated module from here on ----
+# Triton chose compiled or interpreted kernels when it was first imported (above; attngen/__init__.py
+# settles TRITON_INTERPRET then); read once, so code that torch.compile traces reads no environment.
+INTERPRETING = _interpreting()
 
-# --- host side: launches bound once per specialization (emit/static/launch.py) --------------------
+
 # Per kernel: {facts of a launch: (compiled kernel, the values of its parameters after the positional
 # arguments)}. A kernel has a handful of keys (its specializations and option sets); past _LAUNCH_KEYS
 # they are dropped and start over.
@@ -47,7 +49,7 @@ def _launch(kernel, grid, *args, bind=None, **options):
     positionally. The first launch of each set of facts (_launch_fact, the options, the device) goes
     through Triton's JIT, which compiles or finds the kernel; later ones launch that compiled kernel
     with the same arguments the JIT would pass (every parameter, in the signature's order).
-    `bind` is (launches, site) of a call plan (host.py's _CallPlan): when the plan's facts and the launch
+    `bind` is (launches, site) of a call plan (plans.py's _CallPlan): when the plan's facts and the launch
     site decide every argument's facts, the plan keeps the compiled kernel in `launches` under the kernel
     and the site, and its later calls skip _launch_fact too."""
     if INTERPRETING:

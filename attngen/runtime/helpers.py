@@ -4,8 +4,6 @@ tile loads, loop bounds and visit counters."""
 import triton
 import triton.language as tl
 
-# ---- inlined into every generated module from here on ----
-
 # --- scalar and element helpers -------------------------------------------------------------
 # Base-2 softmax (exp2 is one instruction): scores are scaled by log2(e) on the way in and the LSE
 # by ln(2) on the way out. The host reads LOG2E.value, a float, to fold it into qk_scale.

@@ -1,20 +1,14 @@
-"""The facts the package and every generated module must agree on: head-dim tile widths, dtype tables,
-interpreter mode.
+"""The facts the planner and the runtime must agree on: head-dim tile widths, dtype tables, how to read
+TRITON_INTERPRET, and the allocation rule of every output (the layout contract).
 
-The planner owns them (Plan.widths, the plan's dtype names), so they live in plan/, the earliest stage
-that needs them; the rest of the package reads them from here too (the tests' dtype table, api's reading
-of TRITON_INTERPRET). Every generated module inlines the code below the marker before the emitter's own
-static code (emit/static/), so both run the same lines. The underscored names are the module's
-internals, not its API.
+The runtime owns them since it runs them on every call; the planner (Plan.widths, the plan's dtype
+names), the tests' dtype table and api's reading of TRITON_INTERPRET import them from here.
 """
 
 import os
 
 import torch
 
-# ---- inlined into every generated module from here on ----
-
-# --- facts the package shares: attngen/plan/shared.py ---------------------------------------
 # q, k and v's dtypes, by the names the plan keys its tiles with.
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 # The torch dtype of each dtype an input may declare.
@@ -25,11 +19,6 @@ _INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 def _interpreting():
     """Whether TRITON_INTERPRET asks Triton for its CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-# Triton chose compiled or interpreted kernels when it was first imported; read once, so code that
-# torch.compile traces reads no environment.
-INTERPRETING = _interpreting()
 
 
 # Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions,

@@ -1,0 +1,144 @@
+"""The attention object a generated module declares: its spec's facts and kernels behind attn(q, k, v, ...)."""
+
+import torch
+
+from .checks import Checks, _autocast
+from .dispatch import Dispatch
+from .facts import Kernels, SpecFacts
+from .families import family
+from .kvcache import Cache
+from .operators import Operators
+from .packed import Packed
+from .plans import CallPlans
+from .portable import Portable
+from .tables import Tables
+from .operators import _Attention
+from .packed import _is_packed, _packed_view
+from .portable import _call_sizes, _sizes
+from .shared import _cdiv
+
+
+class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable, Checks):
+    """One spec's attention: attn(q, k, v, ...) and its companions (tile_tables, forward_family,
+    backward_family, visit_counts) over the kernels a generated module hands over.
+
+    `facts` are the spec's facts (SpecFacts), `kernels` its portable kernels (Kernels), `families` the
+    kernels of each family beside the portable one that its plan names, by family name
+    (runtime.families). The host code is split by job over the mixins above; each reads the spec only
+    through self.facts, self.kernels and the families, so one process holds any number of specs.
+    """
+
+    def __init__(self, facts: SpecFacts, kernels: Kernels, families: dict | None = None):
+        self.facts, self.kernels = facts, kernels
+        self.families = {name: family(name, self, given) for name, given in (families or {}).items()}
+        # The families whose forward a call may run, in order of preference: (name, per-call rule, launch);
+        # a call none of them admits runs the portable forward.
+        self.forward_families = tuple((name, self.families[name].serves, self.families[name].forward)
+                                      for name in facts.forward_families)
+        # Likewise for the backward: (family, its backward's name, which keys its tiles and its tile table,
+        # per-call rule, launch). Each follows tile tables of its own tiles.
+        self.backward_families = tuple((name, key, self.families[name].backward_serves, self.families[name].backward)
+                                       for name, key in facts.backward_families)
+        # Call plans by the facts of a call (plans.py); past call_plan_keys they are dropped and start over,
+        # as launch._LAUNCHES's keys are.
+        self.call_plans, self.call_plan_keys = {}, 256
+        self.table_stats = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
+        self.operators = self._operators()
+
+    def __repr__(self):
+        return f"Attention({self.facts.name}, families={list(self.families)})"
+
+    def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
+        """This module's attention: softmax over the allowed keys of the modified scores, times V.
+
+        Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
+        LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
+        in q, k, v and the learnable inputs, if any (once: no double backward).
+        A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
+        ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
+        first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
+        The mask and score see those positions as q and kv_len[b] as KV_LEN. Forward only.
+        A paged cache: k and v are pages (NUM_PAGES, PAGE_SIZE, HKV, D/DV), PAGE_SIZE a multiple of 16;
+        page_table ((B, MAX_PAGES) int32) maps row b's logical page p to a physical one; kv_len is
+        required (at most MAX_PAGES * PAGE_SIZE).
+        A packed call (FlashAttention's varlen layout): q (TOTAL_Q, H, D), k and v (TOTAL_K, HKV, D/DV);
+        sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v by
+        cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
+        length) size the grid. Positions restart at 0 in every sequence, b is its index and Q_LEN/KV_LEN its
+        lengths; an input dim declared Q_LEN or KV_LEN is max_seqlen_q or max_seqlen_k long. Returns out
+        (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs the portable kernels, with no tile tables.
+        tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
+        inputs across calls (built for these inputs' current values; by default each call builds its own).
+        Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
+        torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
+        """
+        q, k, v = _autocast(q, k, v)
+        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if _is_packed(*packed):
+            if kv_len is not None or q_offset is not None or page_table is not None:
+                self._fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
+                      "packed calls are training and prefill calls, positions restarting at 0 in every sequence")
+            if tile_tables is not None:
+                self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
+                      "equal lengths, and packed calls run without them")
+            out, lse = self._packed_attention(q, k, v, inputs, *packed)
+            return (out, lse) if return_lse else out
+        if page_table is not None:
+            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
+            return (out, lse) if return_lse else out
+        if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
+            plan, sizes = None, self._check(q, k, v, inputs)
+        else:
+            plan = self._call_plan(q, k, v, inputs)
+            sizes = plan.sizes
+        B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
+        if kv_len is not None or q_offset is not None:
+            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
+            return (out, lse) if return_lse else out
+        self._check_learnable(inputs)
+        known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
+        if known:
+            plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
+        tensors = [inputs[name].contiguous() for name in self.facts.inputs]
+        if torch.compiler.is_compiling():
+            out, lse = self._compiled_attention(q, k, v, tensors, known)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
+            out, lse = _Attention.apply(self, q, k, v, known, plan, *tensors)
+        else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
+            out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
+                                            plan)
+        return (out, lse) if return_lse else out
+
+    def visit_counts(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs):
+        """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with
+        counters. Returns {"fwd": (B, H, query tiles, key tiles), "dq": the same for dQ's tiles,
+        "dkdv": (B, H, key tiles, query tiles)} int32 tensors, one entry per tile: 0 skipped,
+        1 visited with mask code, 16 visited without; any other value would be a repeated visit.
+        A packed call's: B is its number of sequences, its tiles those of max_seqlen_q/k, counted from each
+        sequence's first token."""
+        q, k, v = _autocast(q, k, v)
+        packed = None
+        if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+            self._check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, q.shape[0])
+            q, k, v = map(_packed_view, (q, k, v))
+        else:
+            self._check(q, k, v, inputs)
+        tensors = [inputs[name].contiguous() for name in self.facts.inputs]
+        B, H, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
+
+        def counters(kernel, by_query):
+            block_m, block_n = self._tiles(q, v, kernel)[:2]
+            n_q, n_k = _cdiv(Q_LEN, block_m), _cdiv(KV_LEN, block_n)
+            shape = (B, H, n_q, n_k) if by_query else (B, H, n_k, n_q)
+            return torch.zeros(shape, dtype=torch.int32, device=q.device)
+
+        counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
+        tables = self._resolve(range(3), q, v, {}, self._builder(_sizes(q, k), q.device, tensors)) if packed is None else [()] * 3
+        with torch.no_grad():
+            out, lse = self._portable_forward(q, k, v, tensors, tables[0], visits=counts["fwd"], packed=packed)
+            self._portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
+                               visits={"dkdv": counts["dkdv"], "dq": counts["dq"]}, packed=packed)
+        return counts

@@ -1,0 +1,121 @@
+"""The decode family's host side: its per-call rule (with the split-versus-portable speed model) and its split-KV launches."""
+
+import torch
+
+from .helpers import LOG2E
+from .launch import _launch
+from .plans import _plan_site
+from .portable import _cache_launch, _dot_precision, _kv_layout, _sm_count
+from .shared import _cdiv, _empty_in_layout, _next_power_of_2
+
+
+# Each program should still stream a few key tiles, so a share is at least this many tiles long; and
+# about this many programs per SM hide the loads' latency (the loop is memory-bound). Swept on an H200
+# (bf16, D=128, 32/8 heads, benchmarks/decode_bench.py --sweep): 2 per SM against 4 and 8, B=1 over
+# 128k keys took 0.152 ms against 0.212 and 0.259 (shorter shares pay their pipeline fill more
+# often); B=8 over 32k 0.273 against 0.282 and 0.275; B=64 over 4k 0.278 against 0.263 and 0.260.
+DECODE_MIN_TILES = 4
+DECODE_PROGRAMS_PER_SM = 2
+
+
+# Calls of more rows than one tile (chunked prefill) go to whichever forward the host predicts is faster
+# from the call's shapes alone (no sync, the same answer in a CUDA graph). The model: the portable forward
+# runs one program per SM (its 128 KiB of shared memory), so ceil(programs / SMs) waves of its loop over
+# the key tiles; the split kernel runs DECODE_PROGRAMS_PER_SM per SM, its tile math at the rate below,
+# or its K/V reads at HBM speed if slower. The rates are fitted on an H200 (bf16, D=128, GQA 32/8,
+# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`, in
+# BENCHMARKS.md), where the model picked the faster kernel on 62 of 63 shapes and the miss cost 1%.
+PORTABLE_FLOPS_PER_SM = 3.7e12
+SPLIT_FLOPS_PER_SM = 1.9e12
+HBM_BYTES_PER_SECOND = 4.0e12
+
+
+def _decode_splits(n_tiles, programs, device):
+    """How many shares the key tiles are split into: enough programs for the SMs, chosen per call
+    (a runtime argument, so no recompile per batch size or length)."""
+    wanted = _cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs)
+    return max(1, min(_cdiv(n_tiles, DECODE_MIN_TILES), wanted))
+
+
+class DecodeFamily:
+    """The decode family (plan.families.DECODE) serving the Attention `rt`: its split-KV forward and the
+    merge of its splits; max_rows, the most rows (query heads of a key/value head times queries) one tile
+    of it holds."""
+
+    def __init__(self, rt, forward_kernel, combine_kernel, max_rows):
+        self.rt = rt
+        self.forward_kernel, self.combine_kernel, self.max_rows = forward_kernel, combine_kernel, max_rows
+
+    def serves(self, q, k, v, HKV, KV_LEN, cached):
+        """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
+        contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+        the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
+        split kernel is predicted faster than the portable forward, which would run it otherwise."""
+        if (q.shape[1] // HKV) * q.shape[2] <= self.max_rows:
+            return True
+        # A tile-table mask's portable forward skips the tiles its table rules out, which the model does not
+        # see; and the model knows the portable forward's speed only: a call a later family takes (the Hopper
+        # family, any call but a cache call) runs there.
+        if self.rt.facts.tile_table or self.rt._forward_family(q, k, v, HKV, KV_LEN, cached, after="decode")[0] != "portable":
+            return False
+        portable, split = self._predicted_seconds(q, v, HKV, KV_LEN)
+        return split < portable
+
+    def _predicted_seconds(self, q, v, HKV, KV_LEN):
+        """(portable, split): the two forward kernels' predicted times for this call (the model above)."""
+        B, H, Q_LEN, D = q.shape
+        DV = v.shape[3]
+        sms = _sm_count(q.device)
+        block_m, block_n = self.rt._tiles(q, v, 0)[:2]
+        waves = _cdiv(_cdiv(Q_LEN, block_m) * B * H, sms)
+        portable = waves * _cdiv(KV_LEN, block_n) * 2 * block_m * block_n * (D + DV) / PORTABLE_FLOPS_PER_SM
+        rows = (H // HKV) * Q_LEN
+        split_m, split_n = self._decode_block_m(rows), self._decode_block_n(q, v)
+        row_blocks = _cdiv(rows, split_m)
+        n_tiles = _cdiv(KV_LEN, split_n)
+        splits = _decode_splits(n_tiles, B * HKV * row_blocks, q.device)
+        split_waves = max(1.0, splits * B * HKV * row_blocks / (DECODE_PROGRAMS_PER_SM * sms))
+        tile_seconds = DECODE_PROGRAMS_PER_SM * 2 * split_m * split_n * (D + DV) / SPLIT_FLOPS_PER_SM
+        reads = row_blocks * B * HKV * KV_LEN * (D + DV) * q.element_size() / HBM_BYTES_PER_SECOND
+        return portable, max(split_waves * _cdiv(n_tiles, splits) * tile_seconds, reads)
+
+    def _decode_block_m(self, rows):
+        """The rows of one decode tile: the call's rows, at least 16 (tl.dot), at most DECODE_MAX_ROWS."""
+        return min(self.max_rows, max(16, _next_power_of_2(rows)))
+
+    def _decode_block_n(self, q, v):
+        return self.rt._family_tiles(q, v, "decode")[1]
+
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+        """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
+        tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
+        (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
+        cache). Returns out and the natural-log LSE, as the portable forward does."""
+        B, H, Q_LEN, D = q.shape
+        DV = v.shape[3]
+        HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
+        sm_scale = self.rt.facts.softmax_scale(D)
+        d_pad, dv_pad = self.rt._widths(D, DV)
+        _, block_n, warps, stages, _ = self.rt._family_tiles(q, v, "decode")
+        rows = (H // HKV) * Q_LEN
+        block_m = self._decode_block_m(rows)
+        row_blocks = _cdiv(rows, block_m)
+        splits = _decode_splits(_cdiv(KV_LEN, block_n), B * HKV * row_blocks, q.device)
+        part = torch.empty((splits, B, H, Q_LEN, DV), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
+        cache_args, cache_flags = _cache_launch(cache, part_lse)
+        _launch(
+            self.forward_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
+            *q.stride(), *k_strides, *v_strides, *self.rt._input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
+            *page_args,
+            HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
+            bind=_plan_site(plan, "decode"))
+        out = _empty_in_layout(q, DV)
+        lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
+        n_rows = B * H * Q_LEN
+        block_r = 16
+        _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse, H, Q_LEN, n_rows,
+                splits, HEAD_DIM_V=DV,
+                HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
+        return out, lse

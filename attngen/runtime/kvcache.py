@@ -1,0 +1,93 @@
+"""Cache calls: a contiguous or paged key/value cache with kv_len and q_offset, checked and run forward only."""
+
+import torch
+
+
+class Cache:
+    """Cache calls of an Attention (a mixin)."""
+
+    def _check_paged(self, q, k, v, page_table, kv_len, inputs):
+        """A paged call's tensors and sizes; returns MAX_KV, the longest row its page table can hold."""
+        self._check_tensors(q, k, v)
+        B, H, Q_LEN, D = q.shape
+        NUM_PAGES, PAGE_SIZE, HKV = k.shape[0], k.shape[1], k.shape[2]
+        if tuple(v.shape[:3]) != (NUM_PAGES, PAGE_SIZE, HKV):
+            self._fail(f"v must hold pages (NUM_PAGES, PAGE_SIZE, HKV, DV) = ({NUM_PAGES}, {PAGE_SIZE}, {HKV}, DV) like k, "
+                  f"got shape {tuple(v.shape)}")
+        if PAGE_SIZE % 16 != 0:
+            self._fail(f"the page size (k.shape[1]) must be a multiple of 16, got {PAGE_SIZE}")
+        if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32 and page_table.dim() == 2
+                and page_table.shape[0] == B and page_table.device == q.device):
+            self._fail(f"page_table must be an int32 tensor of shape ({B}, MAX_PAGES) on {q.device}, got "
+                  + (f"{page_table.dtype} {tuple(page_table.shape)} on {page_table.device}"
+                     if isinstance(page_table, torch.Tensor) else type(page_table).__name__))
+        if kv_len is None:
+            self._fail("a paged cache needs kv_len, each row's number of valid keys")
+        MAX_KV = page_table.shape[1] * PAGE_SIZE
+        self._check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
+        return MAX_KV
+
+    def _cache_attention(self, q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None):
+        """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone."""
+        B, Q_LEN = q.shape[0], q.shape[2]
+        if page_table is not None:
+            MAX_KV = self._check_paged(q, k, v, page_table, kv_len, inputs)
+        else:
+            MAX_KV = k.shape[2]
+        for name, t in (("kv_len", kv_len), ("q_offset", q_offset)):
+            if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and tuple(t.shape) == (B,)
+                                      and t.device == q.device):
+                self._fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
+                      + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        if tile_tables is not None:
+            self._fail("tile_tables must be None in a call with kv_len, q_offset or page_table: tables are built for "
+                  "query positions 0 .. Q_LEN-1, and cache calls run without them")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
+            self._fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
+                  "tensors that do not require grad")
+        defaulted = q_offset is None
+        if defaulted:
+            q_offset = kv_len - Q_LEN
+        if kv_len is not None:
+            kv_len = kv_len.contiguous()
+        q_offset = q_offset.contiguous()
+        # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
+        # captured or under torch.compile, where the kernels still clamp lengths and page numbers to
+        # the cache (memory stays safe).
+        if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
+        tensors = [inputs[name].contiguous() for name in self.facts.inputs]
+        pages = [page_table.contiguous()] if page_table is not None else []
+        if torch.compiler.is_compiling():
+            return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages)
+        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages)
+
+    def _check_cache_values(self, q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
+        """A cache call's values: every flag computed on the device, read in one sync; the message,
+        only on failure, reads the offending range."""
+        Q_LEN = q.shape[2]
+        flags = [(q_offset < 0).any(), (q_offset > self.facts.max_length - Q_LEN).any()]
+        if kv_len is not None:
+            flags += [(kv_len < 0).any(), (kv_len > MAX_KV).any()]
+        if page_table is not None:
+            page_size = MAX_KV // page_table.shape[1]
+            used = torch.arange(page_table.shape[1], device=q.device) * page_size < kv_len[:, None]
+            flags.append((used & ((page_table < 0) | (page_table >= NUM_PAGES))).any())
+        bad = torch.stack(flags).tolist()
+        if bad[0] or bad[1]:
+            offset = "q_offset (by default kv_len - Q_LEN)" if defaulted else "q_offset"
+            self._fail(f"query positions q_offset + 0 .. q_offset + {Q_LEN - 1} must lie in [0, {self.facts.max_length}): "
+                  f"{offset} ranges over [{int(q_offset.min())}, {int(q_offset.max())}] for Q_LEN={Q_LEN}")
+        if kv_len is not None and (bad[2] or bad[3]):
+            length = "MAX_PAGES * PAGE_SIZE" if page_table is not None else "k.shape[2]"
+            self._fail(f"kv_len must lie in [0, {MAX_KV}] (the cache's length, {length}), got values in "
+                  f"[{int(kv_len.min())}, {int(kv_len.max())}]")
+        if page_table is not None and bad[4]:
+            named = page_table[used]
+            self._fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
+                  f"values in [{int(named.min())}, {int(named.max())}]")
+
+    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages):
+        """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
+        FORWARD_FAMILIES picks, with no tile table."""
+        return self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None)

@@ -1,0 +1,197 @@
+"""Autograd and torch.compile: the eager autograd node and the torch.library custom operators of a spec's kernels."""
+
+import torch
+
+from .packed import _packed_view, _unpacked
+from .portable import _sizes
+from .shared import _empty_in_layout
+from .tables import _pairs
+
+
+class _Attention(torch.autograd.Function):
+    """Eager calls: the kernels behind one autograd node, reached without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, rt, q, k, v, known, plan, *tensors):
+        # rt: the Attention whose call this is (its kernels, tables and families)
+        ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
+        ctx.rt, ctx.plan = rt, plan
+        ctx.build = rt._builder(_sizes(q, k), q.device, tensors, plan)
+        out, lse = rt._forward_with_tables(q, k, v, tensors, known, ctx.build, plan)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        ctx.rt._no_double_backward()
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(out)
+        dq, dk, dv, input_grads = ctx.rt._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known,
+                                                               ctx.build, ctx.plan)
+        return (None, dq, dk, dv, None, None, *input_grads)
+
+
+# Under torch.compile the kernels run as opaque custom operators (torch.library.custom_op: table,
+# forward, backward, the forward of cache calls, which has no backward, and a packed call's forward and
+# backward, which its eager calls run too) with fake implementations that give shapes, and an autograd
+# formula that calls the backward operator, so a compiled model has no graph break and dynamic lengths
+# need no recompile. The host code is the same Python as in eager; eager calls skip the dispatcher,
+# which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
+# The names carry the digest of the generated module's code (SpecFacts.digest): an identical module
+# imported again in this process reuses the operators, any other module gets its own.
+class Operators:
+    """The custom operators of an Attention (a mixin: self is the Attention; self.operators holds them)."""
+
+    # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
+    # tensors, not None), in the order of INPUTS.
+    def _learnable_grads_like(self, tensors):
+        """The fakes' learnable-input gradients: one shaped like each learnable input."""
+        return [t.new_empty(t.shape) for (_, (_, _, learnable)), t in zip(self.facts.inputs.items(), tensors) if learnable]
+
+    def _per_input(self, grads):
+        """A backward operator's learnable gradients spread over INPUTS: None for an input that is not learnable."""
+        grads = iter(grads)
+        return [next(grads) if learnable else None for (_, (_, _, learnable)) in self.facts.inputs.items()]
+
+    def _define_operators(self, table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name):
+        @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
+        def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
+                     block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._build_table((by_query, block_m, block_n), _sizes(q, k), q.device, tensors)
+
+        @table_op.register_fake
+        def _(q, k, tensors, by_query, block_m, block_n):
+            return self._empty_table((by_query, block_m, block_n), _sizes(q, k), q.device)
+
+        @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
+        def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                       tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            # The user's tables, if any, else the table of the family that runs, built here (at run time,
+            # where the family is known without guarding the compiled graph on the shapes).
+            known = dict(zip(self._table_kernels(True), _pairs(tables)))
+            return self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors))
+
+        # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
+        # torch.compile plans with are the ones the kernels write.
+        @forward_op.register_fake
+        def _(q, k, v, tensors, tables):
+            B, H, Q_LEN, _ = q.shape
+            return _empty_in_layout(q, v.shape[3]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+
+        @torch.library.custom_op(f"attngen::{backward_name}", mutates_args=())
+        def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor], tables: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            # The user's tables, if any, else those of the family that runs, built here (as the forward does).
+            known = dict(zip(self._table_kernels(True), _pairs(tables)))
+            dq, dk, dv, input_grads = self._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
+                                                            self._builder(_sizes(q, k), q.device, tensors))
+            return dq, dk, dv, [g for g in input_grads if g is not None]
+
+        @backward_op.register_fake
+        def _(q, k, v, out, lse, do, dlse, tensors, tables):
+            return (_empty_in_layout(q, q.shape[3]), _empty_in_layout(k, k.shape[3]), _empty_in_layout(v, v.shape[3]),
+                    self._learnable_grads_like(tensors))
+
+        def setup_context(ctx, inputs, output):
+            q, k, v, tensors, tables = inputs
+            ctx.save_for_backward(q, k, v, *output, *tensors, *tables)
+            ctx.counts = len(tensors), len(tables)
+
+        def backward(ctx, do, dlse):
+            self._no_double_backward()
+            q, k, v, out, lse, *rest = ctx.saved_tensors
+            n_tensors, n_tables = ctx.counts
+            tensors, flat = rest[:n_tensors], rest[n_tensors:]
+            dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
+            return dq, dk, dv, self._per_input(grads), [None] * n_tables
+
+        forward_op.register_autograd(backward, setup_context=setup_context)
+
+        @torch.library.custom_op(f"attngen::{cache_name}", mutates_args=())
+        def cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                     kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+            # kv_len, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
+            return self._cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages)
+
+        @cache_op.register_fake
+        def _(q, k, v, tensors, kv_len, q_offset, pages):
+            B, H, Q_LEN, _ = q.shape
+            return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
+
+        # Packed calls, eager or compiled, run these two: q, k, v, O and the gradients are (TOTAL, heads, D),
+        # LSE (H, TOTAL_Q); max_seqlen_q/k size the grid.
+        @torch.library.custom_op(f"attngen::{packed_name}", mutates_args=())
+        def packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+            packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
+            q, k, v = map(_packed_view, (q, k, v))
+            _, launch = self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)
+            if launch is not None:
+                out, lse = launch(q, k, v, tensors, (), packed=packed)
+            else:
+                out, lse = self._portable_forward(q, k, v, tensors, (), packed=packed)
+            return _unpacked(out), lse[0]
+
+        @packed_op.register_fake
+        def _(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            return (_unpacked(_empty_in_layout(_packed_view(q), v.shape[-1])),
+                    q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+        @torch.library.custom_op(f"attngen::{packed_backward_name}", mutates_args=())
+        def packed_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                               do: torch.Tensor, dlse: torch.Tensor, tensors: list[torch.Tensor],
+                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                               max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
+            q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
+            _, _, launch = self._backward_family(q, k, v, packed=True)
+            if launch is not None:
+                dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed)
+            else:
+                dq, dk, dv, input_grads = self._portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors, ((), ()),
+                                                             packed=packed)
+            return _unpacked(dq), _unpacked(dk), _unpacked(dv), [g for g in input_grads if g is not None]
+
+        @packed_backward_op.register_fake
+        def _(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            return (*(_unpacked(_empty_in_layout(_packed_view(t), t.shape[-1])) for t in (q, k, v)),
+                    self._learnable_grads_like(tensors))
+
+        def packed_setup_context(ctx, inputs, output):
+            q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
+            ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *tensors)
+            ctx.max_seqlens = max_seqlen_q, max_seqlen_k
+
+        def packed_backward(ctx, do, dlse):
+            self._no_double_backward()
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
+            dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
+                                                   cu_seqlens_k, *ctx.max_seqlens)
+            return dq, dk, dv, self._per_input(grads), None, None, None, None
+
+        packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
+
+    def _operators(self):
+        """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of
+        this module's kernels."""
+        names = [f"{self.facts.name}_{self.facts.digest}_{part}"
+                 for part in ("table", "forward", "backward", "cache", "packed", "packed_backward")]
+        if not all(hasattr(torch.ops.attngen, name) for name in names):
+            self._define_operators(*names)
+        return tuple(getattr(torch.ops.attngen, name).default for name in names)
+
+    def _operator_builder(self, q, k, tensors):
+        """build(key) for _resolve under torch.compile: the table operator."""
+        return lambda key: tuple(self.operators[0](q, k, list(tensors), *key)) if self.facts.tile_table else ()
+
+    def _compiled_attention(self, q, k, v, tensors, known):
+        # The user's tables travel whole (the backward follows them too); else none: the forward operator
+        # picks the family at run time and builds its table (asking which here would guard the graph on the
+        # shapes, a recompile where dynamic lengths cross a family's rule), and the backward builds its own.
+        tables = self._resolve(self._table_kernels(True), q, v, known, self._operator_builder(q, k, tensors)) if known else []
+        return self.operators[1](q, k, v, tensors, [t for table in tables for t in table])

@@ -1,0 +1,238 @@
+"""The portable family's launches (forward, row terms, backward) and the per-call arguments every family's launch shares."""
+
+import contextlib
+
+import torch
+
+from .helpers import LOG2E
+from .launch import _launch
+from .plans import _plan_site
+from .launch import INTERPRETING
+from .shared import _DTYPES, _cdiv, _empty_in_layout, _pad, _tile_widths
+
+
+# Per device: its SM count (the decode family's splits, the Hopper forward's persistent grid).
+_SM_COUNTS = {}
+
+
+def _sm_count(device):
+    # Triton's interpreter on the CPU: a few "SMs", so tests split the keys.
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+def _dot_precision(dtype):
+    # fp32 inputs get true fp32 products (tf32 would not be fp32 attention); so do bf16 inputs in
+    # Triton's interpreter, whose bf16 tl.dot is wrong (_dot upcasts them; the products are exact).
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETING):
+        return "ieee"
+    return "tf32"
+
+
+def _sizes(q, k):
+    """(B, H, HKV, Q_LEN, KV_LEN) of a call."""
+    return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+
+
+def _kv_layout(k, v, page_table, placeholder=None):
+    """How a forward kernel reads the keys and values: (HKV, KV_LEN, k's and v's strides, the
+    PageTable, stride_pt and NUM_PAGES arguments, the PAGED and PAGE_SIZE constexprs). A contiguous
+    cache's strides are (batch, head, key, dim); a paged one's (page, head, slot, dim), and its
+    KV_LEN is MAX_PAGES * PAGE_SIZE. `placeholder` stands in for an absent page table (never read)."""
+    if page_table is None:
+        return (k.shape[1], k.shape[2], k.stride(), v.stride(), (placeholder, 0, 1),
+                dict(PAGED=False, PAGE_SIZE=1))
+    paged_strides = lambda t: (t.stride(0), t.stride(2), t.stride(1), t.stride(3))  # noqa: E731
+    return (k.shape[2], page_table.shape[1] * k.shape[1], paged_strides(k), paged_strides(v),
+            (page_table, page_table.stride(0), k.shape[0]), dict(PAGED=True, PAGE_SIZE=k.shape[1]))
+
+
+def _cache_launch(cache, placeholder):
+    """A forward kernel's cache arguments: (KvLen, QOffset) tensors (`placeholder` where absent,
+    never read) and their HAS_KV_LEN / HAS_Q_OFFSET flags."""
+    kv_len, q_offset = cache if cache is not None else (None, None)
+    args = [kv_len if kv_len is not None else placeholder, q_offset if q_offset is not None else placeholder]
+    return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
+
+
+def _packed_launch(packed, placeholder):
+    """A portable kernel's packed-call arguments: (CuSeqlensQ, CuSeqlensK, TOTAL_Q) and its VARLEN flag;
+    `packed` is a packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), or None
+    (then `placeholder` stands in for the offsets, never read)."""
+    if packed is None:
+        return [placeholder, placeholder, 0], dict(VARLEN=False)
+    return [packed[0], packed[1], packed[4]], dict(VARLEN=True)
+
+
+def _batch_strides(t, packed):
+    """t's strides as a kernel takes them: (batch, head, row, column), the batch stride 0 in a packed call,
+    whose (1, heads, TOTAL, D) view a program enters at its sequence's first token instead."""
+    return (0, *t.stride()[1:]) if packed is not None else t.stride()
+
+
+def _call_sizes(q, k, packed):
+    """(B, H, HKV, Q_LEN, KV_LEN) as the portable kernels take them: a packed call's B is its number of
+    sequences and its lengths the longest sequence's (the grid's)."""
+    if packed is None:
+        return _sizes(q, k)
+    return (packed[0].shape[0] - 1, q.shape[1], k.shape[1], packed[2], packed[3])
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _in_input_dtypes(grads, tensors):
+    """The summed gradients of _input_grads, each in its input's dtype."""
+    return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
+
+
+class Portable:
+    """The portable family and the launch arguments of an Attention (a mixin)."""
+
+    def _widths(self, D, DV):
+        """Tile widths of the head dims (HEAD_DIM_PAD, HEAD_DIM_V_PAD), as Plan.widths gives them."""
+        return _tile_widths(D, DV, self.facts.masked_width_floor)
+
+    def _input_args(self, tensors):
+        # Per input: pointer, then one stride and one size per dim (bool is read as bytes).
+        args = []
+        for name, t in zip(self.facts.inputs, tensors):
+            args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+            args.extend(t.stride())
+            args.extend(t.shape)
+        return args
+
+    def _tiles(self, q, v, kernel):
+        # The head dims pick the tiles and the kernels' constexprs: under torch.compile with dynamic
+        # shapes int() makes them static (a guard), as they are for the kernels.
+        return self.facts.plan[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
+
+    def _family_tiles(self, q, v, family):
+        """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers) for these head dims and dtype
+        (FAMILY_TILES; int() as in _tiles)."""
+        return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
+
+    def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None):
+        """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
+        `cache`, `page_table` and `plan` as for _forward; `packed` a packed call's (cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views (_packed_view);
+        its LSE is (1, H, TOTAL_Q)."""
+        _, H, Q_ROWS, D = q.shape
+        DV = v.shape[3]
+        sm_scale = self.facts.softmax_scale(D)
+        out = _empty_in_layout(q, DV)
+        lse = torch.empty((q.shape[0], H, Q_ROWS), dtype=torch.float32, device=q.device)
+        HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
+        B, Q_LEN = q.shape[0], Q_ROWS
+        if packed is not None:
+            B, _, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
+            k_strides, v_strides = _batch_strides(k, packed), _batch_strides(v, packed)
+        block_m, block_n, warps, stages = self._tiles(q, v, 0)
+        d_pad, dv_pad = self._widths(D, DV)
+        grid = (_cdiv(Q_LEN, block_m), B * H)
+        cache_args, cache_flags = _cache_launch(cache, lse)
+        packed_args, packed_flags = _packed_launch(packed, lse)
+        table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
+        _launch(
+            self.kernels.forward, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
+            *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
+            *self._input_args(tensors), *table_args,
+            B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
+            HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
+            BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
+            **packed_flags, bind=_plan_site(plan, "forward", bool(table)))
+        return out, lse
+
+    def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
+        """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
+        (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
+        rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
+        in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, an
+        fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is zeroed in the
+        same pass. `plan`: the backward's (_backward_plan)."""
+        B, H, Q_LEN, DV = out.shape
+        D = dq_sum.shape[-1] if dq_sum is not None else DV
+        dlse = dlse.contiguous() if dlse is not None else None
+        q_rows = q_rows or Q_LEN
+        delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
+        lse2 = torch.empty_like(delta) if lse is not None else None
+        pre_m = 64
+        _launch(
+            self.kernels.bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
+            lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta,
+            dq_sum if dq_sum is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV,
+            HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
+            HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, bind=_plan_site(plan, "row terms"))
+        return delta, lse2
+
+    def _input_grads(self, tensors, device):
+        """An fp32 gradient of zeros per learnable input, None for the others: the kernels add into them."""
+        return [torch.zeros(t.shape, dtype=torch.float32, device=device) if learnable else None
+                for (name, (dtype, dims, learnable)), t in zip(self.facts.inputs.items(), tensors)]
+
+    def _portable_backward(self, q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None):
+        """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
+        backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward.
+        Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+        D, DV = q.shape[3], v.shape[3]
+        B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
+        sm_scale = self.facts.softmax_scale(D)
+        sizes = _sizes(q, k)
+        # Upstream gradients come in any layout (stride 0 from .sum(), permuted views, slices): the
+        # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
+        # dense). contiguous() copies only when needed (an expansion is not contiguous).
+        do = do.contiguous() if do.stride(-1) != 1 else do
+        delta, _ = self._row_terms(out, do, dlse, plan=plan)
+        tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
+        dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
+        grads = self._input_grads(tensors, q.device)
+        grad_args = [g for g in grads if g is not None]
+        visits = visits or {}
+        bm1, bn1, warps1, stages1 = self._tiles(q, v, 1)
+        bm2, bn2, warps2, stages2 = self._tiles(q, v, 2)
+        n_kv_tiles, n_q_tiles = _cdiv(KV_LEN, bn1), _cdiv(Q_LEN, bm2) * (H // HKV)
+        table_args = [self._table_args(self._table_key(q, v, kernel), table, sizes, placeholder=delta)
+                      for kernel, table in zip((1, 2), tables)]
+        packed_args, packed_flags = _packed_launch(packed, delta)
+        args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
+                *[stride for t in (q, k, v, do, dq, dk, dv) for stride in _batch_strides(t, packed)],
+                *self._input_args(tensors), *grad_args, *table_args[0], *table_args[1],
+                B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta), *packed_args)
+        d_pad, dv_pad = self._widths(D, DV)
+        # The two kernels follow their tables together: both are built, or neither (a packed call).
+        constants = dict(HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
+                         BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
+                         COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype),
+                         FOLLOW_TABLE=all(tabled) and self.facts.tile_table, **packed_flags)
+        if self.facts.one_launch_backward:
+            _launch(self.kernels.backward, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
+                    num_stages=max(stages1, stages2), **constants, bind=_plan_site(plan, "backward", 3, tabled))
+        else:
+            # Two launches, on two streams on a GPU, so each half gets its own warp count and one's
+            # last wave still overlaps the other's.
+            side = _side_stream(q.device)
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _launch(self.kernels.backward, (n_kv_tiles, B * HKV), *args, PARTS=1, num_warps=warps1, num_stages=stages1,
+                        **constants, bind=_plan_site(plan, "backward", 1, tabled))
+            _launch(self.kernels.backward, (n_q_tiles, B * HKV), *args, PARTS=2, num_warps=warps2, num_stages=stages2, **constants,
+                    bind=_plan_site(plan, "backward", 2, tabled))
+            if side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(side)
+                if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
+                    for t in (q, k, v, do, lse, delta, dk, dv, *tensors):
+                        t.record_stream(side)  # the allocator must not hand their memory out before dK/dV ends
+        return dq, dk, dv, _in_input_dtypes(grads, tensors)
