@@ -27,6 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import attngen
 import attngen.reference
+from attngen.runtime import decode as runtime_decode
 
 SPECS = {
     "full": "attention full\n",
@@ -91,7 +92,7 @@ def sweep() -> None:
                 for stages in (2, 3, 4):
                     for per_sm in (2, 4, 8):
                         module.FACTS.family_tiles[key] = {"decode": (planned[0], block_n, warps, stages)}
-                        module.DECODE_PROGRAMS_PER_SM = per_sm
+                        runtime_decode.DECODE_PROGRAMS_PER_SM = per_sm
                         try:
                             t = bench(lambda: attn(q, k, v))
                             print(f"sweep B{B} Q{q_len} KV{kv_len} BLOCK_N={block_n} {warps}w {stages}s "
@@ -99,7 +100,7 @@ def sweep() -> None:
                         except Exception as e:  # out of resources: report and go on
                             print(f"sweep {block_n} {warps} {stages}: {type(e).__name__}", flush=True)
     module.FACTS.family_tiles[key] = {"decode": planned}
-    module.DECODE_PROGRAMS_PER_SM = 2
+    runtime_decode.DECODE_PROGRAMS_PER_SM = 2
 
 
 def prefill_sweep() -> list[dict]:
@@ -120,11 +121,11 @@ def prefill_sweep() -> list[dict]:
                 cache = (lengths, lengths - q_len)
                 with torch.no_grad():
                     portable = module._portable_forward(q, k, v, [], (), None, cache)[0]
-                    split = module._decode_forward(q, k, v, [], (), cache)[0]
+                    split = module.families["decode"].forward(q, k, v, [], (), cache)[0]
                     row = {"B": B, "Q_LEN": q_len, "KV_LEN": kv_len,
                            "max_diff": (portable.float() - split.float()).abs().max().item(),
                            "portable_ms": bench(graphed(lambda: module._portable_forward(q, k, v, [], (), None, cache))),
-                           "split_ms": bench(graphed(lambda: module._decode_forward(q, k, v, [], (), cache))),
+                           "split_ms": bench(graphed(lambda: module.families["decode"].forward(q, k, v, [], (), cache))),
                            "chosen": attn.forward_family(q, k, v, kv_len=lengths)}
                 rows.append(row)
                 print("prefill", json.dumps(row), flush=True)
