@@ -49,9 +49,10 @@ def test_other_targets_do_not_get_the_family():
 def test_the_module_for_hopper_holds_the_gluon_kernels():
     hopper = attngen.compile_source(SPECS / "causal.attn", target="h200")
     assert "from triton.experimental import gluon" in hopper and "def _hopper_fwd_kernel(" in hopper
-    assert "('hopper', _hopper_serves, _hopper_forward)" in hopper
+    assert "forward_families=('decode', 'hopper')," in hopper
     assert "def _hopper_bwd_kernel(" in hopper
-    assert "('hopper', 'hopper_bwd', _hopper_backward_serves, _hopper_backward)" in hopper
+    assert "backward_families=(('hopper', 'hopper_bwd'),)," in hopper
+    assert "'hopper': dict(forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel" in hopper
     ampere = attngen.compile_source(SPECS / "causal.attn", target="a100")
     assert "gluon" not in ampere and "_hopper_" not in ampere
 

@@ -7,15 +7,12 @@ from .dispatch import Dispatch
 from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
-from .operators import Operators
-from .packed import Packed
+from .operators import Operators, _Attention
+from .packed import Packed, _is_packed, _packed_view
 from .plans import CallPlans
-from .portable import Portable
-from .tables import Tables
-from .operators import _Attention
-from .packed import _is_packed, _packed_view
-from .portable import _call_sizes, _sizes
+from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv
+from .tables import Tables
 
 
 class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable, Checks):

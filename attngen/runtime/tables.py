@@ -14,8 +14,8 @@ class TileTables:
     They hold only which tiles the mask allows, computed from the inputs' values at build time:
     build them again whenever those values change, or calls give answers for the old mask."""
 
-    def __init__(self, spec, sizes, device, built_for, keys, tables):
-        self.spec = spec  # the spec's name, for the repr
+    def __init__(self, owner, sizes, device, built_for, keys, tables):
+        self.owner = owner  # the Attention that built them: only its calls may follow them
         self.sizes = sizes  # (B, H, HKV, Q_LEN, KV_LEN)
         self.device = device
         self.built_for = built_for  # q's dtype and the head dims, which decide the tiles
@@ -23,7 +23,7 @@ class TileTables:
         self.tables = tables  # kernel (_table_kernels) -> (counts, indices)
 
     def __repr__(self):
-        return f"TileTables({self.spec}, sizes={self.sizes}, {self.built_for}, device={self.device})"
+        return f"TileTables({self.owner.facts.name}, sizes={self.sizes}, {self.built_for}, device={self.device})"
 
 
 def _pairs(flat):
@@ -113,7 +113,7 @@ class Tables:
 
     def _checked_tables(self, tables, q, v, sizes):
         """The tables of a user's TileTables, after checking they were built for a call like this one."""
-        if not isinstance(tables, TileTables):
+        if not isinstance(tables, TileTables) or tables.owner is not self:
             self._fail(f"tile_tables must come from this attention's tile_tables(q, k, v, **inputs), got {tables!r}")
         if tables.sizes != sizes:
             self._fail(f"tile_tables must be built for this call's (B, H, HKV, Q_LEN, KV_LEN) = {sizes}, "
@@ -163,4 +163,4 @@ class Tables:
         build = self._operator_builder(q, k, tensors) if torch.compiler.is_compiling() else self._builder(sizes, q.device, tensors)
         self._resolve(self._table_kernels(True), q, v, known, build)
         keys = {kernel: self._table_key(q, v, kernel) for kernel in self._table_kernels(True)}
-        return TileTables(self.facts.name, sizes, q.device, _built_for(q, v), keys, known)
+        return TileTables(self, sizes, q.device, _built_for(q, v), keys, known)
