@@ -10,6 +10,7 @@ no query may see cannot reach the output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -172,9 +173,10 @@ def test_backward_launches_with_unequal_tiles_match_the_reference(name, one_laun
     path = Path(__file__).parent.parent / "specs" / f"{name}.attn"
     attn = _build(path, None)
     module = attn.module
-    monkeypatch.setattr(module, "ONE_LAUNCH_BACKWARD", one_launch)
     fwd, _, _ = next(iter(module.FACTS.plan.values()))
-    monkeypatch.setattr(module, "PLAN", {key: (fwd, (16, 32, 4, 1), (32, 16, 4, 1)) for key in module.FACTS.plan})
+    monkeypatch.setattr(module.ATTENTION, "facts", dataclasses.replace(
+        module.FACTS, one_launch_backward=one_launch,
+        plan={key: (fwd, (16, 32, 4, 1), (32, 16, 4, 1)) for key in module.FACTS.plan}))
     B, H, HKV, N, M, D = 2, 4, 2, 70, 70, 16
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
