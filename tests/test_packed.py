@@ -147,6 +147,29 @@ def test_packed_call_errors(build_small):
             query(q, k, v, **inputs, max_seqlen_q=37)
 
 
+def test_offsets_are_checked_again_after_a_write(build_small):
+    """Offsets that passed the check are not read again on the host (a model passes them to every layer),
+    until they change: an in-place write, through any view, and a new tensor at the same address are
+    checked."""
+    attn = build_small("document_causal")
+    q, k, v, inputs, packed = _case(attn)
+    cu = packed["cu_seqlens_q"].clone()
+    attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": cu})
+    cu[1:][:1].add_(100)  # a write through a view: the first sequence ends past the second
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": cu})
+    del cu
+    bad = packed["cu_seqlens_q"].flip(0).contiguous()  # a new tensor, perhaps where the old one was
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": bad})
+    with torch.inference_mode():  # no version counter: checked every call
+        good = packed["cu_seqlens_q"].clone()
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": good})
+        good[1] += 100
+        with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+            attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": good})
+
+
 # Inductor checks the packed operators' output strides against their fakes; aot_eager on the CPU does not.
 COMPILERS = [dict(backend="aot_eager"),
              pytest.param(dict(backend="inductor"), marks=pytest.mark.gpu, id="inductor"),

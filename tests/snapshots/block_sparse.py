@@ -19,6 +19,7 @@ q is (B, H, Q_LEN, D); k is (B, HKV, KV_LEN, D); v is (B, HKV, KV_LEN, DV).
 import contextlib
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -2787,7 +2788,7 @@ class _Attention(torch.autograd.Function):
 # which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "a4611bb4c7619279"
+MODULE_DIGEST = "63c3b6267d6142b3"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -3047,11 +3048,43 @@ def _packed_attention(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _check_learnable(inputs)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
-    # captured or under torch.compile.
+    # captured or under torch.compile, and for offsets already checked (_checked_before).
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        facts = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        if not _checked_before(cu_seqlens_q, cu_seqlens_k, facts):
+            _check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            _remember_checked(cu_seqlens_q, cu_seqlens_k, facts)
     tensors = [inputs[name].contiguous() for name in INPUTS]
     return OPERATORS[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+# The offsets whose values passed _check_packed_values, with the facts they were checked against: a model
+# passes one batch's cu_seqlens to every layer, and the sync of the check would leave the GPU idle while
+# the host prepares each layer's launches. An entry holds the tensors weakly (so their memory, while they
+# live, is theirs: a new tensor at the same address is not mistaken for them) with their version
+# counters (an in-place write, through any view, bumps it). Inference tensors have no version counter:
+# they are checked every call.
+_CHECKED_OFFSETS = []
+_CHECKED_OFFSETS_KEPT = 8
+
+
+def _checked_before(cu_seqlens_q, cu_seqlens_k, facts):
+    if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
+        return False
+    for ref_q, version_q, ref_k, version_k, checked_facts in _CHECKED_OFFSETS:
+        if (ref_q() is cu_seqlens_q and ref_k() is cu_seqlens_k and version_q == cu_seqlens_q._version
+                and version_k == cu_seqlens_k._version and checked_facts == facts):
+            return True
+    return False
+
+
+def _remember_checked(cu_seqlens_q, cu_seqlens_k, facts):
+    if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
+        return
+    if len(_CHECKED_OFFSETS) >= _CHECKED_OFFSETS_KEPT:
+        del _CHECKED_OFFSETS[0]
+    _CHECKED_OFFSETS.append((weakref.ref(cu_seqlens_q), cu_seqlens_q._version, weakref.ref(cu_seqlens_k),
+                             cu_seqlens_k._version, facts))
 
 
 def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
