@@ -102,7 +102,7 @@ def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address
     if DEVICE == "cuda":
         # A GPU's portable tiles (fp32) are 64 and 128 wide: they reach single entries at longer lengths.
         # Without `grid`, whose gradient sums ~30000 terms an entry here in an order the float32
-        # reference's error does not bound (1e-4 on 28, 4e-6 relative, in session 15).
+        # reference's error does not bound (1e-4 on 28, 4e-6 relative, on an H200).
         spec = spec.replace(" + grid[q % 3, k % 5]", "").replace("input grid: f32[3, 5] learnable", "")
         attn = attngen.build(spec)
         q, k, v = testing.random_qkv(1, 2, 1, 700, 650, 16, 16, torch.float32, device=DEVICE)
