@@ -170,6 +170,26 @@ def test_offsets_are_checked_again_after_a_write(build_small):
             attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": good})
 
 
+@pytest.mark.parametrize("lengths", [[300, 1, 0, 700], [1, 256], [5, 3, 8, 0, 1]])
+def test_hopper_row_terms_start_each_sequence_at_an_aligned_column(lengths):
+    """TMA reads the backward's fp32 LSE and delta rows from 16-byte-aligned columns only (an unaligned
+    one was an illegal instruction on the H200 for a sequence starting at row 301): the Hopper launch
+    moves sequence b's rows to column 4 * (cu_seqlens_q[b] // 4 + b), where the kernel reads them, each
+    row once, the gaps filled and no sequence overlapping the next."""
+    module = attngen.build("specs/causal.attn", target="h200").module
+    cu = _offsets(lengths)
+    total, block_m = sum(lengths), 64
+    rows = torch.arange(2 * total, dtype=torch.float32).view(1, 2, total) + 1
+    moved = module._hopper_sequence_rows(rows, (cu, cu, max(lengths), max(lengths), total), -1.0, block_m)
+    assert moved.shape[:2] == (1, 2) and moved.shape[2] % block_m == 0
+    for b, n in enumerate(lengths):
+        start = int(cu[b])
+        column = 4 * (start // 4 + b)
+        assert column % 4 == 0 and column + n <= moved.shape[2]
+        assert torch.equal(moved[..., column:column + n], rows[..., start:start + n])
+    assert int((moved == -1.0).sum()) == moved.numel() - rows.numel()  # every row once, the rest filled
+
+
 # Inductor checks the packed operators' output strides against their fakes; aot_eager on the CPU does not.
 COMPILERS = [dict(backend="aot_eager"),
              pytest.param(dict(backend="inductor"), marks=pytest.mark.gpu, id="inductor"),

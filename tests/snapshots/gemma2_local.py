@@ -1632,18 +1632,23 @@ def _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, VARLEN: g
     # Where a backward program's sequence lies in the descriptors (SEQUENCE) and its lengths: batch off_b
     # from row 0 with the call's lengths, or in a packed call (VARLEN) sequence b = off_b of the (1, heads,
     # TOTAL, D) views from its first rows, with its own lengths (the grid is sized by the longest).
+    # row_start: where its rows begin in the rows' LSE and delta. TMA reads those fp32 rows from a 16-byte
+    # aligned column only (an unaligned one is an illegal instruction), so a packed call's sequence b
+    # starts at 4 * (q_start // 4 + b) there, never before the previous one's end (_hopper_sequence_rows).
     tma_b = off_b
     q_start = off_b * 0
     k_start = off_b * 0
+    row_start = off_b * 0
     q_len = Q_LEN + off_b * 0
     kv_len = KV_LEN + off_b * 0
     if VARLEN:
         tma_b = off_b * 0
         q_start = gl.load(CuSeqlensQ + off_b)
         k_start = gl.load(CuSeqlensK + off_b)
+        row_start = (q_start // 4 + off_b) * 4
         q_len = gl.load(CuSeqlensQ + off_b + 1) - q_start
         kv_len = gl.load(CuSeqlensK + off_b + 1) - k_start
-    return tma_b, q_start, k_start, q_len, kv_len
+    return tma_b, q_start, k_start, row_start, q_len, kv_len
 
 
 @gluon.jit
@@ -1654,8 +1659,8 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
     # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
     # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                                                  VARLEN)
+    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
+                                                                             CuSeqlensK, VARLEN)
     # A packed call's key tile past its sequence's end (the grid follows the longest) takes no step, as a key
     # tile no query tile sees: its K and V boxes are still loaded (TMA zero-fills past the tensor), so both
     # partitions keep the one protocol.
@@ -1688,9 +1693,9 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                                             _hopper_box(q_bufs.index(stage), q_desc))
             tma.async_copy_global_to_shared(do_desc, [tma_b, off_h, q_start + start_m, 0], bar,
                                             _hopper_box(do_bufs.index(stage), do_desc))
-            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, q_start + start_m], bar,
+            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, row_start + start_m], bar,
                                             _hopper_box(lse_bufs.index(stage), lse_desc))
-            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, q_start + start_m], bar,
+            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, row_start + start_m], bar,
                                             _hopper_box(delta_bufs.index(stage), delta_desc))
             t += 1
 
@@ -1825,8 +1830,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                                         instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
-    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                                                  VARLEN)
+    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
+                                                                             CuSeqlensK, VARLEN)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
     ragged = (start_n + 1) * BLOCK_N > KV_LEN
     # A packed call's key tile past its sequence's end takes no step and stores nothing (rows >= KV_LEN).
@@ -2767,7 +2772,7 @@ class _Attention(torch.autograd.Function):
 # 100.7 against 97.9 us of host time, benchmarks/compile_check.py).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "e830e5a5dc39c396"
+MODULE_DIGEST = "b147fafa42c2072a"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -3577,6 +3582,20 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
 HOPPER_DQ_FINISH_BLOCK = 2048
 
 
+def _hopper_sequence_rows(rows, packed, fill, block_m):
+    """A packed call's row terms (1, H, rows) fp32, moved so that sequence b's rows start at column
+    4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the backward kernel's row_start),
+    the columns between sequences `fill`; padded to whole query tiles. Made on the device, no sync."""
+    cu, TOTAL_Q = packed[0], packed[4]
+    B = cu.shape[0] - 1
+    starts = cu[:-1].long()
+    sequence = torch.repeat_interleave(torch.arange(B, device=cu.device), cu[1:] - cu[:-1], output_size=TOTAL_Q)
+    columns = torch.arange(TOTAL_Q, device=cu.device) + 4 * sequence - (starts % 4)[sequence]
+    moved = rows.new_full((*rows.shape[:2], _cdiv(TOTAL_Q + 4 * B, block_m) * block_m), fill)
+    moved[..., columns] = rows[..., :TOTAL_Q]
+    return moved
+
+
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
@@ -3593,6 +3612,9 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, pac
     dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
+    if packed is not None:
+        delta, lse2 = (_hopper_sequence_rows(rows, packed, fill, block_m) for rows, fill in ((delta, 0.0),
+                                                                                          (lse2, float("inf"))))
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)

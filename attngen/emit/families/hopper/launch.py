@@ -183,6 +183,20 @@ def _hopper_forward(q, k, v, tensors, table, cache=None, page_table=None, plan=N
 HOPPER_DQ_FINISH_BLOCK = 2048
 
 
+def _hopper_sequence_rows(rows, packed, fill, block_m):
+    """A packed call's row terms (1, H, rows) fp32, moved so that sequence b's rows start at column
+    4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the backward kernel's row_start),
+    the columns between sequences `fill`; padded to whole query tiles. Made on the device, no sync."""
+    cu, TOTAL_Q = packed[0], packed[4]
+    B = cu.shape[0] - 1
+    starts = cu[:-1].long()
+    sequence = torch.repeat_interleave(torch.arange(B, device=cu.device), cu[1:] - cu[:-1], output_size=TOTAL_Q)
+    columns = torch.arange(TOTAL_Q, device=cu.device) + 4 * sequence - (starts % 4)[sequence]
+    moved = rows.new_full((*rows.shape[:2], _cdiv(TOTAL_Q + 4 * B, block_m) * block_m), fill)
+    moved[..., columns] = rows[..., :TOTAL_Q]
+    return moved
+
+
 def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
     """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
     (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
@@ -199,6 +213,9 @@ def _hopper_backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None, pac
     dq_sum = _empty_in_layout(q, D, torch.float32)
     # Both padded to whole query tiles, so a TMA box never reads another head's rows.
     delta, lse2 = _row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
+    if packed is not None:
+        delta, lse2 = (_hopper_sequence_rows(rows, packed, fill, block_m) for rows, fill in ((delta, 0.0),
+                                                                                          (lse2, float("inf"))))
     d_pad, dv_pad = _widths(D, DV)
     sm_scale = softmax_scale(D)
     dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
