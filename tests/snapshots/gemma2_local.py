@@ -2772,7 +2772,7 @@ class _Attention(torch.autograd.Function):
 # 100.7 against 97.9 us of host time, benchmarks/compile_check.py).
 # The names carry a digest of this module's text: an identical module imported again in this
 # process (same digest) reuses the operators, any other module gets its own.
-MODULE_DIGEST = "b147fafa42c2072a"
+MODULE_DIGEST = "6a722d5c4900cb4d"
 
 
 # A backward operator returns the learnable inputs' gradients alone (an operator's list output holds
@@ -2955,7 +2955,7 @@ def attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=N
     cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
     length) size the grid. Positions restart at 0 in every sequence, b is its index and Q_LEN/KV_LEN its
     lengths; an input dim declared Q_LEN or KV_LEN is max_seqlen_q or max_seqlen_k long. Returns out
-    (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs the portable kernels, with no tile tables.
+    (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs without tile tables.
     tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
     inputs across calls (built for these inputs' current values; by default each call builds its own).
     Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
