@@ -341,20 +341,31 @@ def _call(e: ir.Call, args):
         if x.hi <= 0:
             return Num(-x.hi, -x.lo, x.is_float, x.nan)
         return Num(0, max(-x.lo, x.hi), x.is_float, x.nan)
-    if fn in ("floor", "ceil"):
+    if fn in ("floor", "ceil", "round"):
         if not x.is_float:
             return Num(x.lo, x.hi, False, x.nan)
         if x.nan or not (-(2 ** 31) <= x.lo and x.hi < 2 ** 31):
             return Num(*ir.I64_RANGE)  # converting NaN, inf or a huge float to an int is undefined
-        f = math.floor if fn == "floor" else math.ceil
+        f = {"floor": math.floor, "ceil": math.ceil, "round": round}[fn]  # round: ties to even, as torch
         return Num(f(x.lo), f(x.hi), False)
+    if fn == "sign":  # monotone; NaN stays NaN
+        return Num(_sign(x.lo), _sign(x.hi), x.is_float, x.nan)
+    if fn in ("sin", "cos"):
+        return Num(-1.0, 1.0, True, x.nan or math.isinf(x.lo) or math.isinf(x.hi))
+    if fn == "tan":
+        # Increasing between its poles: bounded only where the argument keeps clear of +-pi/2 (the
+        # margin covers the kernels' float32 argument and their sin / cos).
+        clear = math.pi / 2 - 1e-3
+        if -clear < x.lo and x.hi < clear:
+            return Num(math.tan(x.lo), math.tan(x.hi), True, x.nan)
+        return Num(-INF, INF, True, True)
     if fn == "softcap":
         cap = args[1]
         if cap.lo == cap.hi and cap.lo > 0 and math.isfinite(cap.lo):  # increasing in x
             c = cap.lo
             return Num(c * math.tanh(x.lo / c), c * math.tanh(x.hi / c), True, nan)
         return ANY_FLOAT
-    increasing = {"tanh": math.tanh, "exp": _exp, "exp2": lambda v: _exp(v * math.log(2)),
+    increasing = {"tanh": math.tanh, "atan": math.atan, "erf": math.erf, "exp": _exp, "exp2": lambda v: _exp(v * math.log(2)),
                   "sigmoid": lambda v: 1 / (1 + _exp(-v)), "log": _log, "log2": lambda v: _log(v) / math.log(2),
                   "sqrt": lambda v: math.sqrt(v) if v >= 0 else math.nan}
     if fn in increasing:
@@ -368,6 +379,10 @@ def _call(e: ir.Call, args):
     if x.lo <= 0:
         return Num(0, INF, True, True)
     return Num(1 / math.sqrt(x.hi), 1 / math.sqrt(x.lo), True, x.nan)
+
+
+def _sign(v: float) -> float:
+    return (v > 0) - (v < 0)
 
 
 def _exp(v: float) -> float:
@@ -413,7 +428,7 @@ def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
     if isinstance(e, ir.Unary):
         return e.op == "neg" and args_int[0]
     if isinstance(e, ir.Call):
-        if e.fn in ("floor", "ceil"):
+        if e.fn in ("floor", "ceil", "round"):
             return True
         if e.fn == "where":
             return args_int[1] and args_int[2]

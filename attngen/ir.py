@@ -33,6 +33,8 @@ FUNCTIONS: dict[str, tuple[int, str]] = {
     "tanh": (1, "float"), "exp": (1, "float"), "exp2": (1, "float"), "log": (1, "float"),
     "log2": (1, "float"), "sqrt": (1, "float"), "rsqrt": (1, "float"), "sigmoid": (1, "float"),
     "abs": (1, "same"), "floor": (1, "int"), "ceil": (1, "int"),
+    "sin": (1, "float"), "cos": (1, "float"), "tan": (1, "float"), "atan": (1, "float"), "erf": (1, "float"),
+    "sign": (1, "same"), "round": (1, "int"),
     "min": (2, "same"), "max": (2, "same"), "clamp": (3, "same"), "softcap": (2, "float"),
     "where": (3, "same"),
 }

@@ -248,6 +248,11 @@ def _ceil(x: Tensor) -> Tensor:
     return torch.ceil(x).long() if x.is_floating_point() else x
 
 
+def _round(x: Tensor) -> Tensor:
+    # The nearest int, ties to even, as Python's round() and torch.round.
+    return torch.round(x).long() if x.is_floating_point() else x
+
+
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
     # Python's floor semantics, also for negative operands: -7 // 2 == -4, -7 % 2 == 1
@@ -262,6 +267,8 @@ _FUNCTIONS = {
     "floor": _floor, "ceil": _ceil, "min": torch.minimum, "max": torch.maximum,
     "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
     "softcap": lambda x, cap: cap * torch.tanh(x / cap),
+    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan, "erf": torch.erf,
+    "sign": torch.sign, "round": _round,
 }
 assert _FUNCTIONS.keys() | {"where"} == FUNCTIONS.keys()
 

@@ -63,6 +63,8 @@ def exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
             sub("int").map(lambda x: f"abs({x})"),
             sub("float").map(lambda x: f"floor({x})"),
             sub("float").map(lambda x: f"ceil({x})"),
+            sub("float").map(lambda x: f"round({x})"),
+            sub("int").map(lambda x: f"sign({x})"),
             st.tuples(sub("bool"), sub("int"), sub("int")).map(lambda x: f"where({x[0]}, {x[1]}, {x[2]})"),
             sub("int").map(lambda x: f"({x}) ** 2"))
     return st.one_of(
@@ -70,7 +72,8 @@ def exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
         sub("int").map(lambda x: f"({x}) * 1.0"),
         st.tuples(sub("float"), sub("float"), st.sampled_from(["+", "-", "*", "/"]))
         .map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
-        st.tuples(st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "sigmoid"]),
+        st.tuples(st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "sigmoid",
+                                   "sin", "cos", "tan", "atan", "erf", "sign"]),
                   sub("float")).map(lambda x: f"{x[0]}({x[1]})"),
         sub("float").map(lambda x: f"softcap({x}, 2.0)"),
         st.tuples(sub("float"), sub("float")).map(lambda x: f"({x[0]}) ** ({x[1]})"),

@@ -41,7 +41,8 @@ _FLOAT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambd
               "div": lambda a, b: a / b if b else None}
 _COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
             "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b}
-_INT_CALLS = {"abs": abs, "min": min, "max": max, "clamp": lambda x, lo, hi: min(max(x, lo), hi)}
+_INT_CALLS = {"abs": abs, "sign": lambda x: (x > 0) - (x < 0), "min": min, "max": max,
+              "clamp": lambda x, lo, hi: min(max(x, lo), hi)}
 
 
 def fold(expr: ir.Expr, params: Mapping[str, int | float]) -> ir.Expr:
@@ -155,11 +156,12 @@ def _constant_value(e: ir.Expr):
         return None if value is None or np.isnan(value) else float(value)
     if isinstance(e, ir.Binary):
         value = _int_power(*values) if e.op == "pow" else _INT_OPS[e.op](*values)
-    elif e.fn in ("floor", "ceil") and kids[0].type != "float":
+    elif e.fn in ("floor", "ceil", "round") and kids[0].type != "float":
         value = values[0]  # the reference's floor and ceil of an int are that int (through a float, 2**62 + 1 is not)
-    elif e.fn in ("floor", "ceil"):
+    elif e.fn in ("floor", "ceil", "round"):
         x = float(values[0])
-        value = (math.floor(x) if e.fn == "floor" else math.ceil(x)) if math.isfinite(x) else None
+        rounding = {"floor": math.floor, "ceil": math.ceil, "round": round}[e.fn]  # round: ties to even
+        value = rounding(x) if math.isfinite(x) else None
     elif e.fn in _INT_CALLS:
         value = _INT_CALLS[e.fn](*values)
     else:

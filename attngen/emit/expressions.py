@@ -17,7 +17,8 @@ from attngen.frontend.printer import literal
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
-             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}
+             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs",
+             "sin": "tl.sin", "cos": "tl.cos", "tan": "_tan", "atan": "_atan", "erf": "tl.erf"}
 
 
 def indented(lines: list[str]) -> list[str]:
@@ -286,8 +287,8 @@ class TritonEmitter:
         if isinstance(e, ir.Binary) and e.op == "floordiv" and isinstance(e.right, ir.Const) and e.right.value > 0:
             (lo, hi), (c, _) = args
             return op(f"_floordiv({lo}, {c})"), op(f"_floordiv({hi}, {c})")
-        if isinstance(e, ir.Call) and e.fn in ("min", "max", "clamp", "where", "abs", "floor", "ceil"):
-            if e.fn in ("floor", "ceil"):  # of an int: the int itself
+        if isinstance(e, ir.Call) and e.fn in ("min", "max", "clamp", "where", "abs", "floor", "ceil", "round"):
+            if e.fn in ("floor", "ceil", "round"):  # of an int: the int itself
                 return args[0]
             if e.fn == "abs":
                 (lo, hi), = args
@@ -367,11 +368,17 @@ class TritonEmitter:
             (x,), wide = self._operands(e, [x], e.args)
             name = self.spelling.tanh if fn == "tanh" else _UNARY_FN[fn]
             return self._temp(f"{name}({x})", dims, wide)
-        if fn in ("floor", "ceil"):
+        if fn in ("floor", "ceil", "round"):
             if self.ranges.is_int(e.args[0]):
                 return args[0]
             width = "tl.int64" if self.ranges.wide(e) else "tl.int32"
-            return self._temp(f"tl.{fn}({args[0]}).to({width})", dims, self.ranges.wide(e))
+            rounded = "_round" if fn == "round" else f"tl.{fn}"
+            return self._temp(f"{rounded}({args[0]}).to({width})", dims, self.ranges.wide(e))
+        if fn == "sign":
+            # The sign of an int fits any width; a float's keeps a zero's sign and a NaN, as torch.sign.
+            if self.ranges.is_int(e):
+                return self._temp(f"tl.where({args[0]} > 0, 1, tl.where({args[0]} < 0, -1, 0))", dims)
+            return self._temp(f"tl.where({args[0]} > 0, 1.0, tl.where({args[0]} < 0, -1.0, {args[0]}))", dims)
         if fn == "softcap":
             return self._temp(f"{args[1]} * {self.spelling.tanh}({args[0]} / {args[1]})", dims)
         # min, max, clamp and where: the result is one of the operands, so it fits where they do.

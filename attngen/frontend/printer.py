@@ -136,7 +136,7 @@ def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], fl
     text (names are validated identifiers, numbers are literals), so compile-time checks run what
     a call will run."""
     return eval(f"lambda D: float({python_expr(e, params)})",
-                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max}})
+                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max, "round": round}})
 
 
 def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
@@ -157,7 +157,8 @@ def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
     args = [python_expr(a, params) for a in e.args]
     simple = {"tanh": "math.tanh", "exp": "math.exp", "log": "math.log", "log2": "math.log2",
               "sqrt": "math.sqrt", "abs": "abs", "floor": "math.floor", "ceil": "math.ceil",
-              "min": "min", "max": "max"}
+              "min": "min", "max": "max", "sin": "math.sin", "cos": "math.cos", "tan": "math.tan",
+              "atan": "math.atan", "erf": "math.erf", "round": "round"}
     if e.fn in simple:
         return f"{simple[e.fn]}({', '.join(args)})"
     if e.fn == "exp2":
@@ -168,6 +169,8 @@ def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
         return f"(1.0 / (1.0 + math.exp(-{args[0]})))"
     if e.fn == "clamp":
         return f"min(max({args[0]}, {args[1]}), {args[2]})"
+    if e.fn == "sign":  # NaN stays NaN, as torch.sign
+        return f"(math.nan if {args[0]} != {args[0]} else ({args[0]} > 0) - ({args[0]} < 0))"
     if e.fn == "where":
         return f"({args[1]} if {args[0]} else {args[2]})"
     assert e.fn == "softcap", e.fn

@@ -64,7 +64,8 @@ SCORE_LEAVES = ["score", "score * t", "(k - q) * 0.1", "(q - k) % 5 / 4", "(q + 
 UNARY = ["tanh({})", "softcap({}, 2.0)", "sigmoid({})", "abs({})", "exp(-abs({}))", "exp2(tanh({}))",
          "log(1.0 + abs({}))", "log2(2.0 + abs({}))", "sqrt(1.0 + ({}) * ({}))", "rsqrt(1.0 + abs({}))",
          "({}) ** 2", "min({}, 1.0)", "max({}, -1.0)", "clamp({}, -2, 2)", "-({})", "floor({}) * 0.5",
-         "ceil({}) * 0.5"]
+         "ceil({}) * 0.5", "sin({})", "cos({})", "tan(tanh({}))", "atan({})", "erf({})", "sign({}) * 0.5",
+         "round({}) * 0.5"]
 # Comment text: anything but a line break (lone surrogates are left to tests/test_trust.py, since a
 # failure report that holds one cannot be printed).
 COMMENTS = st.text(st.characters(exclude_characters="\n", exclude_categories=["Cs"]), max_size=24) | \
