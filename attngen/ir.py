@@ -81,11 +81,18 @@ DeclaredName = Annotated[str, AfterValidator(lambda name: _checked_name(name))]
 
 
 ARITHMETIC_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow")
+# Ints only, with Python's meaning (two's complement of unbounded width; `>>` floors). On bools `&`,
+# `|`, `^` and `~` are the logical operators, which lowering writes as and, or, != and not.
+BITWISE_OPS = ("bitand", "bitor", "bitxor", "lshift", "rshift")
+SHIFT_OPS = ("lshift", "rshift")
+# A shift count lies in 0 .. MAX_SHIFT (checked at compile time): int64's and torch's shifts are
+# Python's there.
+MAX_SHIFT = 63
 COMPARISON_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL_OPS = ("and", "or")
-BinaryOp = Literal["add", "sub", "mul", "div", "floordiv", "mod", "pow",
-                   "eq", "ne", "lt", "le", "gt", "ge", "and", "or"]
-UnaryOp = Literal["neg", "not"]
+BinaryOp = Literal["add", "sub", "mul", "div", "floordiv", "mod", "pow", "bitand", "bitor", "bitxor", "lshift",
+                   "rshift", "eq", "ne", "lt", "le", "gt", "ge", "and", "or"]
+UnaryOp = Literal["neg", "not", "invert"]
 
 
 class Node(BaseModel):

@@ -94,7 +94,7 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
         return _load(expr, env)
     if isinstance(expr, Unary):
         x = evaluate_expr(expr.operand, env)
-        return torch.logical_not(x) if expr.op == "not" else -x
+        return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[expr.op](x)
     if isinstance(expr, Binary):
         a, b = evaluate_expr(expr.left, env), evaluate_expr(expr.right, env)
         # True division, also of two ints; and a power the IR types float (an int to a negative or
@@ -259,6 +259,9 @@ _BINARY = {
     "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
     "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
     "and": torch.logical_and, "or": torch.logical_or,
+    # On int64, with counts in 0 .. 63 (checked at compile time), these are Python's: `>>` floors.
+    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
+    "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
 }
 
 _FUNCTIONS = {

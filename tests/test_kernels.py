@@ -93,6 +93,26 @@ def test_trigonometry_sign_and_round_and_their_gradients():
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
+def test_bit_operations_are_exact_on_ints_and_logical_on_bools():
+    # int64 operands (an i64 input past 2**32), negative ones, a count past 31 on an int32 (computed as
+    # 31 there), a count read from k, and `&`, `|`, `^`, `~` on bools.
+    spec = """
+    attention bits
+    input off: i64[B]
+    input bias: f32[H] learnable
+    mask: (((q ^ k) & 7) != 5 and (q >> 1) >= (k >> 2) - 3 and (~k | 1) < 0 and ((q < 30) ^ (k > 20) | ~(q == k))
+           and (off[b] >> 33) >= 0 and (q - 20) >> 40 <= 0)
+    score: score + ((q << 3) ^ (k | 5)) * 0.01 + bias[h] * ((q & k) >> 1) * 0.1 + (off[b] >> 30) * 0.001 \
+           + (q >> clamp(k, 0, 63)) * 0.1 + ((k - q) >> 2) * 0.1 + ((k - 9) | -16) * 0.1 + (off[b] & 4294967295) * 1e-10
+    """
+    attn = attngen.build(spec.replace("\\\n", "\n   "))
+    assert ">> 31" in attn.path.read_text()  # (q - 20) >> 40 in int32
+    q, k, v = testing.random_qkv(2, 2, 1, 40, 44, 16, 16, torch.float32, device=DEVICE)
+    inputs = {"off": torch.tensor([2 ** 35 + 12345, -(2 ** 40) - 7], device=DEVICE),
+              "bias": torch.randn(2, device=DEVICE)}
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
 @triton.jit
 def _helpers_kernel(x_ptr, atan_ptr, tan_ptr, round_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -35,6 +35,10 @@ _INT_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
     # Python's // and % round to -inf, as the reference's floor division and torch.remainder do.
     "floordiv": lambda a, b: a // b if b else None, "mod": lambda a, b: a % b if b else None,
+    "bitand": lambda a, b: a & b, "bitor": lambda a, b: a | b, "bitxor": lambda a, b: a ^ b,
+    # A count outside 0 .. MAX_SHIFT stays unfolded: the number checks reject it with its position.
+    "lshift": lambda a, b: a << b if 0 <= b <= ir.MAX_SHIFT else None,
+    "rshift": lambda a, b: a >> b if 0 <= b <= ir.MAX_SHIFT else None,
 }
 # On np.float32 operands: float32 arithmetic, rounded once (a zero divisor is a compile-time error).
 _FLOAT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -138,6 +142,8 @@ def _constant_value(e: ir.Expr):
     if isinstance(e, ir.Unary):
         if e.op == "not":
             return not values[0]
+        if e.op == "invert":
+            return ~values[0]  # fits int64 whenever its operand does
         # Negation is exact in every precision (rounding is symmetric), so any float may be negated.
         return -values[0] if e.type == "float" or _fits(-values[0]) else None
     if isinstance(e, ir.Binary) and e.op in ir.LOGICAL_OPS:

@@ -15,7 +15,8 @@ from attngen.analysis.gathers import corner_bounded, uniform
 from attngen.frontend.printer import literal
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
-           "gt": ">", "ge": ">=", "and": "&", "or": "|"}
+           "gt": ">", "ge": ">=", "and": "&", "or": "|", "bitand": "&", "bitor": "|", "bitxor": "^",
+           "lshift": "<<", "rshift": ">>"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
              "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs",
              "sin": "tl.sin", "cos": "tl.cos", "tan": "_tan", "atan": "_atan", "erf": "tl.erf"}
@@ -173,7 +174,7 @@ class TritonEmitter:
             x = self._spell(e.operand)
             dims = self.dims_of(x)
             (x,), wide = self._operands(e, [x], [e.operand])
-            code = f"({x} == 0)" if e.op == "not" else f"-{x}"
+            code = {"not": f"({x} == 0)", "neg": f"-{x}", "invert": f"~{x}"}[e.op]
             return self._temp(code, dims, wide)
         if isinstance(e, ir.Binary):
             return self._binary(e)
@@ -311,6 +312,11 @@ class TritonEmitter:
         a, b = self._spell(e.left), self._spell(e.right)
         dims = self.dims_of(a) | self.dims_of(b)
         (a, b), wide = self._operands(e, [a, b], [e.left, e.right])
+        if e.op in ir.SHIFT_OPS and not wide and self.ranges.value(e.right).hi > 31:
+            # A shift of an int32 by 32 or more is undefined in Triton (LLVM), and Python's is what 31
+            # gives there: x >> 31 is x's sign, and x << n fits int32 only for x == 0 then.
+            b = str(min(int(e.right.value), 31)) if isinstance(e.right, ir.Const) else \
+                self._temp(f"tl.minimum({b}, 31)", self.dims_of(b))
         if e.op in _BINARY:
             if e.op in ("add", "sub") and b.startswith("-"):
                 b = f"({b})"  # a folded negative literal: `x - (-0.5)` reads better than `x - -0.5`
