@@ -266,6 +266,8 @@ class _Translator:
         operand, widen = self(e.operand), self._widen(e)
         if e.op == "not":
             return lambda env: torch.logical_not(operand(env))
+        if e.op == "invert":
+            return lambda env: torch.bitwise_not(widen([operand(env)])[0])
         return lambda env: torch.neg(widen([operand(env)])[0])
 
     def _binary(self, e: ir.Binary) -> Value:
@@ -281,6 +283,13 @@ class _Translator:
             # tensors, and expands this one into products. Exact in the width the range asks for.
             n = int(exponent.lo)
             return lambda env: torch.pow(widen([left(env)])[0], n)
+        if e.op in ir.SHIFT_OPS:
+            def shift(env):
+                x, n = widen([left(env), right(env)])
+                # As in the kernels: an int32 shifted by 32 or more is undefined in generated code, and 31
+                # gives Python's value wherever the result fits int32 (the sign for `>>`, 0 << n for `<<`).
+                return op(x, torch.clamp(n, max=31) if x.dtype == torch.int32 else n)
+            return shift
         return lambda env: op(*widen(_promote(left(env), right(env), env=env_)))
 
     def _call(self, e: ir.Call) -> Value:

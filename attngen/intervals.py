@@ -115,6 +115,8 @@ def node_value(e: ir.Expr, args: list, box: TileBox) -> Num | Truth:
         (x,) = args
         if e.op == "not":
             return Truth(x.may_false, x.may_true)
+        if e.op == "invert":  # ~x == -x - 1
+            return Num(-x.hi - 1, -x.lo - 1, False, x.nan)
         return Num(-x.hi, -x.lo, x.is_float, x.nan)
     if isinstance(e, ir.Binary):
         return _binary(e, *args)
@@ -199,8 +201,49 @@ def _binary(e: ir.Binary, a, b):
         return _hull(quotients, is_float, nan)
     if op == "mod":
         return _mod(a, b, is_float, nan)
+    if op in ir.BITWISE_OPS:
+        return _bitwise(op, a, b, nan)
     assert op == "pow"
     return _pow(a, b, is_float, nan)
+
+
+def _bits(x: Num) -> float:
+    """The least w with every value of int `x` in [-2**w, 2**w - 1] (inf when unbounded)."""
+    if math.isinf(x.lo) or math.isinf(x.hi):
+        return INF
+    return max(int(v if v >= 0 else -v - 1).bit_length() for v in (x.lo, x.hi))
+
+
+def _bitwise(op: str, a: Num, b: Num, nan: bool) -> Num:
+    """Bounds of int `& | ^ << >>` as Python computes them on ints (two's complement of unbounded width)."""
+    if op in ir.SHIFT_OPS:
+        if b.lo < 0 or b.hi > ir.MAX_SHIFT or math.isinf(a.lo) or math.isinf(a.hi):
+            return Num(-INF, INF, False, True)  # a count outside 0..63 is a compile-time error
+        counts = (int(b.lo), int(b.hi))
+        if op == "lshift":  # x * 2**n: monotone in x, and in n for either sign of x
+            return _hull([x * 2 ** n for x in (a.lo, a.hi) for n in counts], False, nan)
+        return _hull([x // 2 ** n for x in (a.lo, a.hi) for n in counts], False, nan)  # floor(x / 2**n)
+    w = max(_bits(a), _bits(b))
+    full = (-(2 ** w), 2 ** w - 1) if w != INF else (-INF, INF)
+    a_pos, b_pos, a_neg, b_neg = a.lo >= 0, b.lo >= 0, a.hi < 0, b.hi < 0
+    if op == "bitand":
+        # Clearing bits never raises a value: x & y <= x for x >= 0; two negatives give a negative.
+        if a_pos or b_pos:
+            return Num(0, min(x.hi for x, pos in ((a, a_pos), (b, b_pos)) if pos), False, nan)
+        return Num(full[0], max(a.hi, b.hi) if not (a_neg and b_neg) else min(a.hi, b.hi), False, nan)
+    if op == "bitor":
+        # Setting bits never lowers a value of the same sign: x | y >= x; a negative operand makes it negative.
+        if a_pos and b_pos:
+            return Num(max(a.lo, b.lo), full[1], False, nan)
+        if a_neg or b_neg:
+            return Num(max(x.lo for x, neg in ((a, a_neg), (b, b_neg)) if neg), -1, False, nan)
+        return Num(min(a.lo, b.lo), full[1], False, nan)
+    assert op == "bitxor"
+    if (a_pos and b_pos) or (a_neg and b_neg):
+        return Num(0, full[1], False, nan)
+    if (a_pos and b_neg) or (a_neg and b_pos):
+        return Num(full[0], -1, False, nan)
+    return Num(*full, False, nan)
 
 
 def _nonzero_divisors(b: Num) -> list[float]:
@@ -341,20 +384,32 @@ def _call(e: ir.Call, args):
         if x.hi <= 0:
             return Num(-x.hi, -x.lo, x.is_float, x.nan)
         return Num(0, max(-x.lo, x.hi), x.is_float, x.nan)
-    if fn in ("floor", "ceil"):
+    if fn in ("floor", "ceil", "round"):
         if not x.is_float:
             return Num(x.lo, x.hi, False, x.nan)
         if x.nan or not (-(2 ** 31) <= x.lo and x.hi < 2 ** 31):
             return Num(*ir.I64_RANGE)  # converting NaN, inf or a huge float to an int is undefined
-        f = math.floor if fn == "floor" else math.ceil
+        f = {"floor": math.floor, "ceil": math.ceil, "round": round}[fn]  # round: ties to even, as torch
         return Num(f(x.lo), f(x.hi), False)
+    if fn == "sign":  # monotone; NaN stays NaN
+        return Num(_sign(x.lo), _sign(x.hi), x.is_float, x.nan)
+    if fn in ("sin", "cos"):
+        return Num(-1.0, 1.0, True, x.nan or math.isinf(x.lo) or math.isinf(x.hi))
+    if fn == "tan":
+        # Increasing between its poles: bounded only where the argument keeps clear of +-pi/2, by enough
+        # that the float32 argument's rounding moves tan by far less than FLOAT_MARGIN (|tan| < 5 there).
+        clear = math.pi / 2 - 0.2
+        if -clear < x.lo and x.hi < clear:
+            return Num(math.tan(x.lo), math.tan(x.hi), True, x.nan)
+        return Num(-INF, INF, True, True)
     if fn == "softcap":
         cap = args[1]
         if cap.lo == cap.hi and cap.lo > 0 and math.isfinite(cap.lo):  # increasing in x
             c = cap.lo
             return Num(c * math.tanh(x.lo / c), c * math.tanh(x.hi / c), True, nan)
         return ANY_FLOAT
-    increasing = {"tanh": math.tanh, "exp": _exp, "exp2": lambda v: _exp(v * math.log(2)),
+    increasing = {"tanh": math.tanh, "atan": math.atan, "erf": math.erf, "exp": _exp,
+                  "exp2": lambda v: _exp(v * math.log(2)),
                   "sigmoid": lambda v: 1 / (1 + _exp(-v)), "log": _log, "log2": lambda v: _log(v) / math.log(2),
                   "sqrt": lambda v: math.sqrt(v) if v >= 0 else math.nan}
     if fn in increasing:
@@ -368,6 +423,10 @@ def _call(e: ir.Call, args):
     if x.lo <= 0:
         return Num(0, INF, True, True)
     return Num(1 / math.sqrt(x.hi), 1 / math.sqrt(x.lo), True, x.nan)
+
+
+def _sign(v: float) -> float:
+    return (v > 0) - (v < 0)
 
 
 def _exp(v: float) -> float:
@@ -409,11 +468,11 @@ def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
     float (`q ** c`, a param exponent), and so do +, -, *, //, %, min, max, clamp, abs and where
     on what it computes as ints."""
     if isinstance(e, ir.Binary):
-        return e.op in ir.ARITHMETIC_OPS and e.op != "div" and all(args_int)
+        return e.op in ir.BITWISE_OPS or (e.op in ir.ARITHMETIC_OPS and e.op != "div" and all(args_int))
     if isinstance(e, ir.Unary):
-        return e.op == "neg" and args_int[0]
+        return e.op == "invert" or (e.op == "neg" and args_int[0])
     if isinstance(e, ir.Call):
-        if e.fn in ("floor", "ceil"):
+        if e.fn in ("floor", "ceil", "round"):
             return True
         if e.fn == "where":
             return args_int[1] and args_int[2]

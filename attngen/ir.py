@@ -33,6 +33,8 @@ FUNCTIONS: dict[str, tuple[int, str]] = {
     "tanh": (1, "float"), "exp": (1, "float"), "exp2": (1, "float"), "log": (1, "float"),
     "log2": (1, "float"), "sqrt": (1, "float"), "rsqrt": (1, "float"), "sigmoid": (1, "float"),
     "abs": (1, "same"), "floor": (1, "int"), "ceil": (1, "int"),
+    "sin": (1, "float"), "cos": (1, "float"), "tan": (1, "float"), "atan": (1, "float"), "erf": (1, "float"),
+    "sign": (1, "same"), "round": (1, "int"),
     "min": (2, "same"), "max": (2, "same"), "clamp": (3, "same"), "softcap": (2, "float"),
     "where": (3, "same"),
 }
@@ -79,11 +81,18 @@ DeclaredName = Annotated[str, AfterValidator(lambda name: _checked_name(name))]
 
 
 ARITHMETIC_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow")
+# Ints only, with Python's meaning (two's complement of unbounded width; `>>` floors). On bools `&`,
+# `|`, `^` and `~` are the logical operators, which lowering writes as and, or, != and not.
+BITWISE_OPS = ("bitand", "bitor", "bitxor", "lshift", "rshift")
+SHIFT_OPS = ("lshift", "rshift")
+# A shift count lies in 0 .. MAX_SHIFT (checked at compile time): int64's and torch's shifts are
+# Python's there.
+MAX_SHIFT = 63
 COMPARISON_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL_OPS = ("and", "or")
-BinaryOp = Literal["add", "sub", "mul", "div", "floordiv", "mod", "pow",
-                   "eq", "ne", "lt", "le", "gt", "ge", "and", "or"]
-UnaryOp = Literal["neg", "not"]
+BinaryOp = Literal["add", "sub", "mul", "div", "floordiv", "mod", "pow", "bitand", "bitor", "bitxor", "lshift",
+                   "rshift", "eq", "ne", "lt", "le", "gt", "ge", "and", "or"]
+UnaryOp = Literal["neg", "not", "invert"]
 
 
 class Node(BaseModel):

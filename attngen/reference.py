@@ -94,7 +94,7 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
         return _load(expr, env)
     if isinstance(expr, Unary):
         x = evaluate_expr(expr.operand, env)
-        return torch.logical_not(x) if expr.op == "not" else -x
+        return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[expr.op](x)
     if isinstance(expr, Binary):
         a, b = evaluate_expr(expr.left, env), evaluate_expr(expr.right, env)
         # True division, also of two ints; and a power the IR types float (an int to a negative or
@@ -248,12 +248,20 @@ def _ceil(x: Tensor) -> Tensor:
     return torch.ceil(x).long() if x.is_floating_point() else x
 
 
+def _round(x: Tensor) -> Tensor:
+    # The nearest int, ties to even, as Python's round() and torch.round.
+    return torch.round(x).long() if x.is_floating_point() else x
+
+
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
     # Python's floor semantics, also for negative operands: -7 // 2 == -4, -7 % 2 == 1
     "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
     "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
     "and": torch.logical_and, "or": torch.logical_or,
+    # On int64, with counts in 0 .. 63 (checked at compile time), these are Python's: `>>` floors.
+    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
+    "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
 }
 
 _FUNCTIONS = {
@@ -262,6 +270,8 @@ _FUNCTIONS = {
     "floor": _floor, "ceil": _ceil, "min": torch.minimum, "max": torch.maximum,
     "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
     "softcap": lambda x, cap: cap * torch.tanh(x / cap),
+    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan, "erf": torch.erf,
+    "sign": torch.sign, "round": _round,
 }
 assert _FUNCTIONS.keys() | {"where"} == FUNCTIONS.keys()
 

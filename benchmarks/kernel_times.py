@@ -5,7 +5,6 @@ Hopper family, the portable one and FlexAttention (compiled), forward or forward
 
 The call's total is the sum of its kernels' times (gaps between kernels are not counted), so a
 short call's host time shows as the difference to tools/hopper/host_overhead.py's wall time.
-(It replaced the first session's version, which timed a fixed set of masks beside Flex.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ from hypothesis import HealthCheck, Phase, settings
 
 import attngen
 
+# pytest-xdist gives each worker a core of its own; torch's intra-op threads (one per core by default)
+# would have every worker's interpreter loops compete for all of them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=200,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", deadline=None, max_examples=3000,

@@ -55,6 +55,8 @@ MASKS = [
     "0 <= q - k < w or 0 <= k - q < w",
     "k < 3 or k > 8",
     "q // 4 == k // 4",
+    "q >> 2 == k >> 2 and causal",
+    "(q + 1) >> 1 >= k >> 3",
     "(q + 1) // 3 == (k + prefix[b]) // 3 and causal",
     "k // 3 >= q // 5 - 1",
     "q // 3 <= k // 3 or k < 2",

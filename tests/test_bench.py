@@ -322,3 +322,35 @@ def test_bench_gives_every_implementation_the_transposed_views(monkeypatch, caps
     rows = {r["implementation"]: r for r in result["rows"]}
     assert list(rows) == [ATTNGEN, FLEX, "sdpa flash", "sdpa cudnn"]
     assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 for row in rows.values()), rows
+
+
+# --- benchmarks/random_variants.py -------------------------------------------------------------------
+
+def _random_variants():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("random_variants", ROOT / "benchmarks" / "random_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_variants_draw_the_same_distinct_masked_specs_every_run():
+    rv = _random_variants()
+    texts = rv.draw_specs(6, seed=3)
+    assert texts == rv.draw_specs(6, seed=3)
+    variants = [rv._variant(t) for t in texts]
+    assert len(set(variants)) == 6 and all(mask.startswith("mask: ") for mask, _ in variants)
+    for text in texts:
+        spec = rv.scaled(text, 4096)
+        drawn = attngen.load_spec(text)[0].param_values
+        assert spec.param_values == {**drawn, **{n: drawn[n] * (4096 // 48) for n in rv.LENGTH_PARAMS}}
+        attngen.to_flex(spec)  # every drawn construct has a Flex spelling to time against
+
+
+def test_random_variants_needs_a_gpu(monkeypatch, capsys):
+    rv = _random_variants()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["random_variants.py", "--count", "1"])
+    assert rv.main() == 2
+    assert "random_variants.py times kernels on a CUDA GPU" in capsys.readouterr().err

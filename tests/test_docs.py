@@ -1,8 +1,10 @@
 """The documentation stays true: links resolve inside the repository, named specs and examples exist,
 spec blocks parse, and documented command-line options exist (no kernels run)."""
 
+import importlib.util
 import inspect
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from attngen.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [ROOT / "README.md", *DOCS]
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS]
 SPEC_PAGES = [ROOT / "docs" / "language.md", ROOT / "docs" / "tutorial.md"]
 
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
@@ -234,3 +236,46 @@ def test_compile_outputs_state_about_the_lines_it_writes(page):
         lines = len(attngen.compile_source(ROOT / words[0], params=params, target=target).splitlines())
         assert abs(int(stated) - lines) <= lines / 10, (
             f"{_rel(page)}: `attngen compile {command}` writes {lines} lines, the page says {stated}")
+
+
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+RESULTS = ROOT / "benchmarks" / "history" / "results"
+MEASURED = re.compile(r"^(\d{4}-\d{2}-\d{2}), (\S+)")
+
+
+def _benchmark_rows() -> list[list[str]]:
+    """The cells of every data row of BENCHMARKS.md's tables: each table's lines after its header and rule."""
+    tables, table = [], []
+    for line in [*BENCHMARKS.read_text().splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            tables.append(table)
+            table = []
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for table in tables for line in table[2:]]
+
+
+def test_every_benchmark_row_names_its_command_and_raw_file():
+    # BENCHMARKS.md holds the current figures: each row says how to measure it again and where its raw
+    # file is, so a row whose script, targets.py case or file goes away is caught here.
+    targets = sys.modules.get("benchmarks_targets")  # tests/test_targets_script.py loads it the same way
+    if targets is None:
+        spec = importlib.util.spec_from_file_location("benchmarks_targets", ROOT / "benchmarks" / "targets.py")
+        targets = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(targets)
+    cases = {case.name for case in targets.cases(False)}
+    rows = _benchmark_rows()
+    assert len(rows) > 20
+    for cells in rows:
+        command = re.fullmatch(r"`python (\S+)(.*)`", cells[-1])
+        assert command, f"BENCHMARKS.md row {cells[0]!r}: the last cell is not a `python ...` command"
+        script, rest = command.groups()
+        assert (ROOT / script).is_file(), f"BENCHMARKS.md row {cells[0]!r}: no script {script}"
+        for names in re.findall(r"--only (\S+)", rest):
+            unknown = set(names.split(",")) - cases
+            assert not unknown, f"BENCHMARKS.md row {cells[0]!r}: benchmarks/targets.py has no case {unknown}"
+        measured = MEASURED.match(cells[-2])
+        assert measured, f"BENCHMARKS.md row {cells[0]!r}: no 'date, raw file' before the command"
+        date, name = measured.groups()
+        raw = RESULTS / f"{date}-h200-{name}"
+        assert raw.is_file(), f"BENCHMARKS.md row {cells[0]!r}: no raw file {raw.relative_to(ROOT)}"

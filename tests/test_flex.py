@@ -61,7 +61,20 @@ score: (softcap(score, cap) + tanh(score) * exp(-abs(score)) + exp2(score / 4) -
         + where(gate[k], bias[h, q], s0) + min(score, half) - max(score, -half) + clamp(score, -1, 1)
         + floor(score * 3) - ceil(score * 2) + (q - k) / 7 + 2.0 ** (hkv - h) + abs(score) ** 0.5
         + min(score, inf) + bias16[k] * biasbf[hkv] + where(k < n[b], 1, 0) + clamp(q - k, -3, 3)
-        + max(q, k) // 5 + min(k, 2) + abs(k - q) % 3 + 2 ** -1 + (q + 1) ** (-2) + (k % 3 + 1) ** n[b] * 0.01)
+        + max(q, k) // 5 + min(k, 2) + abs(k - q) % 3 + 2 ** -1 + (q + 1) ** (-2) + (k % 3 + 1) ** n[b] * 0.01
+        + sin(cos(score)) + cos(score) * sin(score) + tan(tanh(score)) + atan(score * 3) + erf(score)
+        + sign(score) + sign(k - q) + round(score * 2) + round(bias[h, q]))
+"""
+# Every bit operation on ints (negative operands, int64 ones, counts from 0 to 63, a count past 31 on
+# an int32) and on bools.
+BITS = """
+attention bit_ops
+input off: i64[B]
+input lens: i32[B]
+mask: (((q ^ k) & 7) != 5 and (q >> 1) >= (k >> 2) - 3 and (~k | 1) < 0 and ((q < 30) ^ (k > 20) | ~(q == k))
+       and (off[b] >> 33) >= 0 and (q << 33) + (off[b] & 4294967295) >= 0 and (q - 20) >> 40 <= 0)
+score: score + ((q << 3) ^ (k | 5)) * 0.01 + ((q & k) >> 1) * 0.1 + (off[b] >> 30) * 0.001 \
+       + (q >> clamp(k, 0, 63)) * 0.1 + (lens[b] ^ ~k) * 0.01 + ((k - q) >> 2) * 0.1 + ((k - 9) | -16) * 0.1
 """
 # An int score (the reference's score' is its float), and rows with no allowed key (q % 4 == 1).
 INT_SCORE = """
@@ -75,7 +88,7 @@ attention nothing_allowed
 mask: false
 score: 2.5
 """
-HANDWRITTEN = {"int_ops": INT_OPS, "wide_ints": WIDE, "float_fns": FLOAT_FNS, "int_score": INT_SCORE,
+HANDWRITTEN = {"int_ops": INT_OPS, "wide_ints": WIDE, "float_fns": FLOAT_FNS, "bit_ops": BITS, "int_score": INT_SCORE,
                "nothing_allowed": NOTHING_ALLOWED}
 
 B, H, HKV, D = 2, 4, 2, 16

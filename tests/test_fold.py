@@ -87,9 +87,19 @@ def exprs(draw, type_: str, depth: int = 4) -> ir.Expr:
     number = st.sampled_from(["int", "float"])
     if type_ == "int":
         form = draw(st.sampled_from(["neg", "arith", "arith", "arith", "pow", "minmax", "clamp", "abs",
-                                     "round", "where"]))
+                                     "round", "where", "bits", "shift", "invert", "sign"]))
         if form == "neg":
             return neg(sub("int"))
+        if form == "bits":
+            return binary(draw(st.sampled_from(["bitand", "bitor", "bitxor"])), "int", sub("int"), sub("int"))
+        if form == "shift":  # counts in 0 .. 63, as the number checks require
+            count = const(draw(st.integers(0, 63))) if draw(st.booleans()) else \
+                call("clamp", "int", sub("int"), const(0), const(63))
+            return binary(draw(st.sampled_from(["lshift", "rshift"])), "int", sub("int"), count)
+        if form == "invert":
+            return ir.Unary(type="int", op="invert", operand=sub("int"))
+        if form == "sign":
+            return call("sign", "int", sub("int"))
         if form == "arith":
             op = draw(st.sampled_from(["add", "sub", "mul", "floordiv", "mod"]))
             return binary(op, "int", sub("int"), sub("int"))
@@ -102,7 +112,7 @@ def exprs(draw, type_: str, depth: int = 4) -> ir.Expr:
         if form == "abs":
             return call("abs", "int", sub("int"))
         if form == "round":
-            return call(draw(st.sampled_from(["floor", "ceil"])), "int", sub(draw(number)))
+            return call(draw(st.sampled_from(["floor", "ceil", "round"])), "int", sub(draw(number)))
         return call("where", "int", sub("bool"), sub("int"), sub("int"))
     if type_ == "float":
         form = draw(st.sampled_from(["neg", "arith", "arith", "arith", "div", "pow", "int_pow", "fn", "where"]))

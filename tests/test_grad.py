@@ -72,6 +72,11 @@ EXPRESSIONS = [
     "score // 0.5 + score",
     "score + floor(score) * 0.5",
     "ceil(score) + score",
+    "sin(cos(score)) + tan(score * 0.3)",
+    "cos(score) * sin(score) + atan(score * 2)",
+    "erf(score) + sign(score) * score",
+    "round(score * 3) * 0.25 + score",
+    "score + tan(t[h] * 0.5) + sin(x) * erf(t[h]) + atan(u[h, q, k])",
     "score + bias[h]",
     "score * bias[h] + exp(bias[h])",
     # learnable inputs

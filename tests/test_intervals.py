@@ -49,6 +49,8 @@ def exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
             st.tuples(sub("bool"), sub("bool"), st.sampled_from(["and", "or"]))
             .map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
             sub("bool").map(lambda x: f"not ({x})"),
+            st.tuples(sub("bool"), sub("bool"), st.sampled_from(["&", "|", "^"])).map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
+            sub("bool").map(lambda x: f"~({x})"),
             st.tuples(sub("bool"), sub("bool"), sub("bool")).map(lambda x: f"where({x[0]}, {x[1]}, {x[2]})"))
     if kind == "int":
         return st.one_of(
@@ -63,6 +65,15 @@ def exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
             sub("int").map(lambda x: f"abs({x})"),
             sub("float").map(lambda x: f"floor({x})"),
             sub("float").map(lambda x: f"ceil({x})"),
+            sub("float").map(lambda x: f"round({x})"),
+            st.tuples(sub("int"), sub("int"), st.sampled_from(["&", "|", "^"])).map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
+            # Counts that keep every int of the drawn masks within int64 (the number checks reject the rest).
+            st.tuples(sub("int"), st.sampled_from(["<<", ">>"]), st.sampled_from(["0", "1", "c", "7"]))
+            .map(lambda x: f"({x[0]}) {x[1]} {x[2]}"),
+            st.tuples(sub("int"), sub("int")).map(lambda x: f"({x[0]}) >> clamp({x[1]}, 0, 63)"),
+            st.tuples(sub("int"), sub("int")).map(lambda x: f"({x[0]}) << clamp({x[1]}, 0, 5)"),
+            sub("int").map(lambda x: f"~({x})"),
+            sub("int").map(lambda x: f"sign({x})"),
             st.tuples(sub("bool"), sub("int"), sub("int")).map(lambda x: f"where({x[0]}, {x[1]}, {x[2]})"),
             sub("int").map(lambda x: f"({x}) ** 2"))
     return st.one_of(
@@ -70,7 +81,8 @@ def exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
         sub("int").map(lambda x: f"({x}) * 1.0"),
         st.tuples(sub("float"), sub("float"), st.sampled_from(["+", "-", "*", "/"]))
         .map(lambda x: f"({x[0]}) {x[2]} ({x[1]})"),
-        st.tuples(st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "sigmoid"]),
+        st.tuples(st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "sigmoid",
+                                   "sin", "cos", "tan", "atan", "erf", "sign"]),
                   sub("float")).map(lambda x: f"{x[0]}({x[1]})"),
         sub("float").map(lambda x: f"softcap({x}, 2.0)"),
         st.tuples(sub("float"), sub("float")).map(lambda x: f"({x[0]}) ** ({x[1]})"),
@@ -139,3 +151,25 @@ def test_classifier_is_tight_on_the_catalog_masks():
     assert _classify("doc[q] == doc[k]", (0, 15), (0, 15)) == "partial"  # decided at call time
     assert _classify("k < prefix[b] or causal", (16, 31), (0, 15)) == "full"
     assert _classify("layout[h, q // c, k // c] and q >= k", (0, 7), (8, 15), c=8) == "empty"
+
+
+@settings(derandomize=True, max_examples=400, deadline=None)
+@given(a=st.tuples(st.integers(-70, 70), st.integers(0, 40)), b=st.tuples(st.integers(-70, 70), st.integers(0, 40)),
+       op=st.sampled_from(["bitand", "bitor", "bitxor", "lshift", "rshift"]))
+def test_bitwise_bounds_hold_every_value(a, b, op):
+    """Each bit operation's bounds hold every value Python computes over its operands' ranges, by brute force."""
+    from attngen import ir
+    from attngen.intervals import Num, node_value
+
+    (alo, awidth), (blo, bwidth) = a, b
+    if op in ("lshift", "rshift"):  # counts in 0 .. 63
+        blo, bwidth = abs(blo) % 56, bwidth % 8
+    a_range, b_range = range(alo, alo + awidth + 1), range(blo, blo + bwidth + 1)
+    node = ir.Binary(type="int", op=op, left=ir.Var(name="q"), right=ir.Var(name="k"))
+    bound = node_value(node, [Num(a_range[0], a_range[-1]), Num(b_range[0], b_range[-1])], None)
+    python = {"bitand": int.__and__, "bitor": int.__or__, "bitxor": int.__xor__, "lshift": int.__lshift__,
+              "rshift": int.__rshift__}[op]
+    values = [python(x, y) for x in a_range for y in b_range]
+    assert bound.lo <= min(values) and max(values) <= bound.hi, (bound, min(values), max(values))
+    if op == "bitand" and a_range[0] >= 0:  # `& mask` with a non-negative mask is bounded by the mask
+        assert 0 <= bound.lo and bound.hi <= a_range[-1]

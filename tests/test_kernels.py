@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import attngen
+from attngen.runtime import helpers
 from attngen import testing
 from conftest import tiered
 
@@ -74,6 +77,65 @@ def test_score_functions_and_their_gradients():
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
 
 
+def test_trigonometry_sign_and_round_and_their_gradients():
+    # FlexAttention's own test mods, a learnable argument of each function, and a mask the analysis
+    # classifies through sin's bound (always below 2: the mask is `k <= q + 5`).
+    spec = """
+    attention trig
+    input bias: f32[H] learnable
+    score: sin(cos(score)) + tan(bias[h] * 0.5) + cos(score) * sin(score) + atan(score * 2.0 + bias[h]) \
+           + erf(score - bias[h]) + sign(score) * 0.5 + round(score * 3.0) * 0.25 + sign(q - k) * 0.1
+    mask: (k <= q + 5 or sin(q * 1.0) > 2.0) and round(atan(k * 0.1)) >= 0
+    """
+    attn = attngen.build(spec.replace("\\\n", "\n   "))
+    q, k, v = testing.random_qkv(1, 2, 1, 40, 44, 24, 24, torch.float32, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 1, 40, 44, device=DEVICE)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+def test_bit_operations_are_exact_on_ints_and_logical_on_bools():
+    # int64 operands (an i64 input past 2**32), negative ones, a count past 31 on an int32 (computed as
+    # 31 there), a count read from k, and `&`, `|`, `^`, `~` on bools.
+    spec = """
+    attention bits
+    input off: i64[B]
+    input bias: f32[H] learnable
+    mask: (((q ^ k) & 7) != 5 and (q >> 1) >= (k >> 2) - 3 and (~k | 1) < 0 and ((q < 30) ^ (k > 20) | ~(q == k))
+           and (off[b] >> 33) >= 0 and (q - 20) >> 40 <= 0)
+    score: score + ((q << 3) ^ (k | 5)) * 0.01 + bias[h] * ((q & k) >> 1) * 0.1 + (off[b] >> 30) * 0.001 \
+           + (q >> clamp(k, 0, 63)) * 0.1 + ((k - q) >> 2) * 0.1 + ((k - 9) | -16) * 0.1 + (off[b] & 4294967295) * 1e-10
+    """
+    attn = attngen.build(spec.replace("\\\n", "\n   "))
+    assert ">> 31" in attn.path.read_text()  # (q - 20) >> 40 in int32
+    q, k, v = testing.random_qkv(2, 2, 1, 40, 44, 16, 16, torch.float32, device=DEVICE)
+    inputs = {"off": torch.tensor([2 ** 35 + 12345, -(2 ** 40) - 7], device=DEVICE),
+              "bias": torch.randn(2, device=DEVICE)}
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@triton.jit
+def _helpers_kernel(x_ptr, atan_ptr, tan_ptr, round_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(atan_ptr + offs, helpers._atan(x), mask=offs < n)
+    tl.store(tan_ptr + offs, helpers._tan(x), mask=offs < n)
+    tl.store(round_ptr + offs, helpers._round(x), mask=offs < n)
+
+
+def test_atan_tan_and_round_helpers_match_torch():
+    # Reductions' edges (tan(pi/8), tan(3pi/8)), halves (ties to even), just below -0.5 and 0, huge values.
+    special = [0.0, -0.0, 0.41421356, 0.41421357, 2.4142135, 2.4142137, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5,
+               -0.50000006, -0.49999997, -1e-8, 0.49999997, 8388607.5, 1e30, -1e30, float("inf"), float("-inf")]
+    x = torch.cat([torch.tensor(special), torch.linspace(-40, 40, 4001), torch.randn(2000) * 1e3]).to(DEVICE)
+    out = [torch.empty_like(x) for _ in range(3)]
+    _helpers_kernel[(triton.cdiv(x.numel(), 1024),)](x, *out, x.numel(), BLOCK=1024)
+    atan, tan, rounded = out
+    torch.testing.assert_close(atan, torch.atan(x.double()).float(), rtol=4e-7, atol=0.0)
+    assert torch.equal(rounded, torch.round(x))
+    finite = x.abs() < 40  # tan of a float32 argument is ill-conditioned wherever it is large
+    torch.testing.assert_close(tan[finite], torch.tan(x[finite].double()).float(), rtol=1e-5, atol=1e-6)
+
+
 def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address():
     # A clamp of +-4 on 16- and 32-wide tiles: most tiles lie wholly at a clamp (one load and one atomic for
     # the tile), tiles on the band's edge mix both clamps and the band, `bucket` saturates (abs, //, min) far
@@ -102,7 +164,7 @@ def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address
     if DEVICE == "cuda":
         # A GPU's portable tiles (fp32) are 64 and 128 wide: they reach single entries at longer lengths.
         # Without `grid`, whose gradient sums ~30000 terms an entry here in an order the float32
-        # reference's error does not bound (1e-4 on 28, 4e-6 relative, in session 15).
+        # reference's error does not bound (1e-4 on 28, 4e-6 relative, on an H200).
         spec = spec.replace(" + grid[q % 3, k % 5]", "").replace("input grid: f32[3, 5] learnable", "")
         attn = attngen.build(spec)
         q, k, v = testing.random_qkv(1, 2, 1, 700, 650, 16, 16, torch.float32, device=DEVICE)

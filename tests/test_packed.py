@@ -9,7 +9,7 @@ import torch
 
 import attngen
 from attngen import reference, testing
-from attngen.runtime import packed as runtime_packed
+from attngen.runtime import hopper as runtime_hopper, packed as runtime_packed
 from conftest import SLOW_IN_INTERPRETER
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -146,6 +146,48 @@ def test_packed_call_errors(build_small):
     for query in (attn, attn.forward_family, attn.backward_family, attn.visit_counts):
         with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
             query(q, k, v, **inputs, max_seqlen_q=37)
+
+
+def test_offsets_are_checked_again_after_a_write(build_small):
+    """Offsets that passed the check are not read again on the host (a model passes them to every layer),
+    until they change: an in-place write, through any view, and a new tensor at the same address are
+    checked."""
+    attn = build_small("document_causal")
+    q, k, v, inputs, packed = _case(attn)
+    cu = packed["cu_seqlens_q"].clone()
+    attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": cu})
+    cu[1:][:1].add_(100)  # a write through a view: the first sequence ends past the second
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": cu})
+    del cu
+    bad = packed["cu_seqlens_q"].flip(0).contiguous()  # a new tensor, perhaps where the old one was
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": bad})
+    with torch.inference_mode():  # no version counter: checked every call
+        good = packed["cu_seqlens_q"].clone()
+        attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": good})
+        good[1] += 100
+        with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to TOTAL"):
+            attn(q, k, v, **inputs, **{**packed, "cu_seqlens_q": good})
+
+
+@pytest.mark.parametrize("lengths", [[300, 1, 0, 700], [1, 256], [5, 3, 8, 0, 1]])
+def test_hopper_row_terms_start_each_sequence_at_an_aligned_column(lengths):
+    """TMA reads the backward's fp32 LSE and delta rows from 16-byte-aligned columns only (an unaligned
+    one was an illegal instruction on the H200 for a sequence starting at row 301): the Hopper launch
+    moves sequence b's rows to column 4 * (cu_seqlens_q[b] // 4 + b), where the kernel reads them, each
+    row once, the gaps filled and no sequence overlapping the next."""
+    cu = _offsets(lengths)
+    total, block_m = sum(lengths), 64
+    rows = torch.arange(2 * total, dtype=torch.float32).view(1, 2, total) + 1
+    moved = runtime_hopper._hopper_sequence_rows(rows, (cu, cu, max(lengths), max(lengths), total), -1.0, block_m)
+    assert moved.shape[:2] == (1, 2) and moved.shape[2] % block_m == 0
+    for b, n in enumerate(lengths):
+        start = int(cu[b])
+        column = 4 * (start // 4 + b)
+        assert column % 4 == 0 and column + n <= moved.shape[2]
+        assert torch.equal(moved[..., column:column + n], rows[..., start:start + n])
+    assert int((moved == -1.0).sum()) == moved.numel() - rows.numel()  # every row once, the rest filled
 
 
 # Inductor checks the packed operators' output strides against their fakes; aot_eager on the CPU does not.

@@ -77,7 +77,7 @@ def test_gpu_widths_raise_masked_head_dims_to_the_floor(plans, dims, widths):
 
 def test_block_constant_masks_keep_key_tiles_a_block_long():
     """A block layout of 128x128 blocks: the forward keeps 128-key tiles and drops to 2 stages
-    (0.606 ms on an H200, against 0.678 ms for 128x64 with 3 stages: BENCHMARKS.md); other masks
+    (0.606 ms on an H200, against 0.678 ms for 128x64 with 3 stages: benchmarks/tune_tiles.py); other masks
     with the same gathers shrink the key tile first, which full attention prefers."""
     blocks = plan(PRESETS["h200"], gather_bytes=1, mask_blocks={"q": 128, "k": 128}).lookup(128, 128, "bf16")
     assert blocks.fwd == Tiles(block_m=128, block_n=128, num_warps=8, num_stages=2)

@@ -268,7 +268,9 @@ def nodes(type: str, depth: int) -> st.SearchStrategy[ir.Expr]:
                      for op in ("add", "sub", "mul", "floordiv", "mod")),
                    st.builds(arithmetic, st.just("pow"), ints, INT_CONSTS),
                    st.builds(unary, st.just("neg"), ints),
-                   calls(("floor", "ceil"), numbers),
+                   *(st.builds(arithmetic, st.just(op), ints, ints) for op in ir.BITWISE_OPS),
+                   st.builds(unary, st.just("invert"), ints),
+                   calls(("floor", "ceil", "round"), numbers),
                    loads("int", ints)]
     elif type == "number":
         choices = [*(st.builds(arithmetic, st.just(op), numbers, numbers) for op in ir.ARITHMETIC_OPS),

@@ -163,6 +163,11 @@ def test_functions():
     assert evaluate_expr(call("max", 2, 3.5), env).item() == 3.5
     assert evaluate_expr(call("exp2", 3), env).item() == 8.0
     assert evaluate_expr(call("rsqrt", 4), env).item() == 0.5
+    # round: ties to even, as Python's round; sign of an int is an int
+    assert [evaluate_expr(call("round", v, type="int"), env).item() for v in (2.5, 3.5, -2.5, -0.4)] == [2, 4, -2, 0]
+    assert torch.equal(evaluate_expr(call("sign", x, type="int"), env)[0, 0], expect.sign())
+    assert evaluate_expr(call("atan", const(math.inf)), env).item() == pytest.approx(math.pi / 2)
+    assert evaluate_expr(call("erf", -10.0), env).item() == -1.0
     assert evaluate_expr(Unary(type="bool", op="not", operand=const(True)), env).item() is False
     assert evaluate_expr(binary("lt", 1, const(math.inf)), env).item() is True
 

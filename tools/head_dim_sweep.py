@@ -1,6 +1,6 @@
 """Plain attention at one (D, DV) pair under one tiling variant, forward and backward against the
 float64 reference, in its own process (an illegal address poisons the CUDA context). The sweep
-behind plan.MASKED_WIDTH_FLOOR; results in benchmarks/results/2026-11-30-h200-s3-head-dims.txt.
+behind plan.MASKED_WIDTH_FLOOR; results in benchmarks/history/results/2026-11-30-h200-s3-head-dims.txt.
 
     for D in 17 40 64 65 128; do for DV in 8 12 23 32 64 128; do for var in planned m64 pad64; do
         python tools/head_dim_sweep.py $D $DV $var; done; done; done

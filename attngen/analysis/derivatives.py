@@ -163,7 +163,17 @@ def derivative(expr: ir.Expr, wrt: ir.Expr) -> ir.Expr:
     if fn == "abs":
         sign = where(compare("gt", x, ZERO), ONE, where(compare("lt", x, ZERO), _const(-1.0), ZERO))
         return mul(sign, dx)
-    if fn in ("floor", "ceil"):
+    if fn == "sin":
+        return mul(call("cos", x), dx)
+    if fn == "cos":
+        return mul(neg(call("sin", x)), dx)
+    if fn == "tan":
+        return mul(add(ONE, mul(expr, expr)), dx)
+    if fn == "atan":
+        return div(dx, add(ONE, mul(x, x)))
+    if fn == "erf":
+        return mul(mul(_const(2.0 / math.sqrt(math.pi)), call("exp", neg(mul(x, x)))), dx)
+    if fn in ("floor", "ceil", "round", "sign"):  # piecewise constant, as torch's autograd says
         return ZERO
     raise AssertionError(f"no derivative rule for {fn}")
 

@@ -35,13 +35,18 @@ _INT_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
     # Python's // and % round to -inf, as the reference's floor division and torch.remainder do.
     "floordiv": lambda a, b: a // b if b else None, "mod": lambda a, b: a % b if b else None,
+    "bitand": lambda a, b: a & b, "bitor": lambda a, b: a | b, "bitxor": lambda a, b: a ^ b,
+    # A count outside 0 .. MAX_SHIFT stays unfolded: the number checks reject it with its position.
+    "lshift": lambda a, b: a << b if 0 <= b <= ir.MAX_SHIFT else None,
+    "rshift": lambda a, b: a >> b if 0 <= b <= ir.MAX_SHIFT else None,
 }
 # On np.float32 operands: float32 arithmetic, rounded once (a zero divisor is a compile-time error).
 _FLOAT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
               "div": lambda a, b: a / b if b else None}
 _COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
             "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b}
-_INT_CALLS = {"abs": abs, "min": min, "max": max, "clamp": lambda x, lo, hi: min(max(x, lo), hi)}
+_INT_CALLS = {"abs": abs, "sign": lambda x: (x > 0) - (x < 0), "min": min, "max": max,
+              "clamp": lambda x, lo, hi: min(max(x, lo), hi)}
 
 
 def fold(expr: ir.Expr, params: Mapping[str, int | float]) -> ir.Expr:
@@ -137,6 +142,8 @@ def _constant_value(e: ir.Expr):
     if isinstance(e, ir.Unary):
         if e.op == "not":
             return not values[0]
+        if e.op == "invert":
+            return ~values[0]  # fits int64 whenever its operand does
         # Negation is exact in every precision (rounding is symmetric), so any float may be negated.
         return -values[0] if e.type == "float" or _fits(-values[0]) else None
     if isinstance(e, ir.Binary) and e.op in ir.LOGICAL_OPS:
@@ -155,11 +162,12 @@ def _constant_value(e: ir.Expr):
         return None if value is None or np.isnan(value) else float(value)
     if isinstance(e, ir.Binary):
         value = _int_power(*values) if e.op == "pow" else _INT_OPS[e.op](*values)
-    elif e.fn in ("floor", "ceil") and kids[0].type != "float":
+    elif e.fn in ("floor", "ceil", "round") and kids[0].type != "float":
         value = values[0]  # the reference's floor and ceil of an int are that int (through a float, 2**62 + 1 is not)
-    elif e.fn in ("floor", "ceil"):
+    elif e.fn in ("floor", "ceil", "round"):
         x = float(values[0])
-        value = (math.floor(x) if e.fn == "floor" else math.ceil(x)) if math.isfinite(x) else None
+        rounding = {"floor": math.floor, "ceil": math.ceil, "round": round}[e.fn]  # round: ties to even
+        value = rounding(x) if math.isfinite(x) else None
     elif e.fn in _INT_CALLS:
         value = _INT_CALLS[e.fn](*values)
     else:

@@ -19,7 +19,7 @@ TILE_INDICES = frozenset({"q", "k"})
 # What a kernel that runs no cache call knows of the sizes: query i sits at position i (Q_OFFSET is 0).
 NO_OFFSET = {"Q_OFFSET": 0}
 # Ops whose bounds follow from their operands' by exact int arithmetic (mul and floordiv by a constant).
-_CALLS = ("min", "max", "clamp", "where", "abs", "floor", "ceil")
+_CALLS = ("min", "max", "clamp", "where", "abs", "floor", "ceil", "round")
 
 
 def uniform(e: ir.Expr, varying: frozenset[str]) -> bool:

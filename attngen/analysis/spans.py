@@ -155,9 +155,12 @@ def affine(expr: ir.Expr, params: dict[str, int | float]) -> Affine | None:
             if factor is not None and inner is not None:
                 return Affine(factor * inner.cq, factor * inner.ck, _const_scale(inner.const, factor),
                               inner.tq, inner.tk)
-    if isinstance(expr, ir.Binary) and expr.op == "floordiv":
-        # (x + offset) // d, with x a bare index and d a positive constant: a chunk number.
+    if isinstance(expr, ir.Binary) and expr.op in ("floordiv", "rshift"):
+        # (x + offset) // d, with x a bare index and d a positive constant: a chunk number; x >> n is
+        # x // 2**n exactly (both floor), for the counts whose divisor the bounds' int64 holds easily.
         d = _known_int(expr.right, params)
+        if expr.op == "rshift":
+            d = 2 ** d if d is not None and 0 <= d <= 30 else None
         inner = affine(expr.left, params)
         if d is None or d <= 0 or inner is None:
             return None

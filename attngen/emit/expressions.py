@@ -15,9 +15,11 @@ from attngen.analysis.gathers import corner_bounded, uniform
 from attngen.frontend.printer import literal
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
-           "gt": ">", "ge": ">=", "and": "&", "or": "|"}
+           "gt": ">", "ge": ">=", "and": "&", "or": "|", "bitand": "&", "bitor": "|", "bitxor": "^",
+           "lshift": "<<", "rshift": ">>"}
 _UNARY_FN = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
-             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}
+             "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs",
+             "sin": "tl.sin", "cos": "tl.cos", "tan": "_tan", "atan": "_atan", "erf": "tl.erf"}
 
 
 def indented(lines: list[str]) -> list[str]:
@@ -172,7 +174,7 @@ class TritonEmitter:
             x = self._spell(e.operand)
             dims = self.dims_of(x)
             (x,), wide = self._operands(e, [x], [e.operand])
-            code = f"({x} == 0)" if e.op == "not" else f"-{x}"
+            code = {"not": f"({x} == 0)", "neg": f"-{x}", "invert": f"~{x}"}[e.op]
             return self._temp(code, dims, wide)
         if isinstance(e, ir.Binary):
             return self._binary(e)
@@ -286,8 +288,8 @@ class TritonEmitter:
         if isinstance(e, ir.Binary) and e.op == "floordiv" and isinstance(e.right, ir.Const) and e.right.value > 0:
             (lo, hi), (c, _) = args
             return op(f"_floordiv({lo}, {c})"), op(f"_floordiv({hi}, {c})")
-        if isinstance(e, ir.Call) and e.fn in ("min", "max", "clamp", "where", "abs", "floor", "ceil"):
-            if e.fn in ("floor", "ceil"):  # of an int: the int itself
+        if isinstance(e, ir.Call) and e.fn in ("min", "max", "clamp", "where", "abs", "floor", "ceil", "round"):
+            if e.fn in ("floor", "ceil", "round"):  # of an int: the int itself
                 return args[0]
             if e.fn == "abs":
                 (lo, hi), = args
@@ -310,6 +312,11 @@ class TritonEmitter:
         a, b = self._spell(e.left), self._spell(e.right)
         dims = self.dims_of(a) | self.dims_of(b)
         (a, b), wide = self._operands(e, [a, b], [e.left, e.right])
+        if e.op in ir.SHIFT_OPS and not wide and self.ranges.value(e.right).hi > 31:
+            # A shift of an int32 by 32 or more is undefined in Triton (LLVM), and Python's is what 31
+            # gives there: x >> 31 is x's sign, and x << n fits int32 only for x == 0 then.
+            b = str(min(int(e.right.value), 31)) if isinstance(e.right, ir.Const) else \
+                self._temp(f"tl.minimum({b}, 31)", self.dims_of(b))
         if e.op in _BINARY:
             if e.op in ("add", "sub") and b.startswith("-"):
                 b = f"({b})"  # a folded negative literal: `x - (-0.5)` reads better than `x - -0.5`
@@ -367,11 +374,17 @@ class TritonEmitter:
             (x,), wide = self._operands(e, [x], e.args)
             name = self.spelling.tanh if fn == "tanh" else _UNARY_FN[fn]
             return self._temp(f"{name}({x})", dims, wide)
-        if fn in ("floor", "ceil"):
+        if fn in ("floor", "ceil", "round"):
             if self.ranges.is_int(e.args[0]):
                 return args[0]
             width = "tl.int64" if self.ranges.wide(e) else "tl.int32"
-            return self._temp(f"tl.{fn}({args[0]}).to({width})", dims, self.ranges.wide(e))
+            rounded = "_round" if fn == "round" else f"tl.{fn}"
+            return self._temp(f"{rounded}({args[0]}).to({width})", dims, self.ranges.wide(e))
+        if fn == "sign":
+            # The sign of an int fits any width; a float's keeps a zero's sign and a NaN, as torch.sign.
+            if self.ranges.is_int(e):
+                return self._temp(f"tl.where({args[0]} > 0, 1, tl.where({args[0]} < 0, -1, 0))", dims)
+            return self._temp(f"tl.where({args[0]} > 0, 1.0, tl.where({args[0]} < 0, -1.0, {args[0]}))", dims)
         if fn == "softcap":
             return self._temp(f"{args[1]} * {self.spelling.tanh}({args[0]} / {args[1]})", dims)
         # min, max, clamp and where: the result is one of the operands, so it fits where they do.

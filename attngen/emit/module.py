@@ -21,9 +21,9 @@ from attngen.version import __version__
 
 # The runtime names a module imports: its declaration's classes, and the @triton.jit helpers and
 # constants its kernels call (attngen/runtime/helpers.py; tests/test_static.py checks the list is whole).
-HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh", "_pow",
-                "_dot", "_load_tile", "_page_numbers", "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges",
-                "_tile_start", "_count_visit")
+HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh", "_tan",
+                "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers", "_min_max_sum", "_sum_pair",
+                "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 

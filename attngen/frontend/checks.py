@@ -21,6 +21,7 @@ from attngen.frontend.printer import expr_to_source, host_scale
 # module refuses the lengths beyond its limit at call time (intervals.length_limit).
 MIN_LENGTH = 1024
 _DIVIDES = {"div": "/", "floordiv": "//", "mod": "%"}
+_SHIFTS = {"lshift": "<<", "rshift": ">>"}
 # The largest |scale|. The kernels exponentiate base-2 scores (score * log2(e)) in float32, and the
 # backward recomputes P = exp2(s2 - LSE2) from the float32 LSE, whose rounding (ulp |LSE2|) enters
 # P's exponent: beyond 2**24 the error in P reaches a factor of 2**0.5, and beyond 2**31 P overflows.
@@ -83,6 +84,18 @@ def _node_problems(node: ir.Expr, ranges: Ranges, widest: Ranges) -> list[Proble
                                         f"b, h, q, k and input value, got '{expr_to_source(node.right)}' with "
                                         f"values in {_range(divisor)}; bound it away from zero, e.g. "
                                         f"'max({expr_to_source(node.right)}, 1)'")]
+    if isinstance(node, ir.Binary) and node.op in ir.SHIFT_OPS:
+        # Python's shifts on int64 are torch's and the kernels' for counts 0 .. 63 only (a negative count
+        # raises in Python; wider ones are undefined in C), so the count must provably lie there.
+        count, text = widest.value(node.right), _SHIFTS[node.op]
+        written = expr_to_source(node.right)
+        if is_constant(node.right) and (count.lo < 0 or count.hi > ir.MAX_SHIFT):
+            why = "must not be negative" if count.lo < 0 else f"must be at most {ir.MAX_SHIFT} (an int is 64 bits wide)"
+            return [Problem(node.right, f"the count of '{text}' {why}, got '{written}', which is {_number(count.lo)}")]
+        if count.nan or count.lo < 0 or count.hi > ir.MAX_SHIFT:
+            return [Problem(node.right, f"the count of '{text}' must lie in 0..{ir.MAX_SHIFT} for every b, h, q, k "
+                                        f"and input value, got '{written}' with values in {_range(count)}; "
+                                        f"clamp it, e.g. 'clamp({written}, 0, {ir.MAX_SHIFT})'")]
     if isinstance(node, ir.Call) and node.fn == "softcap":
         cap = ranges.value(node.args[1])
         if cap.lo == cap.hi == 0 and not cap.nan:

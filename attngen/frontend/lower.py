@@ -16,7 +16,10 @@ _BUILTIN_MASKS = tuple(ir.BUILTIN_MASKS)
 assert {*_BUILTIN_CONSTANTS, *_BUILTIN_MASKS} <= ir.BUILTIN_NAMES  # no input may shadow them
 _COMPARISONS = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
 _OP_TEXT = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
-            "pow": "**", "and": "and", "or": "or"}
+            "pow": "**", "and": "and", "or": "or", "bitand": "&", "bitor": "|", "bitxor": "^",
+            "lshift": "<<", "rshift": ">>"}
+# On bools `&`, `|`, `^` and `~` are the logical operators, as in torch: the IR says so in its own words.
+_LOGICAL_BITWISE = {"bitand": "and", "bitor": "or", "bitxor": "ne"}
 _DIM_NAMES = ("B", "H", "HKV", "Q_LEN", "KV_LEN")
 # Every later stage walks expressions recursively (pydantic serialises at most 255 levels, and the
 # backward pass differentiates, which nests deeper): expressions nesting deeper than this are
@@ -442,6 +445,36 @@ class Lowerer:
         if not _numeric(operand.type):
             raise SpecError(f"the operand of unary '+' must be a number, got {operand.type}", position(node))
         return operand
+
+    def _bitwise(self, op: str, tree: Tree) -> ir.Expr:
+        """`&`, `|`, `^`, `<<` and `>>`: on two ints, exact as Python's; `&`, `|`, `^` on two bools, logical."""
+        left_node, right_node = tree.children
+        left, right = self.expr(left_node), self.expr(right_node)
+        if op in _LOGICAL_BITWISE and left.type == right.type == "bool":
+            return ir.Binary(type="bool", op=_LOGICAL_BITWISE[op], left=left, right=right)
+        if left.type == right.type == "int":
+            return ir.Binary(type="int", op=op, left=left, right=right)
+        operands = ((left, left_node), (right, right_node))
+        culprit = next((n for e, n in operands if e.type == "float"), None) or \
+            next(n for e, n in operands if e.type != "int")
+        what = "ints" if op in ir.SHIFT_OPS else "ints or both booleans"
+        raise SpecError(f"the operands of '{_OP_TEXT[op]}' must both be {what}, got {left.type} and {right.type}",
+                        position(culprit))
+
+    def bitand(self, tree): return self._bitwise("bitand", tree)
+    def bitor(self, tree): return self._bitwise("bitor", tree)
+    def bitxor(self, tree): return self._bitwise("bitxor", tree)
+    def lshift(self, tree): return self._bitwise("lshift", tree)
+    def rshift(self, tree): return self._bitwise("rshift", tree)
+
+    def invert(self, tree: Tree) -> ir.Expr:
+        (node,) = tree.children
+        operand = self.expr(node)
+        if operand.type == "bool":  # logical, as torch's ~ on a bool tensor
+            return ir.Unary(type="bool", op="not", operand=operand)
+        if operand.type != "int":
+            raise SpecError(f"the operand of '~' must be an int or a boolean, got {operand.type}", position(node))
+        return ir.Unary(type="int", op="invert", operand=operand)
 
     def compare(self, tree: Tree) -> ir.Expr:
         nodes = tree.children

@@ -15,7 +15,7 @@ _TERMINAL_TEXT = {
     "NAME": "a name", "NUMBER": "a number", "_NL": "a new line", "$END": "end of file",
     "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "COLON": "':'",
     "EQUAL": "'='", "MINUS": "'-'", "PLUS": "'+'", "STAR": "'*'", "SLASH": "'/'",
-    "PERCENT": "'%'", "COMP_OP": "a comparison", "LEARNABLE": "'learnable'",
+    "PERCENT": "'%'", "COMP_OP": "a comparison", "LEARNABLE": "'learnable'", "_LSHIFT": "'<<'", "_RSHIFT": "'>>'",
 }
 _BRACKETS_OPEN = {"LPAR", "LSQB"}
 # Spec text is untrusted: its size is bounded, so that parsing and everything after it (linear in
@@ -24,8 +24,7 @@ MAX_SOURCE_CHARS = 1_000_000
 _BRACKETS_CLOSE = {"RPAR", "RSQB"}
 # Operators of C, Python's bitwise ones and conditional expressions, which the language spells in words:
 # (what was written, what to write instead), longest first.
-_FOREIGN_OPERATORS = [("&&", "'and'"), ("||", "'or'"), ("&", "'and'"), ("|", "'or'"), ("!", "'not'"),
-                      ("~", "'not'"), ("?", "where(cond, a, b)")]
+_FOREIGN_OPERATORS = [("&&", "'and'"), ("||", "'or'"), ("!", "'not'"), ("?", "where(cond, a, b)")]
 _FOREIGN_WORDS = {"if": "where(cond, a, b)", "else": "where(cond, a, b)"}
 
 
@@ -123,6 +122,12 @@ def parse(source: str) -> Tree:
                         source=source) from None
     except UnexpectedToken as e:
         token = e.token
+        # `&&` and `||` lex as two operators, and the second is the one the parser does not take.
+        doubled = source[token.start_pos - 1:token.start_pos + 1] if token.start_pos else ""
+        if doubled in ("&&", "||"):
+            instead = dict(_FOREIGN_OPERATORS)[doubled]
+            raise SpecError(f"unexpected '{doubled}'; use {instead}",
+                            Position(token.line, token.column - 1, token.column + 1), source=source) from None
         word = _foreign_word(source, token)
         if word is not None:
             raise SpecError(f"unexpected '{word}'; use {_FOREIGN_WORDS[word.value]}",

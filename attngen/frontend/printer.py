@@ -24,17 +24,22 @@ from typing import Callable
 from attngen import ir
 
 # The grammar's precedence levels (attn.lark), loosest first; an atom binds tightest.
-OR, AND, NOT, COMPARISON, ARITH, TERM, FACTOR, POWER, ATOM = range(9)
+OR, AND, NOT, COMPARISON, BITOR, BITXOR, BITAND, SHIFT, ARITH, TERM, FACTOR, POWER, ATOM = range(13)
 
 # op -> (text, level of the node, least level of its left operand, least level of its right).
 # Left-associative levels take their own level on the left and the next one on the right;
 # `**` is `atom ** factor`, so it is right-associative and `-x ** y` is `-(x ** y)`.
-# A comparison takes arithmetic on both sides: `a < b < c` would be a chain, `a < b and b < c`.
+# A comparison takes `|` expressions on both sides: `a < b < c` would be a chain, `a < b and b < c`.
 _BINARY = {
     "or": ("or", OR, OR, AND),
     "and": ("and", AND, AND, NOT),
-    **{op: (text, COMPARISON, ARITH, ARITH) for op, text in
+    **{op: (text, COMPARISON, BITOR, BITOR) for op, text in
        (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="))},
+    "bitor": ("|", BITOR, BITOR, BITXOR),
+    "bitxor": ("^", BITXOR, BITXOR, BITAND),
+    "bitand": ("&", BITAND, BITAND, SHIFT),
+    "lshift": ("<<", SHIFT, SHIFT, ARITH),
+    "rshift": (">>", SHIFT, SHIFT, ARITH),
     "add": ("+", ARITH, ARITH, TERM),
     "sub": ("-", ARITH, ARITH, TERM),
     **{op: (text, TERM, TERM, FACTOR) for op, text in
@@ -106,6 +111,8 @@ def _expr(expr: ir.Expr) -> tuple[str, int]:
             return f"{expr.fn}({', '.join(expr_to_source(a) for a in expr.args)})", ATOM
         case ir.Unary(op="neg"):
             return f"-{_operand(expr.operand, FACTOR)}", FACTOR
+        case ir.Unary(op="invert"):
+            return f"~{_operand(expr.operand, FACTOR)}", FACTOR
         case ir.Unary(op="not"):
             return f"not {_operand(expr.operand, NOT)}", NOT
         case ir.Binary():
@@ -136,7 +143,7 @@ def host_scale(e: ir.Expr, params: dict[str, int | float]) -> Callable[[int], fl
     text (names are validated identifiers, numbers are literals), so compile-time checks run what
     a call will run."""
     return eval(f"lambda D: float({python_expr(e, params)})",
-                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max}})
+                {"math": math, "__builtins__": {"float": float, "abs": abs, "min": min, "max": max, "round": round}})
 
 
 def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
@@ -149,15 +156,17 @@ def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
         return literal(params[e.name], e.type)
     if isinstance(e, ir.Unary):
         x = python_expr(e.operand, params)
-        return f"(not {x})" if e.op == "not" else f"(-{x})"
+        return {"not": f"(not {x})", "neg": f"(-{x})", "invert": f"(~{x})"}[e.op]
     if isinstance(e, ir.Binary):
-        ops = {**_PYTHON_BINARY, "and": "and", "or": "or", "div": "/", "floordiv": "//", "mod": "%", "pow": "**"}
+        ops = {**_PYTHON_BINARY, "and": "and", "or": "or", "div": "/", "floordiv": "//", "mod": "%", "pow": "**",
+               "bitand": "&", "bitor": "|", "bitxor": "^", "lshift": "<<", "rshift": ">>"}
         return f"({python_expr(e.left, params)} {ops[e.op]} {python_expr(e.right, params)})"
     assert isinstance(e, ir.Call)
     args = [python_expr(a, params) for a in e.args]
     simple = {"tanh": "math.tanh", "exp": "math.exp", "log": "math.log", "log2": "math.log2",
               "sqrt": "math.sqrt", "abs": "abs", "floor": "math.floor", "ceil": "math.ceil",
-              "min": "min", "max": "max"}
+              "min": "min", "max": "max", "sin": "math.sin", "cos": "math.cos", "tan": "math.tan",
+              "atan": "math.atan", "erf": "math.erf", "round": "round"}
     if e.fn in simple:
         return f"{simple[e.fn]}({', '.join(args)})"
     if e.fn == "exp2":
@@ -168,6 +177,8 @@ def python_expr(e: ir.Expr, params: dict[str, int | float]) -> str:
         return f"(1.0 / (1.0 + math.exp(-{args[0]})))"
     if e.fn == "clamp":
         return f"min(max({args[0]}, {args[1]}), {args[2]})"
+    if e.fn == "sign":  # NaN stays NaN, as torch.sign
+        return f"(math.nan if {args[0]} != {args[0]} else ({args[0]} > 0) - ({args[0]} < 0))"
     if e.fn == "where":
         return f"({args[1]} if {args[0]} else {args[2]})"
     assert e.fn == "softcap", e.fn

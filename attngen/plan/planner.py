@@ -30,7 +30,7 @@ MIN_BLOCK = shared._MIN_BLOCK
 # D=40 or 65 with DV<=23), the forward kernel with 128-row tiles returned wrong outputs or faulted
 # (an illegal address, though compute-sanitizer saw no out-of-bounds access: a code generation
 # fault for narrow masked tiles). In a sweep of (D, DV) (tools/head_dim_sweep.py, results in
-# benchmarks/results/2026-11-30-h200-s3-head-dims.txt) every pair ran correctly, forward and
+# benchmarks/history/results/2026-11-30-h200-s3-head-dims.txt) every pair ran correctly, forward and
 # backward, with both widths raised to 64.
 MASKED_WIDTH_FLOOR = 64
 

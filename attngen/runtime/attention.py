@@ -64,7 +64,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
         length) size the grid. Positions restart at 0 in every sequence, b is its index and Q_LEN/KV_LEN its
         lengths; an input dim declared Q_LEN or KV_LEN is max_seqlen_q or max_seqlen_k long. Returns out
-        (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs the portable kernels, with no tile tables.
+        (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs without tile tables.
         tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
         inputs across calls (built for these inputs' current values; by default each call builds its own).
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under

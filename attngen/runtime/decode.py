@@ -23,8 +23,9 @@ DECODE_PROGRAMS_PER_SM = 2
 # runs one program per SM (its 128 KiB of shared memory), so ceil(programs / SMs) waves of its loop over
 # the key tiles; the split kernel runs DECODE_PROGRAMS_PER_SM per SM, its tile math at the rate below,
 # or its K/V reads at HBM speed if slower. The rates are fitted on an H200 (bf16, D=128, GQA 32/8,
-# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`, in
-# BENCHMARKS.md), where the model picked the faster kernel on 62 of 63 shapes and the miss cost 1%.
+# causal, B 1-16, Q_LEN 16-1024, KV_LEN 4k-64k, CUDA-graph replays: `decode_bench.py --prefill`,
+# benchmarks/history/results/2026-12-01-h200-s9-prefill-fit.json), where the model picked the faster
+# kernel on 62 of 63 shapes and the miss cost 1%.
 PORTABLE_FLOPS_PER_SM = 3.7e12
 SPLIT_FLOPS_PER_SM = 1.9e12
 HBM_BYTES_PER_SECOND = 4.0e12

@@ -55,6 +55,37 @@ def _tanh(x):
 
 
 @triton.jit
+def _tan(x):
+    # Triton's math has sin and cos but no tan (libdevice's is not in the interpreter).
+    return tl.sin(x) / tl.cos(x)
+
+
+@triton.jit
+def _atan(x):
+    # Cephes' atanf: reduced to |t| <= tan(pi/8) by atan(x) = pi/2 - atan(1/x) and pi/4 + atan((x-1)/(x+1)),
+    # then a degree-9 odd polynomial; about 1 ulp of float32. Odd, so computed on |x|.
+    a = tl.abs(x)
+    big = a > 2.414213562373095
+    mid = a > 0.4142135623730950
+    t = tl.where(big, -1.0 / tl.maximum(a, 1.0), tl.where(mid, (a - 1.0) / (a + 1.0), a))
+    base = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
+    z = t * t
+    y = base + ((((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z
+                 - 3.33329491539e-1) * z * t + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _round(x):
+    # The nearest integer, ties to even (as Python's round and torch.round), as a float. x - floor(x)
+    # is exact except just below 0, where any rounding of it still picks the right neighbour.
+    f = tl.floor(x)
+    d = x - f
+    odd = tl.floor(f * 0.5) * 2.0 != f
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
 def _pow(x, y):
     # x ** y for any signs, as torch.pow: negative x needs an integral y. The bool algebra stays
     # within y's shape and within x's (tl.where joins them), since y may be a scalar read once per

@@ -110,6 +110,20 @@ def _hopper_row_descriptor(t, rows):
 _HOPPER_LAYOUTS = {}
 
 
+def _hopper_sequence_rows(rows, packed, fill, block_m):
+    """A packed call's row terms (1, H, rows) fp32, moved so that sequence b's rows start at column
+    4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the backward kernel's row_start),
+    the columns between sequences `fill`; padded to whole query tiles. Made on the device, no sync."""
+    cu, TOTAL_Q = packed[0], packed[4]
+    B = cu.shape[0] - 1
+    starts = cu[:-1].long()
+    sequence = torch.repeat_interleave(torch.arange(B, device=cu.device), cu[1:] - cu[:-1], output_size=TOTAL_Q)
+    columns = torch.arange(TOTAL_Q, device=cu.device) + 4 * sequence - (starts % 4)[sequence]
+    moved = rows.new_full((*rows.shape[:2], _cdiv(TOTAL_Q + 4 * B, block_m) * block_m), fill)
+    moved[..., columns] = rows[..., :TOTAL_Q]
+    return moved
+
+
 def _hopper_layout(block_shape, dtype):
     key = (*block_shape, dtype)
     if key not in _HOPPER_LAYOUTS:
@@ -206,6 +220,9 @@ class HopperFamily:
         dq_sum = _empty_in_layout(q, D, torch.float32)
         # Both padded to whole query tiles, so a TMA box never reads another head's rows.
         delta, lse2 = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
+        if packed is not None:
+            delta, lse2 = (_hopper_sequence_rows(rows, packed, fill, block_m) for rows, fill in ((delta, 0.0),
+                                                                                              (lse2, float("inf"))))
         d_pad, dv_pad = self.rt._widths(D, DV)
         sm_scale = self.rt.facts.softmax_scale(D)
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)

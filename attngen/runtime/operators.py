@@ -38,7 +38,8 @@ class _Attention(torch.autograd.Function):
 # backward, which its eager calls run too) with fake implementations that give shapes, and an autograd
 # formula that calls the backward operator, so a compiled model has no graph break and dynamic lengths
 # need no recompile. The host code is the same Python as in eager; eager calls skip the dispatcher,
-# which costs more per call than the autograd.Function above (BENCHMARKS.md has the figures).
+# which costs more per call than the autograd.Function above (a forward of B1 H8 N128 D64 on an H200:
+# 100.7 against 97.9 us of host time, benchmarks/compile_check.py).
 # The names carry the digest of the generated module's code (SpecFacts.digest): an identical module
 # imported again in this process reuses the operators, any other module gets its own.
 class Operators:

@@ -3,7 +3,7 @@
 The strategies draw from the whole language, as users and attngen's own tests need them:
 
 - `specs()`: well-typed random specs. Masks are `and`/`or`/`not` trees over affine atoms
-  (windows, prefixes, chunks, `causal`) and data-dependent ones (document ids, block
+  (windows, prefixes, chunks, `causal`), bit operations and data-dependent ones (document ids, block
   layouts, flags). Score expressions use every function and operator, over params and
   inputs of every dtype and dim form (B, H, HKV, Q_LEN, KV_LEN, a literal, `*`, a scalar),
   learnable ones included. Each is drawn as text, so a failure shows a spec one can save
@@ -53,18 +53,22 @@ INPUT_MENU: dict[str, tuple[str, list[str], list[str]]] = {
 }
 AFFINE_ATOMS = ["causal", "causal_bottom_right", "q - k < w", "k - q <= w", "q // c == k // c",
                 "k >= q - 2 * w", "q >= 3", "k < KV_LEN - 2", "h < 1", "(q + 1) // c >= k // c"]
-OTHER_ATOMS = ["q % 3 != 1", "q * k < 200"]
+OTHER_ATOMS = ["q % 3 != 1", "q * k < 200", "((q ^ k) & 3) != 1", "(q >> 2) >= (k >> 2)", "(q < 3) ^ (k > 5)",
+               "~(q == k) | (k & 1 == 0)"]
 # Integers past int32 at the drawn lengths (the kernels must widen them exactly as the reference does):
 # a band with large coefficients, a fourth power, and products beyond 2**31.
 INTEGER_ATOMS = ["q * 20000000 >= k * 20000000 - 3000000000", "(q - k) ** 4 < 60000 * w * w"]
-INTEGER_LEAVES = ["(q - k) ** 4 * 1e-9", "(q * k * 40000) % 7 * 0.1", "(q + 3000000000) // 1000000000 * 0.5"]
+INTEGER_LEAVES = ["(q - k) ** 4 * 1e-9", "(q * k * 40000) % 7 * 0.1", "(q + 3000000000) // 1000000000 * 0.5",
+                  "((q << 30) ^ k) * 1e-9"]
 # Values one off the interpreter's 16-wide tiles, where off-by-one errors in loop bounds show.
 NEAR_TILES = [15, 16, 17, 31, 32, 33, 47, 48]
-SCORE_LEAVES = ["score", "score * t", "(k - q) * 0.1", "(q - k) % 5 / 4", "(q + k) // 3 * 0.1", "t"]
+SCORE_LEAVES = ["score", "score * t", "(k - q) * 0.1", "(q - k) % 5 / 4", "(q + k) // 3 * 0.1", "t",
+                "((q | k) & 7) * 0.1", "(~q >> 1) * 0.05"]
 UNARY = ["tanh({})", "softcap({}, 2.0)", "sigmoid({})", "abs({})", "exp(-abs({}))", "exp2(tanh({}))",
          "log(1.0 + abs({}))", "log2(2.0 + abs({}))", "sqrt(1.0 + ({}) * ({}))", "rsqrt(1.0 + abs({}))",
          "({}) ** 2", "min({}, 1.0)", "max({}, -1.0)", "clamp({}, -2, 2)", "-({})", "floor({}) * 0.5",
-         "ceil({}) * 0.5"]
+         "ceil({}) * 0.5", "sin({})", "cos({})", "tan(tanh({}))", "atan({})", "erf({})", "sign({}) * 0.5",
+         "round({}) * 0.5"]
 # Comment text: anything but a line break (lone surrogates are left to tests/test_trust.py, since a
 # failure report that holds one cannot be printed).
 COMMENTS = st.text(st.characters(exclude_characters="\n", exclude_categories=["Cs"]), max_size=24) | \

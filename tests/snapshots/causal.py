@@ -575,7 +575,7 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
     # fp32 to dtype, two neighbours (the pair one wgmma A-operand register holds) in one packed cvt. With
     # Triton's per-element rounding, P crosses the loop's back edge as 16-bit values and ptxas packs each
     # pair in the wrong half order, then swaps the halves with a PRMT: at D=64, 504 PRMTs a 128x128 tile,
-    # 12% of the consumers' instructions (ncu, session 16). cvt.rn.*x2 puts its first source in the upper
+    # 12% of the consumers' instructions (ncu). cvt.rn.*x2 puts its first source in the upper
     # half, so the pair's second element goes first.
     if dtype == gl.bfloat16:
         return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16,
@@ -1103,18 +1103,23 @@ def _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, VARLEN: g
     # Where a backward program's sequence lies in the descriptors (SEQUENCE) and its lengths: batch off_b
     # from row 0 with the call's lengths, or in a packed call (VARLEN) sequence b = off_b of the (1, heads,
     # TOTAL, D) views from its first rows, with its own lengths (the grid is sized by the longest).
+    # row_start: where its rows begin in the rows' LSE and delta. TMA reads those fp32 rows from a 16-byte
+    # aligned column only (an unaligned one is an illegal instruction), so a packed call's sequence b
+    # starts at 4 * (q_start // 4 + b) there, never before the previous one's end (_hopper_sequence_rows).
     tma_b = off_b
     q_start = off_b * 0
     k_start = off_b * 0
+    row_start = off_b * 0
     q_len = Q_LEN + off_b * 0
     kv_len = KV_LEN + off_b * 0
     if VARLEN:
         tma_b = off_b * 0
         q_start = gl.load(CuSeqlensQ + off_b)
         k_start = gl.load(CuSeqlensK + off_b)
+        row_start = (q_start // 4 + off_b) * 4
         q_len = gl.load(CuSeqlensQ + off_b + 1) - q_start
         kv_len = gl.load(CuSeqlensK + off_b + 1) - k_start
-    return tma_b, q_start, k_start, q_len, kv_len
+    return tma_b, q_start, k_start, row_start, q_len, kv_len
 
 
 @gluon.jit
@@ -1125,8 +1130,8 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
     # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
     # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                                                  VARLEN)
+    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
+                                                                             CuSeqlensK, VARLEN)
     # A packed call's key tile past its sequence's end (the grid follows the longest) takes no step, as a key
     # tile no query tile sees: its K and V boxes are still loaded (TMA zero-fills past the tensor), so both
     # partitions keep the one protocol.
@@ -1159,9 +1164,9 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                                             _hopper_box(q_bufs.index(stage), q_desc))
             tma.async_copy_global_to_shared(do_desc, [tma_b, off_h, q_start + start_m, 0], bar,
                                             _hopper_box(do_bufs.index(stage), do_desc))
-            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, q_start + start_m], bar,
+            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, row_start + start_m], bar,
                                             _hopper_box(lse_bufs.index(stage), lse_desc))
-            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, q_start + start_m], bar,
+            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, row_start + start_m], bar,
                                             _hopper_box(delta_bufs.index(stage), delta_desc))
             t += 1
 
@@ -1283,8 +1288,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                                         instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
-    tma_b, q_start, k_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                                                  VARLEN)
+    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
+                                                                             CuSeqlensK, VARLEN)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
     ragged = (start_n + 1) * BLOCK_N > KV_LEN
     # A packed call's key tile past its sequence's end takes no step and stores nothing (rows >= KV_LEN).
@@ -1536,7 +1541,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "934742fe8db432c5"
+MODULE_DIGEST = "7f4601d4a3eb58c5"
 FACTS = SpecFacts(
     name="causal",
     fingerprint="a8ef8d5de15a236b",

@@ -1,0 +1,223 @@
+"""FlexAttention's test mods and attention-gym's masks and mods, spelled in .attn: each spelling's kernels
+match the float64 reference forward and backward.
+
+The spellings are written here from reading the originals: the score_mods and mask_mods of PyTorch's
+test/inductor/test_flex_attention.py, and attention-gym's attn_gym/masks and attn_gym/mods. A mod that
+reads a captured tensor reads an input of the same shape; one that builds a table outside the mod
+(Sandwich's cosine table, MLA's RoPE dot products, VSA's top-k tiles, Graphormer's path tables) reads
+that table as an input, as the original's mod does. Masks written as `where(cond, score, -inf)` score
+mods are spelled as masks. A few cases run in the default tier; the rest are slow in the interpreter.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import SpecError, testing
+from attngen.reference import evaluate_expr, make_env
+from conftest import SLOW_IN_INTERPRETER
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on a GPU only: the interpreter's bf16 dot is wrong (tests/test_kernels.py says more).
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+B, H, HKV, N, D = 2, 2, 1, 37, 16
+
+
+# name -> (spec body, inputs that random_inputs would not give: name -> tensor).
+FLEX_TESTS = {
+    "times_two": ("score: score * 2", {}),
+    "squared": ("score: score * score", {}),
+    "causal": ("mask: q >= k", {}),
+    "inverse_causal": ("mask: q <= k", {}),
+    "rel_bias": ("score: score + (q - k)", {}),
+    "rel_causal": ("mask: q >= k\nscore: score + (q - k)", {}),
+    "alibi_bias": ("param num_heads = 8\nscore: score + (k - q) * exp2(-((h + 1) * 8.0 / num_heads))", {}),
+    "head_offset": ("input head_offset: f32[H]\nscore: score * head_offset[h]", {}),
+    "trig": ("score: sin(cos(score)) + tan(b)", {}),
+    "trig2": ("score: cos(score) * sin(score) + tan(b)", {}),
+    "doc_mask_sparse": ("input document_id: i32[KV_LEN]\nmask: (q >= k) & (document_id[q] == document_id[k])", {}),
+    "index_multiple": ("input bias: f32[B, Q_LEN]\nscore: score + bias[b, q]", {}),
+    "index_weird1": ("input bias: f32[4, B, H, Q_LEN]\nscore: score + bias[0, b, h, q]", {}),
+    "index_weird2": ("input bias: f32[B, H, 4, Q_LEN]\ninput which_bias: i32[]\nscore: score + bias[b, h, which_bias, q]",
+                     {"which_bias": torch.tensor(2, dtype=torch.int32)}),
+    "skip_odd_keys": ("mask: k % 2 == 0", {}),
+    "function_composition": ("mask: q <= k\nscore: score + (q - k)", {}),
+    "captured_buffers_all_dims": ("input head_scale: f32[H]\ninput batch_scale: f32[B]\ninput tok_scale: f32[Q_LEN]\n"
+                                  "score: score + tok_scale[q] + batch_scale[b] + head_scale[h]", {}),
+    "seq_masking": ("input seq_idx: bool[KV_LEN]\nmask: seq_idx[q] == seq_idx[k]", {}),
+    "load_from_bias_seq_only": ("input bias: f16[Q_LEN, KV_LEN]\nscore: score + bias[q, k]", {}),
+    "load_from_bias_seq_batch": ("input bias: f16[B, Q_LEN, KV_LEN]\nscore: score + bias[b, q, k]", {}),
+    "load_from_bias_head_seq_batch": ("input bias: f16[B, H, Q_LEN, KV_LEN]\nscore: score + bias[b, h, q, k]", {}),
+    "load_rel_bias": ("input rel_bias: f32[*]\nscore: score + rel_bias[(q - k) + KV_LEN]", {}),
+    "dependent_causal_bidirectional": ("input num_bidirectional: i32[B]\n"
+                                       "mask: (q <= num_bidirectional[b]) & (k <= num_bidirectional[b]) | (q >= k)", {}),
+    "natten_2d": ("param W = 8\nparam WINDOW = 3\n"
+                  "mask: (abs(q / W - k / W) <= WINDOW) | (abs(q % W - k % W) <= WINDOW)", {}),
+    "subgraph_decomposition": ("score: score - q // (1 + k)", {}),
+    "silu_on_score": ("score: score * sigmoid(score)", {}),
+    "padded_dense_causal": ("input seq_len: i32[B]\nscore: where(score <= seq_len[b] and q >= k, score, -inf)", {}),
+    "captured_scale": ("input offset: i32[]\nscore: score + offset", {}),
+    "inputs_are_realized": ("input x: f32[*]\nscore: score + x[q]", {}),
+    "njt_causal": ("input offsets: i32[4]\ninput seq_idx: i32[KV_LEN]\n"
+                   "mask: q - offsets[seq_idx[q]] >= k - offsets[seq_idx[k]]",
+                   {"offsets": torch.tensor([0, 9, 20, 37], dtype=torch.int32)}),
+    "new_empty_mask_mod": ("input attn_mask: bool[B, 1, Q_LEN, KV_LEN]\nmask: attn_mask[b, 0, q, k]\n"
+                           "score: score + where(attn_mask[b, 0, q, k], 1.0, 0.0)", {}),
+    "load_from_view_buffer": ("param W = 8\ninput rel_h: f32[B, H, Q_LEN, *]\nscore: score + rel_h[b, h, q, k // W]", {}),
+    "mask_mod_combiners": ("param window = 12\nmask: (q >= k) & ((q - k) <= window)", {}),
+    "multiple_mask_calls": ("param window_size = 5\nmask: (q >= k) & (q <= k + window_size)", {}),
+}
+
+GYM = {
+    "gym_causal": ("mask: q >= k", {}),
+    "gym_sliding_window": ("param window_size = 5\nmask: q - k <= window_size and q >= k", {}),
+    "gym_prefix_lm": ("param prefix_length = 9\nmask: k < prefix_length or q >= k", {}),
+    "gym_document_causal": ("input offsets: i32[5]\ninput document_id: i32[KV_LEN]\n"
+                            "mask: (document_id[q] == document_id[k]\n"
+                            "       and q - offsets[document_id[q]] >= k - offsets[document_id[k]])",
+                            {"offsets": torch.tensor([0, 5, 17, 30, 37], dtype=torch.int32),
+                             "document_id": torch.tensor([0] * 5 + [1] * 12 + [2] * 13 + [3] * 7, dtype=torch.int32)}),
+    "gym_packed_causal_doc": ("input offsets: i32[5]\ninput document_id: i32[KV_LEN]\n"
+                              "mask: k >= offsets[document_id[q]] and q >= k",
+                              {"offsets": torch.tensor([0, 5, 17, 30, 37], dtype=torch.int32),
+                               "document_id": torch.tensor([0] * 5 + [1] * 12 + [2] * 13 + [3] * 7, dtype=torch.int32)}),
+    "gym_shared_prefix": ("input offsets: i32[5]\ninput document_id: i32[KV_LEN]\ninput prefix_document_id: i32[4]\n"
+                          "mask: ((k >= offsets[document_id[q]] and q >= k)\n"
+                          "       or (document_id[q] != prefix_document_id[document_id[q]]\n"
+                          "           and k >= offsets[prefix_document_id[document_id[q]]]\n"
+                          "           and k < offsets[prefix_document_id[document_id[q]] + 1]))",
+                          {"offsets": torch.tensor([0, 5, 17, 30, 37], dtype=torch.int32),
+                           "document_id": torch.tensor([0] * 5 + [1] * 12 + [2] * 13 + [3] * 7, dtype=torch.int32),
+                           "prefix_document_id": torch.tensor([0, 0, 2, 2], dtype=torch.int32)}),
+    "gym_global_sliding_window": ("param window_size = 3\ninput is_global: bool[KV_LEN]\n"
+                                  "mask: (abs(q - k) <= window_size) | is_global[q] | is_global[k]", {}),
+    "gym_batchify_causal": ("param batchify_size = 8\n"
+                            "mask: (q // batchify_size == k // batchify_size) & (q % batchify_size >= k % batchify_size)",
+                            {}),
+    "gym_block_diffusion": ("param seq_len = 18\nparam block_size = 4\n"
+                            "mask: ((q % seq_len // block_size == k % seq_len // block_size) & ((q < seq_len) == (k < seq_len))\n"
+                            "      | (q % seq_len // block_size > k % seq_len // block_size) & (q < seq_len) & ~(k < seq_len)\n"
+                            "      | (q % seq_len // block_size >= k % seq_len // block_size) & ~(q < seq_len) & ~(k < seq_len))",
+                            {}),
+    "gym_natten": ("param canvas_w = 6\nparam canvas_h = 7\nparam kernel_w = 3\nparam kernel_h = 3\n"
+                   "mask: (abs(clamp(q // canvas_w, kernel_w // 2, canvas_w - 1 - kernel_w // 2) - k // canvas_w)"
+                   " <= kernel_w // 2\n"
+                   "      and abs(clamp(q % canvas_w, kernel_h // 2, canvas_h - 1 - kernel_h // 2) - k % canvas_w)"
+                   " <= kernel_h // 2)", {}),
+    "gym_tiled_natten": ("param W = 8\nparam HT = 6\nparam K_W = 3\nparam K_H = 3\nparam T_W = 2\nparam T_H = 2\n"
+                         "mask: (abs(clamp(q // (T_H * T_W) % (W // T_W) * T_W + q % (T_H * T_W) % T_W,"
+                         " K_W // 2, W - 1 - K_W // 2)\n"
+                         "          - (k // (T_H * T_W) % (W // T_W) * T_W + k % (T_H * T_W) % T_W)) <= K_W // 2\n"
+                         "      and abs(clamp(q // (T_H * T_W) // (W // T_W) * T_H + q % (T_H * T_W) // T_W,"
+                         " K_H // 2, HT - 1 - K_H // 2)\n"
+                         "              - (k // (T_H * T_W) // (W // T_W) * T_H + k % (T_H * T_W) // T_W)) <= K_H // 2)",
+                         {}),
+    "gym_sta_2d": ("param canvas_h = 8\nparam canvas_w = 4\nparam kernel_tile_h = 3\nparam kernel_tile_w = 1\n"
+                   "param tile_h = 2\nparam tile_w = 2\nparam text_seq_len = 3\n"
+                   "mask: ((q < canvas_h * canvas_w and k < canvas_h * canvas_w\n"
+                   "       and k // (tile_h * tile_w) // (canvas_w // tile_w) >= clamp(q // (tile_h * tile_w) // (canvas_w // tile_w),"
+                   " kernel_tile_h // 2, canvas_h // tile_h - 1 - (kernel_tile_h // 2 + kernel_tile_h % 2 - 1)) - kernel_tile_h // 2\n"
+                   "       and k // (tile_h * tile_w) // (canvas_w // tile_w) <= clamp(q // (tile_h * tile_w) // (canvas_w // tile_w),"
+                   " kernel_tile_h // 2, canvas_h // tile_h - 1 - (kernel_tile_h // 2 + kernel_tile_h % 2 - 1))"
+                   " + kernel_tile_h // 2 + kernel_tile_h % 2 - 1\n"
+                   "       and k // (tile_h * tile_w) % (canvas_w // tile_w) >= clamp(q // (tile_h * tile_w) % (canvas_w // tile_w),"
+                   " kernel_tile_w // 2, canvas_w // tile_w - 1 - (kernel_tile_w // 2 + kernel_tile_w % 2 - 1)) - kernel_tile_w // 2\n"
+                   "       and k // (tile_h * tile_w) % (canvas_w // tile_w) <= clamp(q // (tile_h * tile_w) % (canvas_w // tile_w),"
+                   " kernel_tile_w // 2, canvas_w // tile_w - 1 - (kernel_tile_w // 2 + kernel_tile_w % 2 - 1))"
+                   " + kernel_tile_w // 2 + kernel_tile_w % 2 - 1)\n"
+                   "      or (q < canvas_h * canvas_w and k >= canvas_h * canvas_w and k < canvas_h * canvas_w + text_seq_len)\n"
+                   "      or (q >= canvas_h * canvas_w and k < canvas_h * canvas_w + text_seq_len))", {}),
+    "gym_svg_spatial": ("param prompt_length = 3\nparam token_per_frame = 5\nparam width = 2\nparam round_width = 4\n"
+                        "mask: (k < prompt_length + token_per_frame or q < prompt_length\n"
+                        "       or abs(q - k) < floor(width * token_per_frame / round_width) * round_width)", {}),
+    "gym_svg_temporal": ("param prompt_length = 3\nparam num_frames = 6\nparam token_per_frame = 5\nparam width = 2\n"
+                         "mask: (k < prompt_length or q < prompt_length\n"
+                         "      or abs((q - prompt_length) % token_per_frame - (k - prompt_length) % token_per_frame)"
+                         " < width * token_per_frame // num_frames)", {}),
+    "gym_jetspec_tree": ("param prefix_length = 6\ninput ancestor: bool[Q_LEN, *]\n"
+                         "mask: k < prefix_length or (k >= prefix_length and k < prefix_length + Q_LEN\n"
+                         "      and ancestor[q, clamp(k - prefix_length, 0, Q_LEN - 1)])", {}),
+    "gym_jetspec_training": ("param prefix_length = 5\nparam block_size = 4\n"
+                             "mask: k < prefix_length or (k >= prefix_length and q // block_size == (k - prefix_length) // block_size\n"
+                             "      and (k - prefix_length) % block_size <= q % block_size)", {}),
+    "gym_vsa_fine": ("param tile_numel = 8\ninput selected: bool[B, H, *, *]\n"
+                     "mask: selected[b, h, q // tile_numel, k // tile_numel]", {}),
+    "gym_alibi": ("mask: q >= k\nscore: score + (k - q) * exp2(-((h + 1) * 8.0 / H))", {}),
+    "gym_tanh_softcap": ("param soft_cap = 2\nscore: soft_cap * tanh(score / soft_cap)", {}),
+    "gym_sandwich": ("input rel_bias: f32[*]\ninput head_scale: f32[H]\nmask: q >= k\n"
+                     "score: score + rel_bias[q - k + KV_LEN - 1] * head_scale[h]", {}),
+    "gym_activation_gelu": ("param offset = 1.0\nscore: log(0.5 * score * (1.0 + erf(score * 0.7071067811865476)) + offset)",
+                            {}),
+    "gym_activation_relu": ("param offset = 1.0\nscore: log(max(score, 0.0) + offset)", {}),
+    "gym_graphormer_spatial": ("input spatial_bias: f32[H, 4] learnable\ninput distances: i32[B, Q_LEN, KV_LEN]\n"
+                               "score: score + spatial_bias[h, distances[b, q, k]]", {}),
+    "gym_graphormer_edge": ("input edge_bias: f32[H, 3, 4] learnable\ninput path_types: i32[B, Q_LEN, KV_LEN, 3]\n"
+                            "input path_lengths: i32[B, Q_LEN, KV_LEN]\n"
+                            "score: score + ((where(path_lengths[b, q, k] > 0, edge_bias[h, 0, path_types[b, q, k, 0]], 0.0)\n"
+                            "                + where(path_lengths[b, q, k] > 1, edge_bias[h, 1, path_types[b, q, k, 1]], 0.0)\n"
+                            "                + where(path_lengths[b, q, k] > 2, edge_bias[h, 2, path_types[b, q, k, 2]], 0.0))\n"
+                            "               / max(path_lengths[b, q, k], 1))", {}),
+    "gym_mla_rope": ("param rope_scale = 0.5\ninput rope_dots: f32[B, H, Q_LEN, KV_LEN]\n"
+                     "score: score + rope_scale * rope_dots[b, h, q, k]", {}),
+}
+SPELLINGS = {**FLEX_TESTS, **GYM}
+# The default tier: trigonometry, bools' bit operators, bit operations on ints, a learnable gather; the
+# rest (and tests/test_kernels.py's trig and bit tests) cover the others.
+FAST = {"trig2", "dependent_causal_bidirectional", "gym_block_diffusion", "gym_graphormer_edge"}
+
+
+def _text(name: str) -> str:
+    body, _ = SPELLINGS[name]
+    return f"attention {name}\n{body}\n"
+
+
+def _check(text: str, overrides: dict, dtype: torch.dtype = torch.float32) -> None:
+    attn = attngen.build(text)
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device=DEVICE)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device=DEVICE)
+    inputs |= {name: value.to(DEVICE) for name, value in overrides.items()}
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else SLOW_IN_INTERPRETER) for n in SPELLINGS])
+def test_spelling_matches_the_reference_forward_and_backward(name, dtype):
+    _check(_text(name), SPELLINGS[name][1], dtype)
+
+
+def test_natten_morton_catalog_spec_decodes_morton_order_as_attention_gym_does():
+    # attention-gym's decoding: spread the even bits of a code together, 1, 2, 4 and 8 places at a time.
+    def deinterleave(code):
+        code = code & 0x55555555
+        for shift, keep in ((1, 0x33333333), (2, 0x0F0F0F0F), (4, 0x00FF00FF), (8, 0x0000FFFF)):
+            code = (code | (code >> shift)) & keep
+        return code
+
+    spec = attngen.load_spec(SPECS / "natten_morton.attn")[0]
+    params = spec.param_values
+    n = params["canvas_w"] * params["canvas_h"]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    expected = torch.ones(n, n, dtype=torch.bool)
+    for shift, canvas, kernel in ((0, "canvas_w", "kernel_w"), (1, "canvas_h", "kernel_h")):
+        half = params[kernel] // 2
+        center = deinterleave(q >> shift).clamp(half, params[canvas] - 1 - half)
+        expected &= (center - deinterleave(k >> shift)).abs() <= half
+    env = make_env(spec, B=1, H=1, HKV=1, Q_LEN=n, KV_LEN=n, D=8)
+    assert torch.equal(evaluate_expr(spec.mask, env)[0, 0], expected)
+    assert int(expected.sum(dim=1).min()) == params["kernel_w"] * params["kernel_h"]
+
+
+def test_natten_morton_kernels_match_the_reference():
+    text = (SPECS / "natten_morton.attn").read_text()
+    _check(attngen.with_params(attngen.load_spec(text)[0], {"canvas_w": 8, "canvas_h": 8, "kernel_w": 3,
+                                                              "kernel_h": 5}), {})
+
+
+@pytest.mark.xfail(raises=SpecError, strict=True,
+                   reason="reductions over an input (sum(x[b, :])) are not in the language yet")
+def test_buffer_reduced():
+    # FlexAttention's captured_reduction: score + scale[b].sum(dim=-1)
+    attngen.parse_spec("attention buffer_reduced\ninput scale_table: f32[B, 8]\nscore: score + sum(scale_table[b, :])\n")
