@@ -37,6 +37,11 @@ def _decoded(attn, shape, dtype):
     return q, k, v, inputs
 
 
+def _serves_decode(attn):
+    # The plan for this machine: decode and portable on the CPU, the Hopper family too on an H200.
+    return attn.plan.families[0] == "decode" and attn.plan.families[-1] == "portable"
+
+
 SERVED = ["full", "causal", "causal_bottom_right", "sliding_window", "alibi_causal", "prefix_lm", "gemma2_local",
           "chunked_causal", "learned_rel_bias", "document_causal"]
 
@@ -59,7 +64,7 @@ CASES = tiered(
 @pytest.mark.parametrize("name, shape, dtype", CASES)
 def test_decode_matches_reference(name, shape, dtype, build_small):
     attn = build_small(name)
-    assert attn.plan.families == ("decode", "portable")
+    assert _serves_decode(attn)
     q, k, v, inputs = _decoded(attn, shape, dtype)
     # The gradients come from the portable backward kernels, fed the decode forward's out and LSE.
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
@@ -97,7 +102,7 @@ def test_tile_table_masks_are_decided_in_the_decode_kernel(build_small):
     # Documents: the decode kernel reads no tile table, so a decoding call builds none; it decides the
     # mask key by key over the mask's closed-form hull (here, causal: every key up to the query).
     attn = build_small("document_causal")
-    assert attn.plan.families == ("decode", "portable")
+    assert _serves_decode(attn)
     q, k, v, inputs = _decoded(attn, SHAPES[0], torch.float32)
     built = attn.module.TABLE_STATS["built"]
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
@@ -131,13 +136,13 @@ def test_chunked_prefill_goes_to_the_kernel_predicted_faster(B, Q_LEN, KV_LEN, f
 ])
 def test_specs_the_decode_family_cannot_serve_stay_portable(spec, why):
     attn = attngen.build(spec)
-    assert attn.plan.families == ("portable",)
+    assert "decode" not in attn.plan.families and attn.plan.families[-1] == "portable"
     assert why in attn.plan.family_reason and "not decode" in attn.plan.family_reason
     B, H, HKV, N, M = 1, 4, 2, 1, 40
     q, k, v = testing.random_qkv(B, H, HKV, N, M, 16, 16, torch.float32, device=DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=DEVICE)
-    assert attn.module.forward_family(q, k, v, **inputs) == "portable"
-    assert attn.module.forward_families == ()
+    assert attn.module.forward_family(q, k, v, **inputs) != "decode"
+    assert all(name != "decode" for name, *_ in attn.module.forward_families)
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
 
 

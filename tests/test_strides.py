@@ -96,6 +96,7 @@ def test_outputs_and_gradients_follow_the_inputs_layout(stubbed, layout):
         assert out.transpose(1, 2).is_contiguous() and dq.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kernels (the GPU tests above check a GPU's)")
 def test_the_portable_kernels_write_o_and_gradients_in_the_contract_strides():
     # On the CPU the portable kernels run: their real outputs, and a transposed call's values against a
     # dense call's.
