@@ -381,9 +381,12 @@ def time_all(calls: Mapping[str, Callable[[], Tensor]], leaves: list[Tensor], do
 
 
 def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, device: str = "cuda",
-        step: Callable[[str], None] = lambda _: None) -> tuple[dict, list[dict], list[str]]:
+        step: Callable[[str], None] = lambda _: None,
+        counted: Flops | None = None) -> tuple[dict, list[dict], list[str]]:
     """Build and time everything on the GPU: (info, summarized rows, notes). `spec` and `params` as in
-    attngen.build; `step` is told what is being done (the command shows it while kernels compile)."""
+    attngen.build; `step` is told what is being done (the command shows it while kernels compile);
+    `counted`: the problem's count_flops, where the caller made it already (with the inputs this draws,
+    testing.random_inputs(..., seed=2))."""
     import triton
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import flex_attention
@@ -400,8 +403,9 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, DTYPES[problem.dtype], device=device, seed=2,
                                  layout=problem.layout)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device=device, seed=2)
-    step("counting the allowed pairs")
-    counted = count_flops(attn.spec, problem, inputs, device=device)
+    if counted is None:
+        step("counting the allowed pairs")
+        counted = count_flops(attn.spec, problem, inputs, device=device)
     learnable = [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
     leaves = [x.requires_grad_() for x in (q, k, v)] + learnable
     dout = torch.randn_like(q)  # in q's layout: a model that reads O as a transposed view passes dO as one

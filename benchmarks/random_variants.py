@@ -116,7 +116,7 @@ def main() -> int:
             if counted.pairs == 0:
                 row["note"] = "the mask allows no pair at these sizes"
             else:
-                _, timed, notes = bench.run(spec, None, problem)
+                _, timed, notes = bench.run(spec, None, problem, counted=counted)
                 by_name = {r["implementation"]: r for r in timed}
                 ours, flex = by_name.get(bench.ATTNGEN, {}), by_name.get(bench.FLEX, {})
                 row.update({"attngen_fwd_ms": ours.get("fwd_ms"), "attngen_fwdbwd_ms": ours.get("fwdbwd_ms"),
