@@ -175,6 +175,24 @@ def test_cache_call_errors(build_small):
         documents(q.detach(), k, v, kv_len=lengths, doc=doc, tile_tables=documents.tile_tables(q.detach(), k, v, doc=doc))
 
 
+def test_cache_values_are_checked_again_after_a_write(build_small):
+    """The layers of one decoding step pass the same kv_len and page table: values that passed the check are
+    not read again on the host until they change (an in-place write, as a decoding loop advances kv_len)."""
+    attn = build_small("causal")
+    q, k, v, _, kv_len = _case(attn, SHAPES[1])
+    k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
+    with torch.no_grad():
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+        table[0, 0] = 100  # a page past the cache, for a page row 0 uses
+        with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 13\)"):
+            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+        table[0, 0] = 0
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+        kv_len += 1000  # past the cache
+        with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\]"):
+            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+
+
 def test_cache_calls_under_torch_compile(build_small):
     attn = build_small("sliding_window")
     q, k, v, inputs, kv_len = _case(attn, SHAPES[0])

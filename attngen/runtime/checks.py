@@ -1,5 +1,7 @@
 """Call checks: the tensors, sizes and inputs of a call against the spec's declarations, and the error every check raises."""
 
+import weakref
+
 import torch
 
 from .launch import INTERPRETING
@@ -31,6 +33,49 @@ def _autocast(q, k, v):
         return q, k, v
     dtype = torch.get_autocast_dtype(q.device.type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else t for t in (q, k, v))
+
+
+class CheckedValues:
+    """Tensors whose values passed a check that reads them on the host (a sync), with the facts they were
+    checked against: a model passes one batch's cu_seqlens, or one decoding step's kv_len and page table,
+    to every layer, and the sync would leave the GPU idle while the host prepares each layer's launches.
+    An entry holds the tensors weakly (their memory, while they live, is theirs: a new tensor at the same
+    address is not mistaken for them) with their version counters (an in-place write, through any view,
+    bumps it). Inference tensors have no version counter: they are checked every call."""
+
+    def __init__(self, kept=8):
+        self._entries = []
+        self._kept = kept
+
+    @staticmethod
+    def _key(tensors):
+        if any(t is not None and t.is_inference() for t in tensors):
+            return None
+        return tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
+
+    @staticmethod
+    def _matches(key, tensors):
+        return len(key) == len(tensors) and all(
+            (k is None) == (t is None) and (t is None or (k[0]() is t and k[1] == t._version))
+            for k, t in zip(key, tensors))
+
+    def holds(self, tensors, facts):
+        """Whether these tensors (None allowed), unchanged, passed the check with these facts."""
+        if any(t is not None and t.is_inference() for t in tensors):
+            return False
+        return any(checked == facts and self._matches(key, tensors) for key, checked in self._entries)
+
+    def add(self, tensors, facts):
+        key = self._key(tensors)
+        if key is None:
+            return
+        if len(self._entries) >= self._kept:
+            del self._entries[0]
+        self._entries.append((key, facts))
+
+
+# One for every spec's Attention: the facts name all a check depends on.
+CHECKED_VALUES = CheckedValues()
 
 
 class Checks:

@@ -2,6 +2,8 @@
 
 import torch
 
+from .checks import CHECKED_VALUES
+
 
 class Cache:
     """Cache calls of an Attention (a mixin)."""
@@ -53,9 +55,14 @@ class Cache:
         q_offset = q_offset.contiguous()
         # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
         # captured or under torch.compile, where the kernels still clamp lengths and page numbers to
-        # the cache (memory stays safe).
+        # the cache (memory stays safe), and for values already checked (CHECKED_VALUES: the layers of
+        # one decoding step share kv_len and the page table; a defaulted q_offset follows from kv_len).
         if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self._check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
+            values = (kv_len, None if defaulted else q_offset, page_table)
+            facts = ("cache", Q_LEN, MAX_KV, k.shape[0], self.facts.max_length)
+            if not CHECKED_VALUES.holds(values, facts):
+                self._check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
+                CHECKED_VALUES.add(values, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         pages = [page_table.contiguous()] if page_table is not None else []
         if torch.compiler.is_compiling():

@@ -1,8 +1,8 @@
 """Packed calls: sequences of any lengths in FlashAttention's varlen layout, checked and run through the packed operators."""
 
-import weakref
-
 import torch
+
+from .checks import CHECKED_VALUES
 
 
 def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -21,35 +21,6 @@ def _unpacked(t):
     return t.squeeze(0).transpose(0, 1)
 
 
-# The offsets whose values passed _check_packed_values, with the facts they were checked against: a model
-# passes one batch's cu_seqlens to every layer, and the sync of the check would leave the GPU idle while
-# the host prepares each layer's launches. An entry holds the tensors weakly (so their memory, while they
-# live, is theirs: a new tensor at the same address is not mistaken for them) with their version
-# counters (an in-place write, through any view, bumps it). Inference tensors have no version counter:
-# they are checked every call. Shared by every spec's Attention: the facts name all a check depends on.
-_CHECKED_OFFSETS = []
-_CHECKED_OFFSETS_KEPT = 8
-
-
-def _checked_before(cu_seqlens_q, cu_seqlens_k, facts):
-    if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
-        return False
-    for ref_q, version_q, ref_k, version_k, checked_facts in _CHECKED_OFFSETS:
-        if (ref_q() is cu_seqlens_q and ref_k() is cu_seqlens_k and version_q == cu_seqlens_q._version
-                and version_k == cu_seqlens_k._version and checked_facts == facts):
-            return True
-    return False
-
-
-def _remember_checked(cu_seqlens_q, cu_seqlens_k, facts):
-    if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
-        return
-    if len(_CHECKED_OFFSETS) >= _CHECKED_OFFSETS_KEPT:
-        del _CHECKED_OFFSETS[0]
-    _CHECKED_OFFSETS.append((weakref.ref(cu_seqlens_q), cu_seqlens_q._version, weakref.ref(cu_seqlens_k),
-                             cu_seqlens_k._version, facts))
-
-
 class Packed:
     """Packed calls of an Attention (a mixin)."""
 
@@ -60,12 +31,12 @@ class Packed:
         self._check_learnable(inputs)
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
-        # captured or under torch.compile, and for offsets already checked (_checked_before).
+        # captured or under torch.compile, and for offsets already checked (CHECKED_VALUES).
         if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            facts = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-            if not _checked_before(cu_seqlens_q, cu_seqlens_k, facts):
+            offsets, facts = (cu_seqlens_q, cu_seqlens_k), ("packed", q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+            if not CHECKED_VALUES.holds(offsets, facts):
                 self._check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-                _remember_checked(cu_seqlens_q, cu_seqlens_k, facts)
+                CHECKED_VALUES.add(offsets, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
