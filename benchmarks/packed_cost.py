@@ -2,7 +2,10 @@
 tokens as one long sequence under a document mask, in attngen and in FlexAttention (its document
 BlockMask), with cuDNN on the sequences padded to a batch for scale.
 
-    python benchmarks/packed_cost.py [--json FILE]
+    python benchmarks/packed_cost.py [--json FILE] [--kernels] [--only CASE]
+
+--kernels also prints where each attngen call's GPU time goes: every kernel's microseconds per
+forward+backward call, under torch.profiler (benchmarks/kernel_times.py's measure).
 
 A packed call's grid follows the sequences, so it should cost what its sequences cost; the document
 mask visits the block diagonal of the whole batch (tile tables skip the rest), and padding computes
@@ -21,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 import attngen
+from kernel_times import kernel_times  # benchmarks/ is the script's folder, first on sys.path
 H, D = 16, 128
 # (name, mask, sequence lengths): a training stack's packed batches of 16k tokens, documents of mixed length.
 CASES = [
@@ -53,10 +57,14 @@ def _pairs(lengths, causal):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--kernels", action="store_true", help="each attngen call's kernels' GPU times too")
+    parser.add_argument("--only", help="the one case to run (its name, e.g. '16 x 1k causal')")
     args = parser.parse_args()
     flex_kernel = torch.compile(flex_attention)
     rows = []
     for name, mask, lengths in CASES:
+        if args.only and name != args.only:
+            continue
         causal = mask == "causal"
         total, longest = sum(lengths), max(lengths)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -110,6 +118,14 @@ def main() -> None:
                 flop = fwd_flop * (3.5 if backward else 1.0)
                 row[f"{impl} {part} TFLOP/s"] = flop / ms / 1e9
         rows.append(row)
+        if args.kernels:
+            for impl in ("attngen packed", "attngen document mask"):
+                call, _, grad = calls[impl]
+                times = kernel_times(lambda call=call, grad=grad: call().backward(grad))
+                row[f"{impl} fwd+bwd kernels us"] = times
+                print(f"{name}, {impl}, forward+backward: {sum(times.values()):.1f} us of kernels per call")
+                for kernel, us in times.items():
+                    print(f"  {us:9.1f}  {kernel}")
         print(f"{name} (packed families {families}):")
         for impl in calls:
             print(f"  {impl:26s} fwd {row[f'{impl} fwd ms']:7.3f} ms ({row[f'{impl} fwd TFLOP/s']:5.0f} TFLOP/s)"

@@ -98,13 +98,12 @@ def main() -> int:
         print("error: random_variants.py times kernels on a CUDA GPU, and this machine has none", file=sys.stderr)
         return 2
 
-    import triton
-
     from attngen import bench
 
     texts = draw_specs(args.start + args.count, args.seed)[args.start:]
     problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
-    rows = []
+    rows: list[dict] = []
+    summary: dict = {}
     for index, text in enumerate(texts, start=args.start):
         spec = scaled(text, args.n)
         row: dict = {"index": index, "spec": text, "params": spec.param_values}
@@ -130,14 +129,22 @@ def main() -> int:
         print(f"[{index}] allowed {row.get('allowed', float('nan')):.3f}  fwd "
               f"{'-' if fwd is None else f'{fwd:.2f}x'}  fwd+bwd {'-' if fwdbwd is None else f'{fwdbwd:.2f}x'}  "
               f"{row.get('note', '')}\n    " + text.strip().replace("\n", "\n    "), flush=True)
+        summary = _write(args, rows)  # after every spec: a run cut short keeps what it measured
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _write(args, rows: list[dict]) -> dict:
+    """The ratios' summary of `rows`, written with them to --json if given."""
+    import triton
+
     summary = {part: _summary([r[f"{part}_ratio"] for r in rows if r.get(f"{part}_ratio")])
                for part in ("fwd", "fwdbwd")}
-    print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                        "args": vars(args), "summary": summary, "rows": rows}, f, indent=1)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

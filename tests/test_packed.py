@@ -9,7 +9,7 @@ import torch
 
 import attngen
 from attngen import reference, testing
-from attngen.runtime import hopper as runtime_hopper, packed as runtime_packed
+from attngen.runtime import hopper as runtime_hopper, shared as runtime_shared
 from conftest import SLOW_IN_INTERPRETER
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -93,7 +93,7 @@ def test_the_grid_visits_each_sequences_own_tiles_only(build_small):
     counts = attn.visit_counts(q, k, v, **packed)
     module = attn.module
     for kernel, number in {"fwd": 0, "dkdv": 1, "dq": 2}.items():
-        block_m, block_n = module._tiles(runtime_packed._packed_view(q), runtime_packed._packed_view(v), number)[:2]
+        block_m, block_n = module._tiles(runtime_shared._packed_view(q), runtime_shared._packed_view(v), number)[:2]
         block_rows, block_cols = (block_n, block_m) if kernel == "dkdv" else (block_m, block_n)
         for b, (n_q, n_k) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
             rows, cols = (n_k, n_q) if kernel == "dkdv" else (n_q, n_k)

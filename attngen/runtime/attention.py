@@ -8,10 +8,10 @@ from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
 from .operators import Operators, _Attention
-from .packed import Packed, _is_packed, _packed_view
+from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .portable import Portable, _call_sizes, _sizes
-from .shared import _cdiv
+from .shared import _cdiv, _packed_view
 from .tables import Tables
 
 

@@ -2,9 +2,10 @@
 
 
 from .checks import _autocast
-from .packed import _is_packed, _packed_view
+from .packed import _is_packed
 from .plans import _backward_plan
 from .portable import _kv_layout
+from .shared import _packed_view
 
 
 class Dispatch:

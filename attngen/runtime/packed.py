@@ -3,22 +3,14 @@
 import torch
 
 from .checks import CHECKED_VALUES
+from .operators import _PackedAttention
+from .shared import _packed_view
 
 
 def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """Whether a call's keywords make it a packed call: any of the four (the others are then checked
     present by _check_packed, rather than silently ignored)."""
     return any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-
-
-def _packed_view(t):
-    """A packed (TOTAL, heads, D) tensor as the (1, heads, TOTAL, D) view the portable kernels read."""
-    return t.unsqueeze(0).transpose(1, 2)
-
-
-def _unpacked(t):
-    """_packed_view's inverse: (1, heads, TOTAL, D) back to (TOTAL, heads, D)."""
-    return t.squeeze(0).transpose(0, 1)
 
 
 class Packed:
@@ -38,7 +30,11 @@ class Packed:
                 self._check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
                 CHECKED_VALUES.add(offsets, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
-        return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if torch.compiler.is_compiling():
+            return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))):
+            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *tensors)
 
     def _check_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
         """A packed call's tensors, offsets' tensors and sizes; returns (B, H, HKV, max_seqlen_q, max_seqlen_k,

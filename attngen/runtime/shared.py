@@ -64,3 +64,13 @@ def _tile_widths(D, DV, floor):
     if (d, dv) != (D, DV):
         d, dv = max(d, floor), max(dv, floor)
     return d, dv
+
+
+def _packed_view(t):
+    """A packed (TOTAL, heads, D) tensor as the (1, heads, TOTAL, D) view the portable kernels read."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _unpacked(t):
+    """_packed_view's inverse: (1, heads, TOTAL, D) back to (TOTAL, heads, D)."""
+    return t.squeeze(0).transpose(0, 1)
