@@ -276,7 +276,9 @@ class Spec(Node):
 
     def fingerprint(self) -> str:
         """A stable hash of the meaning of the spec (params included, source text excluded)."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        # A spec without a sink hashes as it did before the item existed: its fingerprint names cached modules.
+        text = json.dumps(self.model_dump(mode="json", exclude={"sink"} if self.sink is None else None),
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
