@@ -203,3 +203,18 @@ def test_compiled_sinks_take_dynamic_lengths_without_a_recompile(rows, fresh_dyn
     for n in (17, 24):
         _assert_compiled_equals_eager(rows, loss, compiled, n)
         torch.compiler.set_stance("fail_on_recompile")  # a second length that recompiles raises
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sinks_on_gpu(dtype):
+    """On the GPU, whatever families the device's plan picks (Hopper's on an H100/H200, decode for the
+    cache call): training with rows without keys and the sink's gradient, and a decoding step."""
+    attn = attngen.build(ROWS)
+    B, H, HKV, N, D = 2, 8, 2, 300, 128
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
+    inputs["lens"] = torch.tensor([N, N // 2], dtype=torch.int32, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q[:, :, :1], k, v, inputs, grads=False, cache={"kv_len": kv_len})
