@@ -133,6 +133,19 @@ def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
     torch.testing.assert_close(lse[empty], sink[empty], rtol=0, atol=1e-6)
 
 
+def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
+    attn = attngen.build("attention no_sink\ninput bias: f32[H] learnable\nmask: k > q + 2\n"
+                         "sink: where(q % 2 == 0, -inf, bias[h])\n")
+    q, k, v = testing.random_qkv(1, 2, 2, 12, 12, 16, 16, torch.float32)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 2, 12, 12)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    leaves = [x.requires_grad_() for x in (q, k, v, inputs["bias"])]
+    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    assert torch.isneginf(lse[..., 10]).all() and (out[..., 10, :] == 0).all()  # no key and no sink
+    grads = torch.autograd.grad(out.sum() + torch.where(lse.isfinite(), lse, 0.0).sum(), leaves)
+    assert not any(g.isnan().any() for g in grads)
+
+
 def test_cache_calls_match_the_reference(rows):
     q, k, v, inputs = _rows_case(rows, M=30)
     kv_len = torch.tensor([30, 19], dtype=torch.int32)

@@ -129,9 +129,13 @@ def with_sink(out, lse, sink):
     -exp(sink - LSE') * (rowsum(dO' * O') - dLSE'). A row with no allowed key (LSE = -inf) gets O' = 0
     and LSE' = sink. `out` has its rows along dim -2 of lse's shape ((.., H, Q_LEN, DV) against
     (.., H, Q_LEN)) or is a packed call's (TOTAL_Q, H, DV) against (H, TOTAL_Q) (`packed`)."""
-    total = torch.logaddexp(lse, sink)
-    # A row whose sink is -inf and that has no allowed key keeps LSE = -inf and O = 0 (never NaN).
-    factor = torch.where(total == -math.inf, 0.0, torch.exp(lse - torch.where(total == -math.inf, 0.0, total)))
+    # A row with no allowed key whose sink is -inf keeps LSE = -inf and O = 0: its logaddexp is taken of
+    # zeros instead, so no gradient meets exp(-inf - -inf) (NaN), and the row's gradients are 0.
+    empty = (lse == -math.inf) & (sink == -math.inf)
+    lse_safe, sink_safe = torch.where(empty, 0.0, lse), torch.where(empty, 0.0, sink)
+    total = torch.logaddexp(lse_safe, sink_safe)
+    factor = torch.where(empty, 0.0, torch.exp(lse_safe - total))
+    total = torch.where(empty, -math.inf, total)
     if out.dim() == 3 and lse.dim() == 2:  # packed: out (TOTAL_Q, H, DV), lse (H, TOTAL_Q)
         factor = factor.transpose(0, 1)
     return (out.float() * factor[..., None]).to(out.dtype), total
