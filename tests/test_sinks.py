@@ -67,6 +67,14 @@ def test_a_sink_prints_back_and_keeps_specs_without_one_as_they_were():
     assert plain.sink is None and "sink" not in plain.model_dump_json(exclude={"sink"})
 
 
+def test_explain_shows_the_sink_and_where_it_runs():
+    from attngen import api
+    text = api.explain(ROWS, q_len=32, kv_len=32, head_dim=16, head_dim_v=16, dtype="f32").text
+    assert "  sink: " in text and "merged into O and LSE" in text
+    assert "  sink: " not in api.explain("attention t\nmask: causal\n", q_len=32, kv_len=32, head_dim=16,
+                                         head_dim_v=16, dtype="f32").text
+
+
 def test_the_reference_gives_a_row_without_keys_zero_and_its_sink():
     spec = _spec(ROWS)
     q, k, v = testing.random_qkv(2, 2, 1, 9, 9, 8, 8, torch.float64)
