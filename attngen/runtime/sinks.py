@@ -57,7 +57,7 @@ def _evaluate(node, values, inputs, device):
     kind = node[0]
     if kind == "const":
         _, type_, value = node
-        return torch.tensor(float(value) if type_ == "float" else value, dtype=_INPUT_DTYPES[type_], device=device)
+        return torch.full((), float(value) if type_ == "float" else value, dtype=_INPUT_DTYPES[type_], device=device)
     if kind in ("var", "size"):
         return values[node[1]]
     if kind == "load":
@@ -71,7 +71,7 @@ def _evaluate(node, values, inputs, device):
             for i, size in zip(indices, x.shape):
                 inside = inside & (i >= 0) & (i < size)
             clamped = [i.clamp(0, size - 1) for i, size in zip(indices, x.shape)]
-            x = torch.where(inside, x[tuple(clamped)], torch.zeros((), dtype=x.dtype, device=device))
+            x = torch.where(inside, x[tuple(clamped)], 0)
         return x.to(_INPUT_DTYPES[type_])
     if kind == "unary":
         _, op, _, operand = node
@@ -101,25 +101,46 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
     gives `b` and `q` itself, (TOTAL_Q,) ints (each token's sequence and its position in it), and
     Q_LEN and KV_LEN as (TOTAL_Q,) tensors of that sequence's lengths: the result is then (H, TOTAL_Q).
     """
-    heads = torch.arange(H, device=device)
+    # Only the names the sink reads are made, each a device tensor made by a kernel (torch.full, arange),
+    # never copied from the host: a call stays capturable in a CUDA graph and costs few launches.
+    def scalar(n):
+        return torch.full((), n, dtype=torch.int64, device=device)
+
+    def per_row(t):
+        return t.to(device=device, dtype=torch.int64).view(B, 1, 1, 1)
+
+    def heads():
+        return torch.arange(H, device=device).view(1, H, 1, 1)
+
     if b is not None:  # a packed call: one axis of tokens after the heads
-        token = lambda t: t.to(device=device, dtype=torch.int64).view(1, 1, -1, 1)  # noqa: E731
-        values = {"b": token(b), "q": token(q), "Q_OFFSET": torch.zeros((), dtype=torch.int64, device=device),
-                  "Q_LEN": token(Q_LEN), "KV_LEN": token(KV_LEN)}
+        def token(t):
+            return t.to(device=device, dtype=torch.int64).view(1, 1, -1, 1)
+        makers = {"b": lambda: token(b), "q": lambda: token(q), "Q_OFFSET": lambda: scalar(0),
+                  "Q_LEN": lambda: token(Q_LEN), "KV_LEN": lambda: token(KV_LEN)}
         shape = (1, H, b.shape[0])
     else:
-        per_row = lambda t: t.to(device=device, dtype=torch.int64).view(B, 1, 1, 1)  # noqa: E731
-        rows = torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1)
-        offset = per_row(q_offset) if q_offset is not None else torch.zeros((), dtype=torch.int64, device=device)
-        values = {"b": torch.arange(B, device=device).view(B, 1, 1, 1), "q": rows + offset, "Q_OFFSET": offset,
-                  "Q_LEN": torch.tensor(Q_LEN, device=device),
-                  "KV_LEN": per_row(kv_len) if kv_len is not None else torch.tensor(KV_LEN, device=device)}
+        def offset():
+            return per_row(q_offset) if q_offset is not None else scalar(0)
+        makers = {"b": lambda: torch.arange(B, device=device).view(B, 1, 1, 1),
+                  "q": lambda: torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1) + offset(),
+                  "Q_OFFSET": offset, "Q_LEN": lambda: scalar(Q_LEN),
+                  "KV_LEN": lambda: per_row(kv_len) if kv_len is not None else scalar(KV_LEN)}
         shape = (B, H, Q_LEN)
-    values |= {"h": heads.view(1, H, 1, 1), "hkv": heads.view(1, H, 1, 1) // (H // HKV),
-               **{name: torch.tensor(n, device=device) for name, n in (("B", B), ("H", H), ("HKV", HKV), ("D", D))}}
-    sink = _float(_evaluate(tree, values, inputs, device))
-    sink = sink.expand(*shape, 1)[..., 0] if sink.dim() == 4 else sink.expand(*shape)
-    return sink[0] if b is not None else sink
+    makers |= {"h": heads, "hkv": lambda: heads() // (H // HKV), "B": lambda: scalar(B), "H": lambda: scalar(H),
+               "HKV": lambda: scalar(HKV), "D": lambda: scalar(D)}
+    values = {name: makers[name]() for name in _names(tree)}
+    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor).
+    sink = torch.zeros((*shape, 1), dtype=torch.float32, device=device) + _float(_evaluate(tree, values, inputs, device))
+    return sink[0, ..., 0] if b is not None else sink[..., 0]
+
+
+def _names(node):
+    """The index variables and sizes a literal tree reads."""
+    if node[0] in ("var", "size"):
+        return {node[1]}
+    children = {"load": node[3] if node[0] == "load" else (), "unary": node[3:], "binary": node[3:],
+                "call": node[3] if node[0] == "call" else ()}.get(node[0], ())
+    return set().union(*(_names(child) for child in children)) if children else set()
 
 
 def with_sink(out, lse, sink):
