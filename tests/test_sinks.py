@@ -239,3 +239,30 @@ def test_sinks_on_gpu(dtype):
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
     kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
     testing.check_against_reference(attn.spec, attn, q[:, :, :1], k, v, inputs, grads=False, cache={"kv_len": kv_len})
+
+
+@pytest.mark.gpu
+def test_a_decoding_step_with_a_sink_replays_in_a_cuda_graph():
+    # The sink's rows are made on the device (no host copy, which would fail the capture), and read the
+    # lengths and offsets a serving loop updates in place.
+    attn = attngen.build(ROWS)
+    B, H, HKV, M, D = 2, 8, 2, 256, 64
+    q, k, v = testing.random_qkv(B, H, HKV, 1, M, D, D, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, 1, M, device="cuda")
+    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32, device="cuda")
+    kv_len = torch.tensor([M, 10], dtype=torch.int32, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        attn(q, k, v, kv_len=kv_len, **inputs)  # compiles the kernels outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = attn(q, k, v, kv_len=kv_len, **inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([M, 10], [3, M - 1], [100, 200]):
+        kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            assert torch.equal(out, attn(q, k, v, kv_len=kv_len, **inputs))
+        want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)

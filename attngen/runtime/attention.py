@@ -48,11 +48,12 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
-        """This module's attention: softmax over the allowed keys of the modified scores, times V.
+        """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
+        sink, if it has one), times V.
 
         Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
-        LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
-        in q, k, v and the learnable inputs, if any (once: no double backward).
+        LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key; the row's sink with a
+        `sink:`). Differentiable in q, k, v and the learnable inputs, if any (once: no double backward).
         A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
         ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
         first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
@@ -110,8 +111,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
 
     def _returned(self, out, lse, return_lse, q, k, inputs, cache=None, packed=None):
         """What attn returns: out, or (out, lse), with the spec's sink (if any) merged into both (sinks.py).
-        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k)."""
+        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
         if self.facts.sink is not None:
             out, lse = with_sink(out, lse, self._sink_rows(q, k, inputs, cache, packed))
         return (out, lse) if return_lse else out
