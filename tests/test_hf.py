@@ -89,8 +89,9 @@ def test_logits_match_eager(models, name, padding):
 
 
 def test_gpt_oss_sinks_match_eager():
-    """gpt-oss passes its learned sinks as s_aux: the logits of a padded batch, and the sinks' gradients of a
-    training step, as transformers' eager attention computes them (sliding and full layers)."""
+    """gpt-oss passes its learned sinks as s_aux: the logits of a padded batch, the sinks' gradients of a
+    training step and greedy generation, as transformers' eager attention computes them (sliding and full
+    layers)."""
     torch.manual_seed(0)
     config = GptOssConfig(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1, **SIZES)
     model = GptOssForCausalLM._from_config(config, attn_implementation="eager").eval()
@@ -106,6 +107,13 @@ def test_gpt_oss_sinks_match_eager():
         grads[implementation] = torch.autograd.grad(loss, sinks)
     for got, want in zip(grads["attngen"], grads["eager"]):
         _assert_close_logits("gpt-oss d sinks", got, want)
+    # Greedy generation: the prompt, then decoding steps whose sinks sit at the cache's positions.
+    generated = {}
+    for implementation in ("attngen", "eager"):
+        model.set_attn_implementation(implementation)
+        generated[implementation] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                                   pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generated["attngen"], generated["eager"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
