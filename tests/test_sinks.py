@@ -45,6 +45,9 @@ def _spec(text):
     ("sink: score", "'sink' may not use 'score'", 7),
     ("sink: q > 1", "sink must be a float expression, got bool", 7),
     ("sink: h", r"sink must be a float expression, got int \(write a float", 7),
+    # The number checks of every item hold for a sink too: it runs exactly or not at all.
+    ("sink: 1.0 * (q // 0)", "the divisor of '//' must not be a constant zero", 14),
+    ("sink: 1.0 * (q * q * q * q * q * q * q * q)", "must fit in int64 at lengths up to 1024", 14),
 ])
 def test_bad_sinks_are_refused_where_they_are(text, message, column):
     with pytest.raises(SpecError, match=message) as e:
