@@ -160,6 +160,8 @@ def sdpa_is_causal(spec: ir.Spec, q_len: int, kv_len: int) -> tuple[bool | None,
     """SDPA's is_causal for this spec, or None and why SDPA cannot run it exactly."""
     if spec.score is not None:
         return None, "the spec has a score expression"
+    if spec.sink is not None:
+        return None, "the spec has a sink"
     if spec.mask is None:
         return False, ""
     square = q_len == kv_len
@@ -218,6 +220,19 @@ def flex_call(variant, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Ten
                 kwargs["kernel_options"] = kernel_options
         return flex(q, k, v, **kwargs)
     return call
+
+
+class _Inexpressible:
+    """Stands in for the FlexVariant of a spec Flex cannot express: every use raises to_flex's error, which
+    becomes the Flex row's note."""
+
+    def __init__(self, error: ArgumentError):
+        self.error = error
+
+    def kwargs(self, *args, **kwargs):
+        raise self.error
+
+    block_mask = kwargs
 
 
 def _eager_flex() -> Callable:
@@ -398,7 +413,10 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
         raise ArgumentError("attngen bench times kernels on a CUDA GPU, and this machine has none")
     step("building attngen's kernels")
     attn = attngen.build(spec, params=params)
-    variant = attngen.to_flex(attn.spec)
+    try:
+        variant = attngen.to_flex(attn.spec)
+    except ArgumentError as e:  # a spec Flex cannot express (a sink): its row says why
+        variant = _Inexpressible(e)
     B, H, HKV, N, M, D = problem.B, problem.H, problem.HKV, problem.Q_LEN, problem.KV_LEN, problem.D
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, DTYPES[problem.dtype], device=device, seed=2,
                                  layout=problem.layout)

@@ -30,6 +30,8 @@ What a Flex user should know when comparing (torch 2.13; checked in tests/test_f
 - A BlockMask is built from the inputs' values when it is made: rebuild it when the mask's inputs
   change (as with attngen's `tile_tables`). `__call__` builds one itself when none is passed.
 - Positions: `q` and `k` are the row indices of the call (the training call of DSL.md).
+- Sinks: a spec with a `sink:` item is refused: Flex's mods change the scores of keys, and a sink is a
+  softmax term with no key.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from attngen import intervals, ir
 from attngen.analysis import Analysis, analyze
 from attngen.api import SpecLike, load_spec, with_params
 from attngen.errors import ArgumentError
+from attngen.frontend.printer import expr_to_source
 # The reference's own tables: the mods apply the very operations that define what each node means.
 from attngen.reference import _BINARY, _FUNCTIONS, HALF_DTYPES, Env, _check_inputs, _check_qkv, _promote, scale_value
 
@@ -63,6 +66,11 @@ def to_flex(spec: SpecLike, *, params: dict | None = None) -> FlexVariant:
     """The spec (a path, spec text or Spec; `params` override its params, as in `attngen.build`) as
     FlexAttention mods, a BlockMask and a call; see the module's documentation."""
     parsed = with_params(load_spec(spec)[0], params)
+    if parsed.sink is not None:
+        raise ArgumentError(f"spec {parsed.name!r} must have no 'sink:' to run as FlexAttention, got "
+                            f"'sink: {expr_to_source(parsed.sink)}': Flex's score_mod and mask_mod change the "
+                            f"scores of keys, and a sink is a softmax term with no key and no value; run the "
+                            f"spec with attngen.build")
     for decl in parsed.inputs:
         if decl.name in CALL_OPTIONS:
             raise ArgumentError(f"input {decl.name!r} has the name of an option of the Flex call "

@@ -18,9 +18,11 @@ Positions are transformers' own: query row i is at q_offset + i, key j at kv_off
 sliding-window cache layer keeps only the newest keys, so its kv_offset grows). The specs read
 `offset = q_offset - kv_offset` as an `i32[]` input, so one kernel serves prefill and every
 decoding step, with no N x N mask and no device sync. Whatever a spec cannot express exactly
-(dropout while training, a prepared 4-D mask, attention weights as output, sinks, other mask
+(dropout while training, a prepared 4-D mask, attention weights as output, other mask
 patterns) is refused with an error naming the argument. A query row that sees no key (a left-padding
 token) gets 0, as with sdpa; eager averages every key there. Only padding positions see no key.
+gpt-oss's learned attention sinks (the `s_aux` argument, one logit per query head) become the spec's
+`sink: sinks[h]`, their gradient flowing back into the model's parameter.
 
 Under torch.compile a forward (prefill or decoding step) of transformers' models has no graph break,
 so fullgraph=True works: kernels are built, and the mask functions the forward makes are read, while
@@ -119,21 +121,26 @@ def _raise_while_tracing(message: str):
     raise type("ArgumentError", (UserError, ArgumentError), {})(UserErrorType.INVALID_INPUT, message)
 
 
-def spec_text(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None) -> str:
-    """The one place spec text is formed: fixed lines, with only checked numbers substituted."""
+def spec_text(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None,
+              sinks: bool = False) -> str:
+    """The one place spec text is formed: fixed lines, with only checked numbers substituted. `sinks`: the
+    model passes a learned sink logit per query head (gpt-oss's s_aux)."""
     if window is not None and not causal:
         raise _refused(f"window must come with a causal mask, got window={window!r} without one")
     terms = (["keep[b, k]"] if padded else []) + (["k <= q + offset"] if causal else [])
     if window is not None:
         terms.append(f"q + offset - k < {_int(window, 'window')}")
     lines = ["attention hf_" + ("causal" if causal else "full") + ("_window" if window is not None else "")
-             + ("_padded" if padded else "") + ("_softcap" if softcap is not None else "")]
+             + ("_padded" if padded else "") + ("_softcap" if softcap is not None else "")
+             + ("_sinks" if sinks else "")]
     lines += ["input offset: i32[]"] if causal else []
     lines += ["input keep: bool[B, KV_LEN]"] if padded else []
+    lines += ["input sinks: f32[H] learnable"] if sinks else []
     lines += [f"mask: {' and '.join(terms)}"] if terms else []
     lines.append(f"scale: {_float(scale, 'scaling')}")
     if softcap is not None:
         lines.append(f"score: softcap(score, {_float(softcap, 'softcap', positive=True)})")
+    lines += ["sink: sinks[h]"] if sinks else []
     return "\n".join(lines) + "\n"
 
 
@@ -166,8 +173,8 @@ class _Built:
 _BUILT = _Built()
 
 
-def _kernels(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None):
-    return getattr(_BUILT, _build(spec_text(causal, window, padded, scale, softcap)))
+def _kernels(causal: bool, window: int | None, padded: bool, scale: float, softcap: float | None, sinks: bool):
+    return getattr(_BUILT, _build(spec_text(causal, window, padded, scale, softcap, sinks)))
 
 
 # Under torch.compile a forward must not break the graph, yet dynamo can trace neither a build (parse,
@@ -461,24 +468,39 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _refused(f"dropout must be 0 while training (attngen kernels have no dropout), got "
                             f"{dropout!r}: call model.eval() or set the config's attention_dropout to 0")
     lengths = {name: kwargs.pop(name) for name in _VARLEN_KWARGS if kwargs.get(name) is not None}
+    sinks = _sinks(kwargs.pop("s_aux", None), query)
     active = sorted(n for n, v in kwargs.items() if n not in _INERT_KWARGS and v is not None and v is not False)
     if active:
         raise _refused(f"attention arguments {', '.join(active)} must be unset for attngen, got "
                             f"{', '.join(f'{n}={_brief(kwargs[n])}' for n in active)} (attention weights, "
-                            f"sinks and biases are not supported)")
+                            f"and biases are not supported)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window, offset, keep = _mask_inputs(attention_mask, query, key, causal, sliding_window)
     if lengths:
         packed = _varlen_lengths(attention_mask, lengths, query, key)
     else:
         packed = _mask_lengths(attention_mask, kwargs.get("position_ids"), query)
-    attn = _kernels(causal, window, keep is not None, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap)
+    attn = _kernels(causal, window, keep is not None, query.shape[-1] ** -0.5 if scaling is None else scaling, softcap,
+                    sinks is not None)
     inputs = ({"offset": offset} if causal else {}) | ({"keep": keep.to(query.device)} if keep is not None else {})
+    inputs |= {"sinks": sinks} if sinks is not None else {}
     if packed is not None:
         return _packed_attention(attn, query, key, value, inputs, *packed), None
     # transformers' projections reach here as transposed (B, N, H, D) views, and O follows q's layout:
     # the transpose back is then already contiguous, and contiguous() copies nothing.
     return attn(query, key, value, **inputs).transpose(1, 2).contiguous(), None
+
+
+def _sinks(s_aux, query):
+    """gpt-oss's s_aux (a learned sink logit per query head, (H,)) as the spec's f32 `sinks` input, or None.
+    The cast is differentiable: the parameter's gradient flows back through it."""
+    if s_aux is None:
+        return None
+    H = query.shape[1]
+    if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point() or tuple(s_aux.shape) != (H,):
+        raise _refused(f"s_aux must be a float tensor of shape ({H},) (one sink logit per query head), got "
+                       f"{_brief(s_aux)}")
+    return s_aux.to(device=query.device, dtype=torch.float32)
 
 
 # FlashAttention's varlen kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them and

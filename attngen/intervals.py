@@ -536,7 +536,7 @@ class Ranges:
 
 
 def _expressions(spec: ir.Spec) -> list[ir.Expr]:
-    return [e for e in (spec.mask, spec.score) if e is not None]
+    return [e for e in (spec.mask, spec.score, spec.sink) if e is not None]
 
 
 def length_limit(spec: ir.Spec) -> tuple[int, ir.Expr | None]:

@@ -207,13 +207,16 @@ class InputDecl(Node):
 
 
 class Spec(Node):
-    """A whole attention variant. `mask`, `score` and `scale` are None when the spec omits them."""
+    """A whole attention variant. `mask`, `score`, `scale` and `sink` are None when the spec omits them.
+    `sink` is a logit with no value in every row's softmax (attention sinks): a float of b, h, hkv, q,
+    sizes, params and inputs, never of k or score."""
     name: str
     params: tuple[ParamDecl, ...] = ()
     inputs: tuple[InputDecl, ...] = ()
     mask: Expr | None = None
     score: Expr | None = None
     scale: Expr | None = None
+    sink: Expr | None = None
 
     @field_validator("name")
     @classmethod
@@ -230,7 +233,8 @@ class Spec(Node):
             raise ValueError(f"names must be declared once, got {', '.join(map(repr, twice))} twice")
         params = {p.name: p for p in self.params}
         inputs = {i.name: i for i in self.inputs}
-        for item, expected in (("mask", ("bool",)), ("score", ("int", "float")), ("scale", ("int", "float"))):
+        for item, expected in (("mask", ("bool",)), ("score", ("int", "float")), ("scale", ("int", "float")),
+                               ("sink", ("float",))):
             expr = getattr(self, item)
             if expr is None:
                 continue
@@ -251,6 +255,8 @@ class Spec(Node):
                                             "no such input"))
                 if item == "scale" and isinstance(node, (Var, Load)):
                     raise ValueError("scale may use only D, params and numbers")
+                if item == "sink" and isinstance(node, Var) and node.name == "k":
+                    raise ValueError("sink may not use 'k': a sink is one logit per query row")
         return self
 
     def param(self, name: str) -> ParamDecl:
@@ -270,7 +276,9 @@ class Spec(Node):
 
     def fingerprint(self) -> str:
         """A stable hash of the meaning of the spec (params included, source text excluded)."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        # A spec without a sink hashes as it did before the item existed: its fingerprint names cached modules.
+        text = json.dumps(self.model_dump(mode="json", exclude={"sink"} if self.sink is None else None),
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -115,7 +115,8 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
              kv_len: Tensor | None = None, q_offset: Tensor | None = None,
              row: PackedRow | None = None) -> tuple[Tensor, Tensor]:
-    """(O, LSE) of the spec, exactly as DSL.md defines them; differentiable in q, k, v and the inputs.
+    """(O, LSE) of the spec, exactly as DSL.md defines them (a sink included); differentiable in q, k, v and
+    the inputs.
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
@@ -126,7 +127,8 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     `causal_bottom_right` lets row i see keys k <= i + kv_len[b] - Q_LEN (with the default offset, `causal`).
     `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
     """
-    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row))
+    where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
+    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
@@ -154,7 +156,8 @@ def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
 def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                   kv_len: Tensor | None = None, q_offset: Tensor | None = None, row: PackedRow | None = None) -> Tensor:
     """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
-    return _softmax(modified_scores(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row))[0]
+    where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
+    return _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))[0]
 
 
 def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
@@ -163,21 +166,13 @@ def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
     """score' of every (b, h, q, k), -inf where the mask forbids the key (or it lies at or past
     kv_len[b] in a cache call, as `evaluate` says). `row`: q, k and v (a batch of one) are that sequence
     of a packed call (evaluate_packed)."""
-    B, H, Q_LEN, D = _check_qkv(q, k, v)
+    env = _call_env(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row)
+    B, H, Q_LEN, D = q.shape
     HKV, KV_LEN = k.shape[1], k.shape[2]
-    float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
-    if row is not None:
-        sizes |= {"B": row.B, "Q_LEN": row.max_seqlen_q, "KV_LEN": row.max_seqlen_k}
-    inputs = _check_inputs(spec, inputs, sizes)
-    if kv_len is not None and q_offset is None:
-        q_offset = kv_len.long() - Q_LEN
-    env = make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
-                   float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset, row=row)
     shape = (B, H, Q_LEN, KV_LEN)
 
     k = k.repeat_interleave(H // HKV, dim=1)
-    score = (q @ k.transpose(-2, -1)).to(float_dtype) * scale_value(spec, D)
+    score = (q @ k.transpose(-2, -1)).to(env.float_dtype) * scale_value(spec, D)
     if spec.score is not None:
         score = evaluate_expr(spec.score, replace(env, values={**env.values, "score": score}))
         score = _to_float(score, env)
@@ -191,10 +186,42 @@ def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
     return score
 
 
-def _softmax(score: Tensor) -> tuple[Tensor, Tensor]:
+def sink_logits(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
+                kv_len: Tensor | None = None, q_offset: Tensor | None = None,
+                row: PackedRow | None = None) -> Tensor | None:
+    """The sink of every (b, h, q) row, (B, H, Q_LEN) in the score arithmetic's dtype, or None without a
+    `sink:` item; positions, sizes and `row` as for `modified_scores`."""
+    if spec.sink is None:
+        return None
+    env = _call_env(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset, row=row)
+    B, H, Q_LEN, _ = q.shape
+    return _to_float(evaluate_expr(spec.sink, env), env).expand(B, H, Q_LEN, 1)[..., 0]
+
+
+def _call_env(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None, *,
+              kv_len: Tensor | None, q_offset: Tensor | None, row: PackedRow | None) -> Env:
+    """The environment of a call's (B, H, Q_LEN, KV_LEN) grid, its inputs checked."""
+    B, H, Q_LEN, D = _check_qkv(q, k, v)
+    HKV, KV_LEN = k.shape[1], k.shape[2]
+    float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    if row is not None:
+        sizes |= {"B": row.B, "Q_LEN": row.max_seqlen_q, "KV_LEN": row.max_seqlen_k}
+    inputs = _check_inputs(spec, inputs, sizes)
+    if kv_len is not None and q_offset is None:
+        q_offset = kv_len.long() - Q_LEN
+    return make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
+                    float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset, row=row)
+
+
+def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     # Softmax shifted by a finite, detached row max, with a guarded divide: a row with no allowed key
     # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
     # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
+    # A sink (B, H, Q_LEN) is one more key with no value: a column of the softmax that P drops, so a
+    # row with no allowed key has O = 0 and LSE = sink.
+    if sink is not None:
+        score = torch.cat([score, sink.to(score.dtype)[..., None]], dim=-1)
     B, H, Q_LEN, KV_LEN = score.shape
     row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
@@ -203,7 +230,8 @@ def _softmax(score: Tensor) -> tuple[Tensor, Tensor]:
     nonempty = total > 0
     total = torch.where(nonempty, total, 1.0)
     lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
-    return e / total, lse
+    p = e / total
+    return (p[..., :-1] if sink is not None else p), lse
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -150,6 +150,18 @@ def test_a_scale_alone_keeps_a_spec_plain_for_sdpa():
     assert bench.sdpa_is_causal(spec, 32, 32) == (True, "")
 
 
+def test_a_sink_is_not_plain_for_sdpa_and_its_flex_row_says_why():
+    spec = attngen.parse_spec("attention sunk\nmask: causal\nsink: 1.0\n")
+    assert bench.sdpa_is_causal(spec, 32, 32) == (None, "the spec has a sink")
+    attn = attngen.build(spec)
+    q, k, v = testing.random_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32)
+    with pytest.raises(attngen.ArgumentError) as refused:
+        attngen.to_flex(spec)
+    calls = bench.implementations(attn, bench._Inexpressible(refused.value), q, k, v, {})
+    timing = bench._time(FLEX, calls[FLEX], [], torch.zeros(1), False, lambda _: None)
+    assert timing.fwd_ms is None and "must have no 'sink:' to run as FlexAttention" in timing.note
+
+
 def test_the_callables_compute_the_same_attention():
     from torch.nn.attention import SDPBackend
 

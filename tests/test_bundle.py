@@ -38,7 +38,7 @@ torch.save((out.detach(), q.grad, k.grad, v.grad, bundled.forward_family(q, k, v
 """
 
 
-@pytest.mark.parametrize("name", ["document_causal", "alibi_causal"])
+@pytest.mark.parametrize("name", ["document_causal", "alibi_causal", "gpt_oss_sinks"])
 def test_a_bundle_runs_without_attngen_and_agrees_with_the_thin_module(name, tmp_path):
     import torch
 

@@ -16,7 +16,8 @@ from attngen.errors import ArgumentError
 from attngen.reference import evaluate, evaluate_expr, make_env
 
 ROOT = Path(__file__).parent.parent
-SPECS = sorted((ROOT / "specs").glob("*.attn"))
+# The catalog's specs Flex can express: a sink has no place in its mods (test_a_sink_is_refused).
+SPECS = sorted(p for p in (ROOT / "specs").glob("*.attn") if p.stem != "gpt_oss_sinks")
 # Small params, so that windows, chunks and blocks cut through the short test sequences.
 SMALL = {"sliding_window": {"window": 8}, "gemma2_local": {"window": 8}, "chunked_causal": {"chunk": 8},
          "block_sparse": {"block": 8}}
@@ -256,3 +257,8 @@ def test_compiled_flex_on_the_gpu_matches_the_reference_with_gradients(name):
     def call(*args, **kwargs):
         return flex(*args, kernel=functools.partial(compiled, kernel_options=options), **kwargs)
     testing.check_against_reference(flex.spec, call, q, k, v, inputs)
+
+
+def test_a_sink_is_refused():
+    with pytest.raises(ArgumentError, match=r"must have no 'sink:' to run as FlexAttention, got 'sink: sinks\[h\]'"):
+        attngen.to_flex(str(ROOT / "specs" / "gpt_oss_sinks.attn"))

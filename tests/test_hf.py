@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import attngen  # noqa: I001 before transformers' models, which import triton: attngen asks for the interpreter first
 import pytest
 import torch
-from transformers import (CompileConfig, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM)
+from transformers import (CompileConfig, Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 from transformers import masking_utils as mu
 
 import attngen.hf as hf
@@ -86,6 +86,34 @@ def test_logits_match_eager(models, name, padding):
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     actual, eager = (_logits(models[name], implementation, ids, mask) for implementation in ("attngen", "eager"))
     _assert_close_logits(f"{name} logits", actual[real], eager[real])
+
+
+def test_gpt_oss_sinks_match_eager():
+    """gpt-oss passes its learned sinks as s_aux: the logits of a padded batch, the sinks' gradients of a
+    training step and greedy generation, as transformers' eager attention computes them (sliding and full
+    layers)."""
+    torch.manual_seed(0)
+    config = GptOssConfig(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1, **SIZES)
+    model = GptOssForCausalLM._from_config(config, attn_implementation="eager").eval()
+    ids, mask = _inputs(12, "left")
+    real = mask.bool()
+    actual, eager = (_logits(model, implementation, ids, mask) for implementation in ("attngen", "eager"))
+    _assert_close_logits("gpt-oss logits", actual[real], eager[real])
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    grads = {}
+    for implementation in ("attngen", "eager"):
+        model.set_attn_implementation(implementation)
+        loss = model(input_ids=ids).logits.square().mean()
+        grads[implementation] = torch.autograd.grad(loss, sinks)
+    for got, want in zip(grads["attngen"], grads["eager"]):
+        _assert_close_logits("gpt-oss d sinks", got, want)
+    # Greedy generation: the prompt, then decoding steps whose sinks sit at the cache's positions.
+    generated = {}
+    for implementation in ("attngen", "eager"):
+        model.set_attn_implementation(implementation)
+        generated[implementation] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                                   pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generated["attngen"], generated["eager"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -376,7 +404,7 @@ def test_call_level_refusals():
     window_mask = hf.prepare_mask(batch_size=1, q_length=4, kv_length=4, local_size=3,
                                   mask_function=mu.sliding_window_causal_mask_function(3))
     refusals = [
-        (dict(attention_mask=mask, s_aux=torch.zeros(4)), "s_aux"),
+        (dict(attention_mask=mask, s_aux=torch.zeros(3)), r"s_aux must be a float tensor of shape \(4,\)"),
         (dict(attention_mask=mask, head_mask=torch.ones(4)), "head_mask"),
         (dict(attention_mask=mask, is_causal=False), "is_causal"),
         (dict(attention_mask=mask, sliding_window=3), "sliding_window must agree"),

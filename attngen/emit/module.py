@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import textwrap
 from functools import lru_cache
 
@@ -92,6 +93,38 @@ def _python_tuple(values) -> str:
     return repr(tuple(values))
 
 
+def sink_literal(expr: ir.Expr, params: dict[str, int | float]) -> str:
+    """A `sink:` expression as FACTS.sink, the literal tree attngen.runtime.sinks evaluates: nested tuples
+    of names (validated identifiers, functions and operators of the IR's closed sets) and numbers, params
+    replaced by their values; data, never code."""
+    def node(e: ir.Expr) -> tuple:
+        if isinstance(e, ir.Const):
+            return ("const", e.type, _number(e.value, e.type))
+        if isinstance(e, ir.Param):
+            return ("const", e.type, _number(params[e.name], e.type))
+        if isinstance(e, ir.Var):
+            return ("var", e.name)
+        if isinstance(e, ir.Size):
+            return ("size", e.name)
+        if isinstance(e, ir.Load):
+            return ("load", _identifier(e.input), e.type, tuple(node(i) for i in e.index))
+        if isinstance(e, ir.Unary):
+            return ("unary", e.op, e.type, node(e.operand))
+        if isinstance(e, ir.Binary):
+            return ("binary", e.op, e.type, node(e.left), node(e.right))
+        assert isinstance(e, ir.Call) and e.fn in ir.FUNCTIONS, e
+        return ("call", e.fn, e.type, tuple(node(a) for a in e.args))
+    return repr(node(expr))
+
+
+def _number(value: int | float, type_: str) -> int | float | str:
+    # inf has no literal: the runtime reads a float constant through float(), which takes 'inf'.
+    if type_ == "float":
+        value = float(value)
+        return value if math.isfinite(value) else repr(value)
+    return int(value) if type_ == "int" else bool(value)
+
+
 def _plan_comment(plan: Plan) -> str:
     """The header's word on the plan beyond PLAN: its target, and the reasons all its entries share."""
     lines = [f"Plan: target {plan.target}; its tiles are PLAN below (`attngen explain` gives each entry's "
@@ -153,6 +186,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
         decode_max_rows=DECODE_MAX_ROWS,
+        sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
         **kernel_context(facts, plan.families),
     )
     text = _environment().get_template("module.py.jinja").render(**context)

@@ -53,12 +53,12 @@ def problems(spec: ir.Spec) -> list[Problem]:
     ranges = Ranges(box(spec, MIN_LENGTH))
     # Divisors widen with the lengths: one nonzero up to the longest length any call may have.
     widest = Ranges(box(spec, MAX_LENGTH))
-    for expr in (spec.mask, spec.score, spec.scale):
+    for expr in (spec.mask, spec.score, spec.scale, spec.sink):
         for node in ir.postorder(expr) if expr is not None else ():
             found += _node_problems(node, ranges, widest)
     # The scale is computed on the host in float64 (`_scale_problems` checks its value); the rest
-    # runs in the kernels, whose float constants are float32.
-    found += _float32_problems(spec, (spec.mask, spec.score))
+    # runs in float32, in the kernels (mask, score) or on the host (sink), whose float constants are float32.
+    found += _float32_problems(spec, (spec.mask, spec.score, spec.sink))
     limit, culprit = length_limit(spec)
     if limit < MIN_LENGTH:
         got = _range(Ranges(box(spec, limit + 1)).value(culprit))

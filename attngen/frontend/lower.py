@@ -140,7 +140,7 @@ def _number(token: Token) -> ir.Const:
 
 
 class Lowerer:
-    """Walks one parse tree; `context` is the item being lowered ('mask', 'score' or 'scale')."""
+    """Walks one parse tree; `context` is the item being lowered ('mask', 'score', 'scale' or 'sink')."""
 
     def __init__(self, check_numbers: bool = True):
         self.check_numbers = check_numbers
@@ -169,6 +169,7 @@ class Lowerer:
             mask=self.items.get("mask", (None,))[0],
             score=self.items.get("score", (None,))[0],
             scale=self.items.get("scale", (None,))[0],
+            sink=self.items.get("sink", (None,))[0],
         )
         # The number checks need the whole spec (a divisor may be a param; an overflow depends on
         # the inputs' dtypes), so they run here, and each problem is placed by its node's identity.
@@ -275,6 +276,12 @@ class Lowerer:
         if not _numeric(expr.type):
             raise SpecError(f"scale must be a number, got {expr.type}", position(tree.children[0]))
 
+    def sink_item(self, tree: Tree) -> None:
+        expr = self._item("sink", tree)
+        if expr.type != "float":
+            hint = " (write a float, e.g. '1.0 * x')" if expr.type == "int" else ""
+            raise SpecError(f"sink must be a float expression, got {expr.type}{hint}", position(tree.children[0]))
+
     # --- expressions -----------------------------------------------------------------------
     def expr(self, node: Tree | Token) -> ir.Expr:
         lowered = getattr(self, node.data)(node)
@@ -289,8 +296,9 @@ class Lowerer:
 
     def score_ref(self, tree: Tree) -> ir.Expr:
         if self.context != "score":
-            why = (" (the mask must be decidable from positions alone)" if self.context == "mask"
-                   else " (the scale may use only D, params and numbers)")
+            why = {"mask": " (the mask must be decidable from positions alone)",
+                   "sink": " (a sink is one logit per query row, before any key is scored)"}.get(
+                       self.context, " (the scale may use only D, params and numbers)")
             raise SpecError(f"'{self.context}' may not use 'score': only 'score:' can read it{why}",
                             position(tree))
         return ir.Score()
@@ -304,6 +312,9 @@ class Lowerer:
             return ir.Const(type=t, value=v)
         if self.context == "scale" and name not in self.params and name != "D":
             raise SpecError(f"scale may use only D, params and numbers, got '{name}'", where)
+        if self.context == "sink" and name == "k":
+            raise SpecError("'sink' may not use 'k': a sink is one logit per query row, shared by all its keys",
+                            where)
         if name in _BUILTIN_MASKS:
             # A copy of its own: positions are found by node identity.
             return ir.BUILTIN_MASKS[name].model_copy(deep=True)

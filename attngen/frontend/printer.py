@@ -49,11 +49,11 @@ _BINARY = {
 
 
 def to_source(spec: ir.Spec) -> str:
-    """A whole spec file: header, params, inputs, then `mask:`, `score:` and `scale:` as present."""
+    """A whole spec file: header, params, inputs, then `mask:`, `score:`, `scale:` and `sink:` as present."""
     lines = [f"attention {spec.name}"]
     lines += [f"param {p.name} = {_number(p.value, p.type)}" for p in spec.params]
     lines += [_input(i) for i in spec.inputs]
-    for item in ("mask", "score", "scale"):
+    for item in ("mask", "score", "scale", "sink"):
         expr = getattr(spec, item)
         if expr is not None:
             lines.append(f"{item}: {expr_to_source(expr)}")

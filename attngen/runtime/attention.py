@@ -12,6 +12,7 @@ from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv, _packed_view
+from .sinks import sink_rows, with_sink
 from .tables import Tables
 
 
@@ -47,11 +48,12 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
-        """This module's attention: softmax over the allowed keys of the modified scores, times V.
+        """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
+        sink, if it has one), times V.
 
         Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
-        LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key). Differentiable
-        in q, k, v and the learnable inputs, if any (once: no double backward).
+        LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key; the row's sink with a
+        `sink:`). Differentiable in q, k, v and the learnable inputs, if any (once: no double backward).
         A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
         ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
         first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
@@ -80,10 +82,10 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
             out, lse = self._packed_attention(q, k, v, inputs, *packed)
-            return (out, lse) if return_lse else out
+            return self._returned(out, lse, return_lse, q, k, inputs, packed=packed)
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
-            return (out, lse) if return_lse else out
+            return self._returned(out, lse, return_lse, q, k, inputs, cache=(kv_len, q_offset, True))
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
@@ -92,7 +94,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
-            return (out, lse) if return_lse else out
+            return self._returned(out, lse, return_lse, q, k, inputs, cache=(kv_len, q_offset, False))
         self._check_learnable(inputs)
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
         if known:
@@ -105,7 +107,35 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
                                             plan)
+        return self._returned(out, lse, return_lse, q, k, inputs)
+
+    def _returned(self, out, lse, return_lse, q, k, inputs, cache=None, packed=None):
+        """What attn returns: out, or (out, lse), with the spec's sink (if any) merged into both (sinks.py).
+        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+        if self.facts.sink is not None:
+            out, lse = with_sink(out, lse, self._sink_rows(q, k, inputs, cache, packed))
         return (out, lse) if return_lse else out
+
+    def _sink_rows(self, q, k, inputs, cache, packed):
+        """The sink of every query row of a call: (B, H, Q_LEN), or a packed call's (H, TOTAL_Q)."""
+        inputs = {name: inputs[name] for name in self.facts.inputs}
+        if packed is not None:
+            cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()
+            tokens = torch.arange(q.shape[0], device=q.device)
+            b = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
+            lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+            return sink_rows(self.facts.sink, inputs, B=cu_seqlens_q.shape[0] - 1, H=q.shape[1], HKV=k.shape[1],
+                             Q_LEN=lengths_q[b], KV_LEN=lengths_k[b], D=q.shape[-1], device=q.device,
+                             b=b, q=tokens - cu_seqlens_q[b])
+        B, H, Q_LEN, D = q.shape
+        kv_len, q_offset, paged = cache if cache is not None else (None, None, False)
+        if kv_len is not None and q_offset is None:
+            q_offset = kv_len.long() - Q_LEN
+        # A paged cache's k is (NUM_PAGES, PAGE_SIZE, HKV, D); it always has kv_len, which gives KV_LEN.
+        HKV = k.shape[2] if paged else k.shape[1]
+        return sink_rows(self.facts.sink, inputs, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=k.shape[2], D=D,
+                         device=q.device, q_offset=q_offset, kv_len=kv_len)
 
     def visit_counts(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs):
         """Instrumentation: which tiles each kernel visits, from one forward and backward pass run with

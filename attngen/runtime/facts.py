@@ -23,7 +23,8 @@ class SpecFacts:
     num_warps, num_stages, buffers); softmax_scale(D), the score scale; and the families beside the
     portable one: forward_families in order of preference, table_families those whose forward follows
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
-    packed_families and packed_backward_families those that serve packed calls.
+    packed_families and packed_backward_families those that serve packed calls; sink, the spec's `sink:`
+    logit as a literal tree (attngen.runtime.sinks), or None without one.
     """
     name: str
     fingerprint: str
@@ -47,6 +48,7 @@ class SpecFacts:
     backward_families: tuple = ()
     packed_families: tuple = ()
     packed_backward_families: tuple = ()
+    sink: tuple | None = None
 
 
 @dataclass(frozen=True)

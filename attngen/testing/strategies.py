@@ -6,7 +6,8 @@ The strategies draw from the whole language, as users and attngen's own tests ne
   (windows, prefixes, chunks, `causal`), bit operations and data-dependent ones (document ids, block
   layouts, flags). Score expressions use every function and operator, over params and
   inputs of every dtype and dim form (B, H, HKV, Q_LEN, KV_LEN, a literal, `*`, a scalar),
-  learnable ones included. Each is drawn as text, so a failure shows a spec one can save
+  learnable ones included. A spec sometimes has a `sink:` of the same functions over b, h, q,
+  sizes, params and inputs. Each is drawn as text, so a failure shows a spec one can save
   and rerun; its IR prints back to equal text (`printer.to_source`).
 - `cases()`: shapes and data, a `Case`. It covers B, H with a GQA ratio, and Q_LEN != KV_LEN,
   with lengths that are not tile multiples. Head dims need not be powers of two, and DV may
@@ -73,8 +74,17 @@ UNARY = ["tanh({})", "softcap({}, 2.0)", "sigmoid({})", "abs({})", "exp(-abs({})
 # failure report that holds one cannot be printed).
 COMMENTS = st.text(st.characters(exclude_characters="\n", exclude_categories=["Cs"]), max_size=24) | \
     st.sampled_from(['"""; import os; os.system("touch pwned"); """', "C:\\xfiles \\N{DASH}", "-*- coding: rot13 -*-"])
+# `sink:` terms: of b, h, hkv, q, sizes and params (never k or score), and of the inputs that may be drawn.
+SINK_LEAVES = ["t", "0.5 * q - 1.0", "(h % 2) * 1.5", "1.0 * (Q_LEN - q) / (1 + KV_LEN)", "(b + hkv) * 0.25"]
+SINK_TERMS: dict[str, list[str]] = {
+    "lens": ["lens[b] * 0.1"], "flag": ["where(flag[b], 1.0, -1.0)"], "bias": ["bias[h] * 2.0"],
+    "slopes": ["slopes[hkv]"], "qbias": ["qbias[q]"], "table": ["table[h, q % 17]"], "gate": ["gate * 3.0"],
+    "shift": ["shift[q % 3]"], "bucket": ["bucket[h, min(q // 16, 8)]"],
+}
+assert SINK_TERMS.keys() <= INPUT_MENU.keys()
 BINARY = ["({}) + ({})", "({}) - ({})", "({}) * ({})", "({}) / (1.0 + abs({}))",
           "where(q > k, {}, {})", "min({}, {})", "max({}, {})"]
+SINK_BINARY = [b.replace("q > k", "q > h") for b in BINARY]
 
 
 def _masks(atoms: list[str], depth: int) -> st.SearchStrategy[str]:
@@ -88,11 +98,11 @@ def _masks(atoms: list[str], depth: int) -> st.SearchStrategy[str]:
         sub.map(lambda x: f"not ({x})"))
 
 
-def _scores(leaves: list[str], depth: int) -> st.SearchStrategy[str]:
+def _scores(leaves: list[str], depth: int, binary: list[str] = BINARY) -> st.SearchStrategy[str]:
     leaf = st.sampled_from(leaves)
     if depth == 0:
         return leaf
-    sub = _scores(leaves, depth - 1)
+    sub = _scores(leaves, depth - 1, binary)
 
     def unary(x):
         return x[0].replace("{}", x[1])
@@ -100,7 +110,7 @@ def _scores(leaves: list[str], depth: int) -> st.SearchStrategy[str]:
     return st.one_of(
         leaf,
         st.tuples(st.sampled_from(UNARY), sub).map(unary),
-        st.tuples(st.sampled_from(BINARY), sub, sub).map(lambda x: x[0].format(x[1], x[2])))
+        st.tuples(st.sampled_from(binary), sub, sub).map(lambda x: x[0].format(x[1], x[2])))
 
 
 @st.composite
@@ -118,6 +128,10 @@ def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_sco
         lines.append(f"mask: {draw(_masks(atoms, draw(st.integers(0, max_depth))))}")
     if with_score if with_score is not None else draw(st.booleans()):
         lines.append(f"score: {draw(_scores(leaves, draw(st.integers(0, max_depth))))}")
+    if draw(st.integers(0, 3)) == 0:
+        sink_leaves = SINK_LEAVES + [s for n in names for s in SINK_TERMS.get(n, [])]
+        depth = draw(st.integers(0, min(max_depth, 2)))
+        lines.append(f"sink: {draw(_scores(sink_leaves, depth, SINK_BINARY))}")
     if draw(st.integers(0, 4)) == 0:
         lines.append(f"scale: {draw(st.sampled_from(['0.25', 'rsqrt(D * 1.0) * t', '1.0 / D']))}")
     # Comments hold any text (quotes, backslashes, other line separators): it must never reach code.

@@ -24,7 +24,7 @@ from torch import Tensor
 from attngen.runtime import shared
 from attngen.ir import Load, Spec, walk
 from attngen.reference import (PackedRow, evaluate, evaluate_expr, evaluate_packed, make_env, modified_scores,
-                               probabilities, scale_value)
+                               probabilities, scale_value, sink_logits)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
            "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
@@ -214,7 +214,7 @@ def _extent(spec: Spec, name: str, dim: int, sizes: dict[str, int]) -> int:
     """One more than the largest index the spec's loads of `name` use in `dim` on this grid."""
     env = make_env(spec, D=16, **sizes)
     largest = 0
-    for expr in (spec.mask, spec.score):
+    for expr in (spec.mask, spec.score, spec.sink):
         for node in walk(expr) if expr is not None else ():
             if isinstance(node, Load) and node.input == name:
                 largest = max(largest, int(evaluate_expr(node.index[dim], env).max()))
@@ -278,14 +278,20 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
     ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()).requires_grad_(n in learnable)
            for n, x in (inputs or {}).items()}
     score = modified_scores(spec, qd, kd, vd, ins, row=row)
+    # A sink is a column of the softmax with no value: its logit's gradient moves as a key's does.
+    sink = sink_logits(spec, qd, kd, vd, ins, row=row)
     with torch.no_grad():
-        p = torch.softmax(score, dim=-1).nan_to_num(0.0)  # rows with no allowed key are all 0
+        columns = score if sink is None else torch.cat([score, sink[..., None]], dim=-1)
+        p = torch.softmax(columns, dim=-1).nan_to_num(0.0)  # rows with no allowed key are all 0
         group = q.shape[1] // k.shape[1]
-        o_true = p @ vd.repeat_interleave(group, dim=1)
+        o_true = p[..., :score.shape[-1]] @ vd.repeat_interleave(group, dim=1)
         row_error = (dout.detach().to("cpu", torch.float64) * (out.detach().to("cpu", torch.float64) - o_true))
-        ds = torch.where(torch.isfinite(score), -p * row_error.sum(-1, keepdim=True), 0.0)
+        ds = torch.where(torch.isfinite(columns), -p * row_error.sum(-1, keepdim=True), 0.0)
     leaves = [qd, kd] + [ins[name] for name in learnable]
-    effects = _grads([score], leaves, [ds])
+    if sink is None:
+        effects = _grads([score], leaves, [ds])
+    else:
+        effects = _grads([score, sink], leaves, [ds[..., :-1], ds[..., -1]])
     names = ["dq", "dk"] + [f"d_{name}" for name in learnable]
     return {name: float(x.abs().max()) if x.numel() else 0.0 for name, x in zip(names, effects)}
 

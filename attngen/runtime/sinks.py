@@ -1,0 +1,162 @@
+"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch, and its merge into a call's O and LSE."""
+
+import math
+
+import torch
+
+# A sink arrives as FACTS.sink, a literal tree the emitter writes from the spec's IR
+# (attngen.emit.module.sink_literal), each node a tuple:
+#   ("const", type, value)  ("var", name)  ("size", name)  ("load", input, type, (index, ...))
+#   ("unary", op, type, operand)  ("binary", op, type, left, right)  ("call", fn, type, (arg, ...))
+# with params already replaced by their values. It is data, not code: this module gives it the meaning
+# attngen.reference gives the IR (test_sinks checks that they agree), in float32 as the kernels compute.
+
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "and": torch.logical_and, "or": torch.logical_or,
+    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
+    "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
+}
+
+
+def _to_int(x):
+    return x.long() if x.is_floating_point() else x
+
+
+_FUNCTIONS = {
+    "tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "abs": torch.abs,
+    "floor": lambda x: _to_int(torch.floor(x)) if x.is_floating_point() else x,
+    "ceil": lambda x: _to_int(torch.ceil(x)) if x.is_floating_point() else x,
+    "round": lambda x: _to_int(torch.round(x)) if x.is_floating_point() else x,
+    "min": torch.minimum, "max": torch.maximum,
+    "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
+    "softcap": lambda x, cap: cap * torch.tanh(x / cap),
+    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan, "erf": torch.erf,
+    "sign": torch.sign,
+}
+# The functions whose arguments are floats whatever they are given (ir.FUNCTIONS' "float" rule).
+_FLOAT_FUNCTIONS = frozenset({"tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "sin", "cos", "tan",
+                              "atan", "erf", "softcap"})
+_INPUT_DTYPES = {"float": torch.float32, "int": torch.int64, "bool": torch.bool}
+
+
+def _float(x):
+    return x.to(torch.float32)
+
+
+def _promote(*xs):
+    if any(x.is_floating_point() for x in xs):
+        return [_float(x) for x in xs]
+    return list(xs)
+
+
+def _evaluate(node, values, inputs, device):
+    kind = node[0]
+    if kind == "const":
+        _, type_, value = node
+        return torch.full((), float(value) if type_ == "float" else value, dtype=_INPUT_DTYPES[type_], device=device)
+    if kind in ("var", "size"):
+        return values[node[1]]
+    if kind == "load":
+        _, name, type_, index = node
+        x = inputs[name]
+        indices = [_evaluate(i, values, inputs, device) for i in index]
+        if indices:
+            # Out-of-range indices read 0, as the kernels' masked loads do (never another entry).
+            indices = torch.broadcast_tensors(*indices)
+            inside = torch.ones_like(indices[0], dtype=torch.bool)
+            for i, size in zip(indices, x.shape):
+                inside = inside & (i >= 0) & (i < size)
+            clamped = [i.clamp(0, size - 1) for i, size in zip(indices, x.shape)]
+            x = torch.where(inside, x[tuple(clamped)], 0)
+        return x.to(_INPUT_DTYPES[type_])
+    if kind == "unary":
+        _, op, _, operand = node
+        x = _evaluate(operand, values, inputs, device)
+        return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[op](x)
+    if kind == "binary":
+        _, op, type_, left, right = node
+        a, b = _evaluate(left, values, inputs, device), _evaluate(right, values, inputs, device)
+        if op == "div" or (op == "pow" and type_ == "float"):
+            a, b = _float(a), _float(b)
+        return _BINARY[op](*_promote(a, b))
+    assert kind == "call", node
+    _, fn, _, args = node
+    args = [_evaluate(a, values, inputs, device) for a in args]
+    if fn == "where":
+        return torch.where(args[0], *_promote(*args[1:]))
+    if fn in _FLOAT_FUNCTIONS:
+        args = [_float(a) for a in args]
+    return _FUNCTIONS[fn](*_promote(*args))
+
+
+def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=None, q_offset=None, kv_len=None):
+    """The sink of every query row of a call, fp32, shaped as its `q` positions broadcast with (B, H).
+
+    By default the (B, H, Q_LEN) rows of a training call. A cache call gives `q_offset` and `kv_len`
+    ((B,) ints: row i of batch b sits at position q_offset[b] + i, KV_LEN is kv_len[b]). A packed call
+    gives `b` and `q` itself, (TOTAL_Q,) ints (each token's sequence and its position in it), and
+    Q_LEN and KV_LEN as (TOTAL_Q,) tensors of that sequence's lengths: the result is then (H, TOTAL_Q).
+    """
+    # Only the names the sink reads are made, each a device tensor made by a kernel (torch.full, arange),
+    # never copied from the host: a call stays capturable in a CUDA graph and costs few launches.
+    def scalar(n):
+        return torch.full((), n, dtype=torch.int64, device=device)
+
+    def per_row(t):
+        return t.to(device=device, dtype=torch.int64).view(B, 1, 1, 1)
+
+    def heads():
+        return torch.arange(H, device=device).view(1, H, 1, 1)
+
+    if b is not None:  # a packed call: one axis of tokens after the heads
+        def token(t):
+            return t.to(device=device, dtype=torch.int64).view(1, 1, -1, 1)
+        makers = {"b": lambda: token(b), "q": lambda: token(q), "Q_OFFSET": lambda: scalar(0),
+                  "Q_LEN": lambda: token(Q_LEN), "KV_LEN": lambda: token(KV_LEN)}
+        shape = (1, H, b.shape[0])
+    else:
+        def offset():
+            return per_row(q_offset) if q_offset is not None else scalar(0)
+        makers = {"b": lambda: torch.arange(B, device=device).view(B, 1, 1, 1),
+                  "q": lambda: torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1) + offset(),
+                  "Q_OFFSET": offset, "Q_LEN": lambda: scalar(Q_LEN),
+                  "KV_LEN": lambda: per_row(kv_len) if kv_len is not None else scalar(KV_LEN)}
+        shape = (B, H, Q_LEN)
+    makers |= {"h": heads, "hkv": lambda: heads() // (H // HKV), "B": lambda: scalar(B), "H": lambda: scalar(H),
+               "HKV": lambda: scalar(HKV), "D": lambda: scalar(D)}
+    values = {name: makers[name]() for name in _names(tree)}
+    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor).
+    sink = torch.zeros((*shape, 1), dtype=torch.float32, device=device) + _float(_evaluate(tree, values, inputs, device))
+    return sink[0, ..., 0] if b is not None else sink[..., 0]
+
+
+def _names(node):
+    """The index variables and sizes a literal tree reads."""
+    if node[0] in ("var", "size"):
+        return {node[1]}
+    children = {"load": node[3] if node[0] == "load" else (), "unary": node[3:], "binary": node[3:],
+                "call": node[3] if node[0] == "call" else ()}.get(node[0], ())
+    return set().union(*(_names(child) for child in children)) if children else set()
+
+
+def with_sink(out, lse, sink):
+    """(O, LSE) of the softmax with one more logit, `sink`, which has no value, from the kernels' (O, LSE)
+    without it: LSE' = log(exp(LSE) + exp(sink)) and O' = O * exp(LSE - LSE'). Exact, and differentiable
+    by torch: the kernels' backward sees the gradients of their own O and LSE, and the sink's is
+    -exp(sink - LSE') * (rowsum(dO' * O') - dLSE'). A row with no allowed key (LSE = -inf) gets O' = 0
+    and LSE' = sink. `out` has its rows along dim -2 of lse's shape ((.., H, Q_LEN, DV) against
+    (.., H, Q_LEN)) or is a packed call's (TOTAL_Q, H, DV) against (H, TOTAL_Q) (`packed`)."""
+    # A row with no allowed key whose sink is -inf keeps LSE = -inf and O = 0: its logaddexp is taken of
+    # zeros instead, so no gradient meets exp(-inf - -inf) (NaN), and the row's gradients are 0.
+    empty = (lse == -math.inf) & (sink == -math.inf)
+    lse_safe, sink_safe = torch.where(empty, 0.0, lse), torch.where(empty, 0.0, sink)
+    total = torch.logaddexp(lse_safe, sink_safe)
+    factor = torch.where(empty, 0.0, torch.exp(lse_safe - total))
+    total = torch.where(empty, -math.inf, total)
+    if out.dim() == 3 and lse.dim() == 2:  # packed: out (TOTAL_Q, H, DV), lse (H, TOTAL_Q)
+        factor = factor.transpose(0, 1)
+    return (out.float() * factor[..., None]).to(out.dtype), total

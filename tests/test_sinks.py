@@ -1,0 +1,271 @@
+"""The `sink:` item end to end: its errors, the reference's meaning (O = 0 and LSE = sink on a row with no key),
+the runtime's evaluation of the sink against the reference's, and the kernels' calls (training with the
+learnable sink's gradient, GQA, cache, paged, packed and compiled calls) against the float64 reference."""
+
+import itertools
+
+import pytest
+import torch
+
+import attngen
+from attngen import reference, testing
+from attngen.emit.module import sink_literal
+from attngen.errors import SpecError
+from attngen.frontend.printer import to_source
+from attngen.runtime.sinks import sink_rows
+from attngen.testing import strategies
+
+# Reads b, h, q, KV_LEN, a param and a learnable input; its mask leaves the last rows of a square call
+# without a key (k > q + 2), and cuts each batch row's keys at lens[b].
+ROWS = """
+attention sink_rows
+param base = 0.5
+input bias: f32[B, H] learnable
+input lens: i32[B]
+mask: k > q + 2 and k < lens[b]
+sink: bias[b, h] * base + 0.01 * (q + 1.0 * KV_LEN) - 0.02 * b
+"""
+# A sink of the packed call's own terms: the sequence (b), positions from 0, and its lengths.
+PACKED = """
+attention sink_packed
+input bias: f32[B, H] learnable
+mask: causal and q - k < 5
+sink: bias[b, h] + 0.1 * q - 0.05 * Q_LEN + 0.02 * KV_LEN
+"""
+
+
+def _spec(text):
+    return attngen.parse_spec(text)
+
+
+# --- the language --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, message, column", [
+    ("sink: 1.0 * k", "'sink' may not use 'k'", 13),
+    ("sink: score", "'sink' may not use 'score'", 7),
+    ("sink: q > 1", "sink must be a float expression, got bool", 7),
+    ("sink: h", r"sink must be a float expression, got int \(write a float", 7),
+    # The number checks of every item hold for a sink too: it runs exactly or not at all.
+    ("sink: 1.0 * (q // 0)", "the divisor of '//' must not be a constant zero", 14),
+    ("sink: 1.0 * (q * q * q * q * q * q * q * q)", "must fit in int64 at lengths up to 1024", 14),
+])
+def test_bad_sinks_are_refused_where_they_are(text, message, column):
+    with pytest.raises(SpecError, match=message) as e:
+        attngen.parse_spec(f"attention t\n{text}\n", "t.attn")
+    assert str(e.value).startswith(f"t.attn:2:{column}:")
+
+
+def test_a_second_sink_is_refused():
+    with pytest.raises(SpecError, match=r"t.attn:3:1: duplicate 'sink:' \(the first is at line 2\)"):
+        attngen.parse_spec("attention t\nsink: 1.0\nsink: 2.0\n", "t.attn")
+
+
+def test_a_sink_prints_back_and_keeps_specs_without_one_as_they_were():
+    spec = _spec(ROWS)
+    assert attngen.parse_spec(to_source(spec)) == spec
+    assert "sink: " in to_source(spec)
+    # An input may still be named `sink`: the item's keyword is one only where an item begins.
+    assert _spec("attention t\ninput sink: f32[H]\nsink: sink[h]\n").sink.input == "sink"
+    plain = _spec("attention t\nmask: causal\n")
+    assert plain.sink is None and "sink" not in plain.model_dump_json(exclude={"sink"})
+
+
+def test_explain_shows_the_sink_and_where_it_runs():
+    from attngen import api
+    text = api.explain(ROWS, q_len=32, kv_len=32, head_dim=16, head_dim_v=16, dtype="f32").text
+    assert "  sink: " in text and "merged into O and LSE" in text
+    assert "  sink: " not in api.explain("attention t\nmask: causal\n", q_len=32, kv_len=32, head_dim=16,
+                                         head_dim_v=16, dtype="f32").text
+
+
+def test_the_reference_gives_a_row_without_keys_zero_and_its_sink():
+    spec = _spec(ROWS)
+    q, k, v = testing.random_qkv(2, 2, 1, 9, 9, 8, 8, torch.float64)
+    inputs = testing.random_inputs(spec, 2, 2, 1, 9, 9)
+    inputs["lens"] = torch.tensor([9, 4], dtype=torch.int32)
+    out, lse = reference.evaluate(spec, q, k, v, inputs)
+    sink = reference.sink_logits(spec, q, k, v, inputs)
+    empty = ~torch.isfinite(reference.modified_scores(spec, q, k, v, inputs)).any(-1)
+    assert empty.any() and (~empty).any()
+    assert (out[empty] == 0).all() and torch.equal(lse[empty], sink[empty])
+    # Elsewhere the sink is one more term of the softmax's sum.
+    plain = reference.evaluate(spec.model_copy(update={"sink": None}), q, k, v, inputs)[1]
+    torch.testing.assert_close(lse[~empty], torch.logaddexp(plain, sink)[~empty])
+
+
+# --- the runtime's sink is the reference's ---------------------------------------------------------
+
+SINK_EXPRESSIONS = [
+    "sinks[h]",
+    "tanh(table[hkv, q % 3]) * 2.0 - sqrt(abs(sinks[h]) + 1.0)",
+    "where(q < Q_LEN // 2, 1.5, -inf) + exp2(1.0 * (b - B)) + log(1.0 + H * HKV)",
+    "max(sinks[h], 0.25) + clamp(q - KV_LEN, -3, 3) + floor(q / 2.0) ** 2 + ((q << 2) ^ 5) % 7",
+    "softcap(sinks[h] * 10.0, 3.0) + sign(q - 4.5) + round(q * 0.3) + erf(q * 0.1) + atan(1.0 * D)",
+]
+
+
+@pytest.mark.parametrize("expression", SINK_EXPRESSIONS)
+def test_the_runtime_evaluates_a_sink_as_the_reference_does(expression):
+    spec = _spec(f"attention t\ninput sinks: f32[H]\ninput table: f32[HKV, 3]\nsink: {expression}\n")
+    tree = eval(sink_literal(spec.sink, spec.param_values), {"__builtins__": {}})  # a literal: data only
+    B, H, HKV, N, M, D = 2, 4, 2, 7, 11, 8
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
+    inputs = testing.random_inputs(spec, B, H, HKV, N, M)
+    sizes = dict(B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D, device="cpu")
+    torch.testing.assert_close(sink_rows(tree, inputs, **sizes), reference.sink_logits(spec, q, k, v, inputs))
+    kv_len, q_offset = torch.tensor([9, 11], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    torch.testing.assert_close(sink_rows(tree, inputs, **sizes, kv_len=kv_len, q_offset=q_offset),
+                               reference.sink_logits(spec, q, k, v, inputs, kv_len=kv_len, q_offset=q_offset))
+
+
+# --- the kernels' calls ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rows():
+    return attngen.build(ROWS)
+
+
+def _rows_case(attn, B=2, H=4, HKV=2, N=21, M=21, D=16, dtype=torch.float32):
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
+    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32)[:B]
+    return q, k, v, inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
+    q, k, v, inputs = _rows_case(rows, dtype=dtype)  # GQA: two query heads a kv head
+    testing.check_against_reference(rows.spec, rows, q, k, v, inputs)
+    out, lse = rows(q, k, v, return_lse=True, **inputs)
+    sink = reference.sink_logits(rows.spec, q, k, v, inputs).float()
+    empty = ~torch.isfinite(reference.modified_scores(rows.spec, q, k, v, inputs)).any(-1)
+    assert empty.any()
+    assert (out[empty] == 0).all() and not out.isnan().any()
+    torch.testing.assert_close(lse[empty], sink[empty], rtol=0, atol=1e-6)
+
+
+def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
+    attn = attngen.build("attention no_sink\ninput bias: f32[H] learnable\nmask: k > q + 2\n"
+                         "sink: where(q % 2 == 0, -inf, bias[h])\n")
+    q, k, v = testing.random_qkv(1, 2, 2, 12, 12, 16, 16, torch.float32)
+    inputs = testing.random_inputs(attn.spec, 1, 2, 2, 12, 12)
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    leaves = [x.requires_grad_() for x in (q, k, v, inputs["bias"])]
+    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    assert torch.isneginf(lse[..., 10]).all() and (out[..., 10, :] == 0).all()  # no key and no sink
+    grads = torch.autograd.grad(out.sum() + torch.where(lse.isfinite(), lse, 0.0).sum(), leaves)
+    assert not any(g.isnan().any() for g in grads)
+
+
+def test_cache_calls_match_the_reference(rows):
+    q, k, v, inputs = _rows_case(rows, M=30)
+    kv_len = torch.tensor([30, 19], dtype=torch.int32)
+    for n in (1, 5):  # a decoding step and a chunk of prefill
+        cache = {"kv_len": kv_len}
+        testing.check_against_reference(rows.spec, rows, q[:, :, :n], k, v, inputs, grads=False, cache=cache)
+        cache["q_offset"] = torch.tensor([2, 0], dtype=torch.int32)
+        testing.check_against_reference(rows.spec, rows, q[:, :, :n], k, v, inputs, grads=False, cache=cache)
+
+
+def test_paged_cache_calls_match_the_reference(rows):
+    q, k, v, inputs = _rows_case(rows, N=3, M=32)
+    kv_len = torch.tensor([32, 23], dtype=torch.int32)
+    k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
+    with torch.no_grad():
+        out, lse = rows(q, k_pages, v_pages, page_table=table, kv_len=kv_len, return_lse=True, **inputs)
+    want, want_lse = reference.evaluate(rows.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_calls_match_the_reference_of_each_sequence():
+    attn = attngen.build(PACKED)
+    H, HKV, D, lengths_q, lengths_k = 4, 2, 16, [5, 17, 9], [7, 17, 12]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lengths_q), H, D, generator=g)
+    k, v = (torch.randn(sum(lengths_k), HKV, D, generator=g) for _ in range(2))
+
+    def offsets(lengths):
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=offsets(lengths_q), cu_seqlens_k=offsets(lengths_k), max_seqlen_q=max(lengths_q),
+                  max_seqlen_k=max(lengths_k))
+    inputs = testing.random_inputs(attn.spec, 3, H, HKV, max(lengths_q), max(lengths_k))
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+def _compiled_loss(rows, dynamic):
+    def loss(q, k, v, inputs):
+        out, lse = rows(q, k, v, return_lse=True, **inputs)
+        return out.square().sum() + lse.sum()
+    return loss, torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+
+
+def _assert_compiled_equals_eager(rows, loss, compiled, n):
+    q, k, v, inputs = _rows_case(rows, N=n, M=n)
+    leaves = [x.requires_grad_() for x in (q, k, v, inputs["bias"])]
+    want = torch.autograd.grad(loss(q, k, v, inputs), leaves)
+    got = torch.autograd.grad(compiled(q, k, v, inputs), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert want[3].abs().sum() > 0  # the sink's gradient reached its input
+
+
+def test_compiled_calls_equal_eager_with_the_sinks_gradient(rows, fresh_dynamo):
+    _assert_compiled_equals_eager(rows, *_compiled_loss(rows, dynamic=False), 17)
+
+
+@pytest.mark.slow
+def test_compiled_sinks_take_dynamic_lengths_without_a_recompile(rows, fresh_dynamo):
+    loss, compiled = _compiled_loss(rows, dynamic=True)
+    for n in (17, 24):
+        _assert_compiled_equals_eager(rows, loss, compiled, n)
+        torch.compiler.set_stance("fail_on_recompile")  # a second length that recompiles raises
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sinks_on_gpu(dtype):
+    """On the GPU, whatever families the device's plan picks (Hopper's on an H100/H200, decode for the
+    cache call): training with rows without keys and the sink's gradient, and a decoding step."""
+    attn = attngen.build(ROWS)
+    B, H, HKV, N, D = 2, 8, 2, 300, 128
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
+    inputs["lens"] = torch.tensor([N, N // 2], dtype=torch.int32, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q[:, :, :1], k, v, inputs, grads=False, cache={"kv_len": kv_len})
+
+
+@pytest.mark.gpu
+def test_a_decoding_step_with_a_sink_replays_in_a_cuda_graph():
+    # The sink's rows are made on the device (no host copy, which would fail the capture), and read the
+    # lengths and offsets a serving loop updates in place.
+    attn = attngen.build(ROWS)
+    B, H, HKV, M, D = 2, 8, 2, 256, 64
+    q, k, v = testing.random_qkv(B, H, HKV, 1, M, D, D, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, 1, M, device="cuda")
+    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32, device="cuda")
+    kv_len = torch.tensor([M, 10], dtype=torch.int32, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        attn(q, k, v, kv_len=kv_len, **inputs)  # compiles the kernels outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = attn(q, k, v, kv_len=kv_len, **inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([M, 10], [3, M - 1], [100, 200]):
+        kv_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            assert torch.equal(out, attn(q, k, v, kv_len=kv_len, **inputs))
+        want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
