@@ -68,6 +68,10 @@ def build_small():
 # The mark of kernel cases that are slow in Triton's interpreter: on a GPU they stay in the default run.
 SLOW_IN_INTERPRETER = () if torch.cuda.is_available() else pytest.mark.slow
 
+# Tests whose calls run on the CPU (Triton's interpreter). On a machine with CUDA attngen builds for the GPU,
+# which refuses CPU tensors: there the tests marked gpu check the same contracts with CUDA tensors.
+CPU_CALLS = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU calls (the gpu tests check a GPU's)")
+
 
 def tiered(cases, fast, ids=None):
     """`cases` (tuples of arguments) for pytest.mark.parametrize, each not in `fast` marked

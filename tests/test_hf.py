@@ -26,6 +26,7 @@ from transformers import masking_utils as mu
 
 import attngen.hf as hf
 from attngen import testing
+from conftest import CPU_CALLS
 
 hf.register()
 
@@ -88,6 +89,7 @@ def test_logits_match_eager(models, name, padding):
     _assert_close_logits(f"{name} logits", actual[real], eager[real])
 
 
+@CPU_CALLS
 def test_gpt_oss_sinks_match_eager():
     """gpt-oss passes its learned sinks as s_aux: the logits of a padded batch, the sinks' gradients of a
     training step and greedy generation, as transformers' eager attention computes them (sliding and full

@@ -23,13 +23,9 @@ import attngen
 from attngen import testing
 from attngen.runtime import attention as runtime_attention
 from attngen.runtime import decode, hopper, launch, portable, tables
+from conftest import CPU_CALLS
 
 SPECS = Path(__file__).parent.parent / "specs"
-
-
-# The call-plan tests run their calls on the CPU's interpreter build; on a GPU machine the *_on_gpu tests
-# check the same contracts with CUDA tensors.
-CPU_CALLS = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU calls (the *_on_gpu tests check a GPU's)")
 
 
 def _one_argument(x):

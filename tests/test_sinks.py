@@ -14,6 +14,7 @@ from attngen.errors import SpecError
 from attngen.frontend.printer import to_source
 from attngen.runtime.sinks import sink_rows
 from attngen.testing import strategies
+from conftest import CPU_CALLS
 
 # Reads b, h, q, KV_LEN, a param and a learnable input; its mask leaves the last rows of a square call
 # without a key (k > q + 2), and cuts each batch row's keys at lens[b].
@@ -132,6 +133,7 @@ def _rows_case(attn, B=2, H=4, HKV=2, N=21, M=21, D=16, dtype=torch.float32):
     return q, k, v, inputs
 
 
+@CPU_CALLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
     q, k, v, inputs = _rows_case(rows, dtype=dtype)  # GQA: two query heads a kv head
@@ -144,6 +146,7 @@ def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
     torch.testing.assert_close(lse[empty], sink[empty], rtol=0, atol=1e-6)
 
 
+@CPU_CALLS
 def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
     attn = attngen.build("attention no_sink\ninput bias: f32[H] learnable\nmask: k > q + 2\n"
                          "sink: where(q % 2 == 0, -inf, bias[h])\n")
@@ -157,6 +160,7 @@ def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
     assert not any(g.isnan().any() for g in grads)
 
 
+@CPU_CALLS
 def test_cache_calls_match_the_reference(rows):
     q, k, v, inputs = _rows_case(rows, M=30)
     kv_len = torch.tensor([30, 19], dtype=torch.int32)
@@ -167,6 +171,7 @@ def test_cache_calls_match_the_reference(rows):
         testing.check_against_reference(rows.spec, rows, q[:, :, :n], k, v, inputs, grads=False, cache=cache)
 
 
+@CPU_CALLS
 def test_paged_cache_calls_match_the_reference(rows):
     q, k, v, inputs = _rows_case(rows, N=3, M=32)
     kv_len = torch.tensor([32, 23], dtype=torch.int32)
@@ -178,6 +183,7 @@ def test_paged_cache_calls_match_the_reference(rows):
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
+@CPU_CALLS
 def test_packed_calls_match_the_reference_of_each_sequence():
     attn = attngen.build(PACKED)
     H, HKV, D, lengths_q, lengths_k = 4, 2, 16, [5, 17, 9], [7, 17, 12]
@@ -217,10 +223,12 @@ def _assert_compiled_equals_eager(rows, loss, compiled, n):
     assert want[3].abs().sum() > 0  # the sink's gradient reached its input
 
 
+@CPU_CALLS
 def test_compiled_calls_equal_eager_with_the_sinks_gradient(rows, fresh_dynamo):
     _assert_compiled_equals_eager(rows, *_compiled_loss(rows, dynamic=False), 17)
 
 
+@CPU_CALLS
 @pytest.mark.slow
 def test_compiled_sinks_take_dynamic_lengths_without_a_recompile(rows, fresh_dynamo):
     loss, compiled = _compiled_loss(rows, dynamic=True)
