@@ -1,0 +1,75 @@
+"""What a feature costs: a spec with it against the same spec without it, timed side by side on the GPU
+(issue 34's targets: a sink <= 1.05x the time without it).
+
+    python benchmarks/feature_cost.py [--shape B,H,N,D] [--json FILE]
+
+Each row: forward (no_grad) and forward+backward median ms (triton.testing.do_bench), bf16, the same
+q, k, v for both specs; the ratio is the feature's time over the time without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+import attngen
+from attngen import testing
+
+# (feature, spec with it, the same spec without it)
+CASES = [
+    ("sink (gpt_oss_sinks: window 128, a learned sink per head)",
+     "specs/gpt_oss_sinks.attn",
+     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n"),
+    ("sink on causal attention",
+     "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
+     "specs/causal.attn"),
+]
+
+
+def _time(attn, q, k, v, inputs, dout, backward):
+    if not backward:
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: attn(q, k, v, **inputs), warmup=25, rep=200)
+    leaves = [q, k, v, *(t for t in inputs.values() if t.requires_grad)]
+    return triton.testing.do_bench(lambda: torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout),
+                                   warmup=25, rep=200)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="2,16,8192,128", help="B,H,N,D")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    B, H, N, D = (int(x) for x in args.shape.split(","))
+    q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
+    dout = torch.randn_like(q)
+    rows = []
+    for feature, with_it, without in CASES:
+        row = {"feature": feature, "shape": [B, H, N, D]}
+        for name, spec in (("with", with_it), ("without", without)):
+            attn = attngen.build(spec)
+            inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
+            for t in inputs.values():
+                if t.is_floating_point():
+                    t.requires_grad_()
+            row[f"{name} families"] = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
+            for part, backward in (("fwd", False), ("fwd+bwd", True)):
+                row[f"{name} {part} ms"] = _time(attn, q, k, v, inputs, dout, backward)
+        for part in ("fwd", "fwd+bwd"):
+            row[f"{part} ratio"] = row[f"with {part} ms"] / row[f"without {part} ms"]
+        rows.append(row)
+        print(f"{feature} B{B} H{H} N{N} D{D} bf16, families {row['with families']}:")
+        for part in ("fwd", "fwd+bwd"):
+            print(f"  {part:8s} with {row[f'with {part} ms']:.3f} ms, without {row[f'without {part} ms']:.3f} ms: "
+                  f"{row[f'{part} ratio']:.3f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
