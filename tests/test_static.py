@@ -16,7 +16,7 @@ Checker = pytest.importorskip("pyflakes.checker").Checker
 import attngen
 from attngen import api, plan, testing
 from attngen.emit import module as emit
-from attngen.runtime import launch, shared
+from attngen.runtime import facts, launch, shared
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attngen"
@@ -104,12 +104,34 @@ def test_bundles_import_only_torch_triton_and_the_standard_library(sources):
 def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources):
     for name, source in thin_sources.items():
         attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
-        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.helpers"}, name
+        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers"}, name
 
 
 def test_modules_import_every_helper_the_runtime_offers_kernels():
     tree = ast.parse((PACKAGE / "runtime" / "helpers.py").read_text())
     assert sorted(_top_level_names(tree)) == sorted(emit.HELPER_NAMES)
+
+
+@pytest.mark.parametrize("target", ["h200", "a100", "interpreter"])
+@pytest.mark.parametrize("name", sorted(path.stem for path in (Path(__file__).parent.parent / "specs").glob("*.attn")))
+def test_the_modules_shape_tables_are_the_plans(name, target):
+    # The module writes its tile tables as rows over products of keys (emit.module._shape_rows): expanded
+    # by the runtime, they are the planner's entries, key for key.
+    attn = attngen.build(Path(__file__).parent.parent / "specs" / f"{name}.attn", target=target)
+    entries = attn.plan.entries
+    assert attn.module.FACTS.plan == {
+        (e.head_dim_pad, e.head_dim_v_pad, e.dtype): tuple((t.block_m, t.block_n, t.num_warps, t.num_stages)
+                                                           for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) for e in entries}
+    assert attn.module.FACTS.family_tiles == {
+        (e.head_dim_pad, e.head_dim_v_pad, e.dtype): {
+            family: (t.block_m, t.block_n, t.num_warps, t.num_stages, t.buffers) for family, t in e.family_tiles}
+        for e in entries if e.family_tiles}
+    assert len(attn.module.FACTS.plan) == len(entries)
+
+
+def test_a_shape_table_refuses_a_key_given_twice():
+    with pytest.raises(ValueError, match="given twice"):
+        facts.shape_table((((16,), (16, 32), ("f16",)), 1), (((16,), (32,), ("f16",)), 2))
 
 
 @pytest.mark.parametrize("target", ["h200", "interpreter"])

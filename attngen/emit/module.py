@@ -33,7 +33,8 @@ def runtime_imports(code: str) -> str:
     and the helpers its kernels call."""
     used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
     helpers = ", ".join(name for name in HELPER_NAMES if name in used)
-    return ("from attngen.runtime.attention import Attention, Kernels, SpecFacts\n"
+    return ("from attngen.runtime.attention import Attention\n"
+            + "from attngen.runtime.facts import Kernels, SpecFacts, shape_table\n"
             + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else ""))
 
 
@@ -140,6 +141,37 @@ def _reads_math(expr: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == "math" for n in ast.walk(ast.parse(expr, mode="eval")))
 
 
+def _shape_rows(table: dict[tuple, str]) -> list[tuple[tuple, tuple, tuple, str]]:
+    """A table keyed by (head dim, value head dim, dtype) as rows (head dims, value head dims, dtypes,
+    value) that cover it exactly, each a product of keys of one value: by value, the key pairs of one
+    set of dtypes, then the head dims whose value head dims agree."""
+    rows = []
+    for value in dict.fromkeys(table.values()):
+        dtypes_of: dict[tuple, list] = {}
+        for (d, dv, dtype), v in table.items():
+            if v == value:
+                dtypes_of.setdefault((d, dv), []).append(dtype)
+        for dtypes in dict.fromkeys(tuple(ts) for ts in dtypes_of.values()):
+            value_dims_of: dict[int, list] = {}
+            for (d, dv), ts in dtypes_of.items():
+                if tuple(ts) == dtypes:
+                    value_dims_of.setdefault(d, []).append(dv)
+            for dvs in dict.fromkeys(tuple(dvs) for dvs in value_dims_of.values()):
+                ds = tuple(d for d, these in value_dims_of.items() if tuple(these) == dvs)
+                rows.append((ds, dvs, dtypes, value))
+    return rows
+
+
+def _shape_table(table: dict[tuple, str]) -> str:
+    """The literal of a table keyed by (head dim, value head dim, dtype) whose values are literals: a
+    runtime.facts.shape_table call, one row per product of keys of one value."""
+    if not table:
+        return "{}"
+    return "shape_table(\n" + "".join(
+        f"        (({_python_tuple(ds)}, {_python_tuple(dvs)}, {_python_tuple(dtypes)}), {value}),\n"
+        for ds, dvs, dtypes, value in _shape_rows(table)) + "    )"
+
+
 def render(facts: Analysis, plan: Plan, source: str) -> str:
     """The source text of the kernel module for the analysed spec under `plan`; `source` is shown in
     its header."""
@@ -148,16 +180,16 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     ir.revalidated(spec)
     inputs_table = "{" + ", ".join(
         f"{i.name!r}: ({i.dtype!r}, {_python_tuple(i.dims)}, {i.learnable})" for i in spec.inputs) + "}"
-    plan_table = "{\n" + "".join(
-        f"    ({e.head_dim_pad}, {e.head_dim_v_pad}, {e.dtype!r}): ("
-        + ", ".join(_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))
-                    for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + "),\n"
-        for e in plan.entries) + "}"
-    family_tiles_table = "{\n" + "".join(
-        f"    ({e.head_dim_pad}, {e.head_dim_v_pad}, {e.dtype!r}): {{"
-        + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages, t.buffers))}"
-                    for family, t in e.family_tiles) + "},\n"
-        for e in plan.entries if e.family_tiles) + "}" if any(e.family_tiles for e in plan.entries) else "{}"
+    plan_table = _shape_table({
+        (e.head_dim_pad, e.head_dim_v_pad, e.dtype):
+            "(" + ", ".join(_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages))
+                            for t in (e.fwd, e.bwd_dkdv, e.bwd_dq)) + ")"
+        for e in plan.entries})
+    family_tiles_table = _shape_table({
+        (e.head_dim_pad, e.head_dim_v_pad, e.dtype):
+            "{" + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages, t.buffers))}"
+                            for family, t in e.family_tiles) + "}"
+        for e in plan.entries if e.family_tiles})
     others = [family for family in plan.families if family != PORTABLE.name]
     forward_families = _python_tuple(others)
     table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)

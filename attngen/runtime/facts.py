@@ -1,8 +1,22 @@
 """What a generated module declares about its spec: the facts its host code reads (SpecFacts) and its
 kernels (Kernels), each one frozen object."""
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+
+def shape_table(*rows):
+    """A table keyed by (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype), as a module writes it: rows
+    ((head dims, value head dims, dtypes), value), each giving one value to every key of that product
+    (the planner's choices repeat over most of the 75 keys; the emitter groups them, emit.module._shape_rows)."""
+    table = {}
+    for (head_dims, value_head_dims, dtypes), value in rows:
+        for key in itertools.product(head_dims, value_head_dims, dtypes):
+            if key in table:
+                raise ValueError(f"shape_table: the key {key} is given twice")
+            table[key] = value
+    return table
 
 
 @dataclass(frozen=True)
