@@ -16,7 +16,7 @@ Checker = pytest.importorskip("pyflakes.checker").Checker
 import attngen
 from attngen import api, plan, testing
 from attngen.emit import module as emit
-from attngen.runtime import facts, launch, shared
+from attngen.runtime import facts, helpers, launch, shared
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attngen"
@@ -104,12 +104,15 @@ def test_bundles_import_only_torch_triton_and_the_standard_library(sources):
 def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources):
     for name, source in thin_sources.items():
         attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
-        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers"}, name
+        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers",
+                                   "attngen.runtime.kernels"}, name
 
 
 def test_modules_import_every_helper_the_runtime_offers_kernels():
     tree = ast.parse((PACKAGE / "runtime" / "helpers.py").read_text())
     assert sorted(_top_level_names(tree)) == sorted(emit.HELPER_NAMES)
+    kernels = ast.parse((PACKAGE / "runtime" / "kernels.py").read_text())
+    assert sorted(_top_level_names(kernels)) == sorted(emit.SHARED_KERNEL_NAMES)
 
 
 @pytest.mark.parametrize("target", ["h200", "a100", "interpreter"])
@@ -144,4 +147,4 @@ def test_the_module_shares_the_package_facts(target):
     assert tuple(shared._DTYPES.values()) == plan.DTYPES
     assert launch.INTERPRETING == api._interpreting()
     assert module.FACTS.tile_table is False
-    assert isinstance(module.LOG2E.value, float)  # the host multiplies a float scale by it
+    assert isinstance(helpers.LOG2E.value, float)  # the host multiplies a float scale by it

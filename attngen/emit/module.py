@@ -25,6 +25,9 @@ from attngen.version import __version__
 HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh", "_tan",
                 "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers", "_min_max_sum", "_sum_pair",
                 "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
+# The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
+# checks the list is whole).
+SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 
@@ -33,9 +36,11 @@ def runtime_imports(code: str) -> str:
     and the helpers its kernels call."""
     used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
     helpers = ", ".join(name for name in HELPER_NAMES if name in used)
+    kernels = ", ".join(name for name in SHARED_KERNEL_NAMES if name in used)
     return ("from attngen.runtime.attention import Attention\n"
             + "from attngen.runtime.facts import Kernels, SpecFacts, shape_table\n"
-            + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else ""))
+            + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else "")
+            + (f"from attngen.runtime.kernels import {kernels}  # the same in every spec\n" if kernels else ""))
 
 
 # The line before the module's declaration (its facts and kernels handed to the runtime): a bundle

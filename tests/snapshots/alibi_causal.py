@@ -27,6 +27,7 @@ import triton.language as tl
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LOG2E, LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit  # the kernels call them
+from attngen.runtime.kernels import _bwd_preprocess, _base2_lse, _decode_combine  # the same in every spec
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -200,48 +201,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
 # dK/dV: one program per key tile of one (batch, kv head), looping over the query heads of its
 # group and their query tiles, so GQA needs no atomics. dQ: one program per query tile.
 # Gradients of learnable inputs are accumulated in fp32 with atomics inside the dQ kernel.
-@triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh, stride_om, stride_ok,
-                    stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr):
-    # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
-    # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
-    # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
-    # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
-    # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    ok = (offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
-    o = tl.load(Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok, mask=ok, other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLse + off_bh.to(tl.int64) * Q_LEN + offs_m, mask=offs_m < Q_LEN, other=0.0)
-    tl.store(Delta + off_bh.to(tl.int64) * Q_ROWS + offs_m, delta, mask=offs_m < Q_ROWS)
-    if BASE2_LSE:
-        tl.store(Lse2 + off_bh.to(tl.int64) * Q_ROWS + offs_m, _base2_lse(Lse, off_bh.to(tl.int64) * Q_LEN, offs_m,
-                                                                          Q_LEN), mask=offs_m < Q_ROWS)
-    if ZERO_DQ:
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                 tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32),
-                 mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _base2_lse(Lse, row, offs, n):
-    # Rows with no allowed key (LSE = -inf) and padding rows get +inf, so p = exp2(s - lse) = 0.
-    lse = tl.load(Lse + row + offs, mask=offs < n, other=float("inf")) * LOG2E
-    return tl.where(lse == float("-inf"), float("inf"), lse)
-
+# The row terms' pass (_bwd_preprocess) and _base2_lse are the same for every spec: attngen/runtime/kernels.py.
 
 
 @triton.jit
@@ -1561,38 +1521,7 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     tl.store(LsePart + part_row, lse, mask=row_ok)
 
 
-@triton.jit
-def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, H, Q_LEN, n_rows, SPLITS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
-    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    total = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
-    for s in range(SPLITS):
-        part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr
-        lse_s = tl.load(LsePart + part_row, mask=row_ok, other=float("-inf"))
-        o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        weight = tl.exp(lse_s - m_safe)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * o_s
-        m = m_new
-    has_keys = total > 0.0
-    total_safe = tl.where(has_keys, total, 1.0)
-    lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
-    out_rows = rows.to(tl.int64)
-    out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
-               + out_rows % Q_LEN * stride_om)
-    tl.store(Out + out_row[:, None] + offs_dv[None, :], (acc / total_safe[:, None]).to(Out.dtype.element_ty),
-             mask=tile_ok)
-    tl.store(Lse + rows, lse, mask=row_ok)
+# _decode_combine, which merges the shares, is the same for every spec: attngen/runtime/kernels.py.
 
 
 
@@ -1603,7 +1532,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "47472948562092f5"
+MODULE_DIGEST = "168609efd0645e6d"
 FACTS = SpecFacts(
     name="alibi_causal",
     fingerprint="a3ed7f9b8e750862",

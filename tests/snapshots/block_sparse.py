@@ -24,7 +24,8 @@ import triton.language as tl
 
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
-from attngen.runtime.helpers import LOG2E, LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit  # the kernels call them
+from attngen.runtime.helpers import LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit  # the kernels call them
+from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -201,48 +202,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
 # dK/dV: one program per key tile of one (batch, kv head), looping over the query heads of its
 # group and their query tiles, so GQA needs no atomics. dQ: one program per query tile.
 # Gradients of learnable inputs are accumulated in fp32 with atomics inside the dQ kernel.
-@triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh, stride_om, stride_ok,
-                    stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr):
-    # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
-    # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
-    # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
-    # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
-    # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    ok = (offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
-    o = tl.load(Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok, mask=ok, other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dok, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLse + off_bh.to(tl.int64) * Q_LEN + offs_m, mask=offs_m < Q_LEN, other=0.0)
-    tl.store(Delta + off_bh.to(tl.int64) * Q_ROWS + offs_m, delta, mask=offs_m < Q_ROWS)
-    if BASE2_LSE:
-        tl.store(Lse2 + off_bh.to(tl.int64) * Q_ROWS + offs_m, _base2_lse(Lse, off_bh.to(tl.int64) * Q_LEN, offs_m,
-                                                                          Q_LEN), mask=offs_m < Q_ROWS)
-    if ZERO_DQ:
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                 tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32),
-                 mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _base2_lse(Lse, row, offs, n):
-    # Rows with no allowed key (LSE = -inf) and padding rows get +inf, so p = exp2(s - lse) = 0.
-    lse = tl.load(Lse + row + offs, mask=offs < n, other=float("inf")) * LOG2E
-    return tl.where(lse == float("-inf"), float("inf"), lse)
-
+# The row terms' pass (_bwd_preprocess) and _base2_lse are the same for every spec: attngen/runtime/kernels.py.
 
 
 @triton.jit
@@ -1627,7 +1587,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "c8c9e51033c531b7"
+MODULE_DIGEST = "28ab86deeaea8f2a"
 FACTS = SpecFacts(
     name="block_sparse",
     fingerprint="1f56b90c7d750266",
