@@ -159,4 +159,5 @@ def with_sink(out, lse, sink):
     total = torch.where(empty, -math.inf, total)
     if out.dim() == 3 and lse.dim() == 2:  # packed: out (TOTAL_Q, H, DV), lse (H, TOTAL_Q)
         factor = factor.transpose(0, 1)
-    return (out.float() * factor[..., None]).to(out.dtype), total
+    # bf16 or fp16 times fp32 is computed in fp32 (type promotion) in one pass, then rounded once.
+    return (out * factor[..., None]).to(out.dtype), total
