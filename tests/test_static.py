@@ -104,8 +104,9 @@ def test_bundles_import_only_torch_triton_and_the_standard_library(sources):
 def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources):
     for name, source in thin_sources.items():
         attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
-        assert attngen_imports == {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers",
-                                   "attngen.runtime.kernels"}, name
+        assert attngen_imports <= {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers",
+                                   "attngen.runtime.kernels", "attngen.runtime.hopper"}, name
+        assert {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.kernels"} <= attngen_imports, name
 
 
 def test_modules_import_every_helper_the_runtime_offers_kernels():
@@ -113,6 +114,10 @@ def test_modules_import_every_helper_the_runtime_offers_kernels():
     assert sorted(_top_level_names(tree)) == sorted(emit.HELPER_NAMES)
     kernels = ast.parse((PACKAGE / "runtime" / "kernels.py").read_text())
     assert sorted(_top_level_names(kernels)) == sorted(emit.SHARED_KERNEL_NAMES)
+    hopper = ast.parse((PACKAGE / "runtime" / "hopper.py").read_text())
+    jitted = [node.name for node in hopper.body if isinstance(node, ast.FunctionDef) and node.decorator_list
+              and ast.unparse(node.decorator_list[0]) in ("gluon.jit", "triton.jit", "_gluon_builtin")]
+    assert sorted(jitted) == sorted(emit.HOPPER_HELPER_NAMES)
 
 
 @pytest.mark.parametrize("target", ["h200", "a100", "interpreter"])

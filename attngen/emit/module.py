@@ -22,12 +22,16 @@ from attngen.version import __version__
 
 # The runtime names a module imports: its declaration's classes, and the @triton.jit helpers and
 # constants its kernels call (attngen/runtime/helpers.py; tests/test_static.py checks the list is whole).
-HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh", "_tan",
-                "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers", "_min_max_sum", "_sum_pair",
-                "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
+HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh",
+                "_tanh_approx", "_tan", "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers",
+                "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
 SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
+# The Hopper family's device helpers, which its modules import from attngen/runtime/hopper.py.
+HOPPER_HELPER_NAMES = ("_hopper_round_pairs", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
+                       "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
+                       "_hopper_bwd_sequence")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 
@@ -37,10 +41,12 @@ def runtime_imports(code: str) -> str:
     used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
     helpers = ", ".join(name for name in HELPER_NAMES if name in used)
     kernels = ", ".join(name for name in SHARED_KERNEL_NAMES if name in used)
+    hopper = ", ".join(name for name in HOPPER_HELPER_NAMES if name in used)
     return ("from attngen.runtime.attention import Attention\n"
             + "from attngen.runtime.facts import Kernels, SpecFacts, shape_table\n"
             + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else "")
-            + (f"from attngen.runtime.kernels import {kernels}  # the same in every spec\n" if kernels else ""))
+            + (f"from attngen.runtime.kernels import {kernels}  # the same in every spec\n" if kernels else "")
+            + (f"from attngen.runtime.hopper import {hopper}  # the Hopper kernels call them\n" if hopper else ""))
 
 
 # The line before the module's declaration (its facts and kernels handed to the runtime): a bundle
