@@ -114,8 +114,11 @@ def _scores(leaves: list[str], depth: int, binary: list[str] = BINARY) -> st.Sea
 
 
 @st.composite
-def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_score: bool | None = None) -> str:
-    """The source text of a random well-typed spec (`with_mask`, `with_score`: always, never, or at random)."""
+def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_score: bool | None = None,
+               with_sink: bool | None = None) -> str:
+    """The source text of a random well-typed spec (`with_mask`, `with_score`, `with_sink`: always, never,
+    or at random; a sink one time in four). Never drawing a sink draws nothing for it, so such specs are
+    those the strategy drew before it had sinks."""
     names = draw(st.lists(st.sampled_from(sorted(INPUT_MENU)), max_size=3, unique=True))
     lines = ["attention fuzzed",
              f"param w = {draw(st.one_of(st.integers(0, 12), st.sampled_from(NEAR_TILES)))}",
@@ -128,7 +131,7 @@ def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_sco
         lines.append(f"mask: {draw(_masks(atoms, draw(st.integers(0, max_depth))))}")
     if with_score if with_score is not None else draw(st.booleans()):
         lines.append(f"score: {draw(_scores(leaves, draw(st.integers(0, max_depth))))}")
-    if draw(st.integers(0, 3)) == 0:
+    if with_sink if with_sink is not None else draw(st.integers(0, 3)) == 0:
         sink_leaves = SINK_LEAVES + [s for n in names for s in SINK_TERMS.get(n, [])]
         depth = draw(st.integers(0, min(max_depth, 2)))
         lines.append(f"sink: {draw(_scores(sink_leaves, depth, SINK_BINARY))}")
