@@ -393,10 +393,12 @@ class Lowerer:
             whole = (len(nodes) == 1 and isinstance(nodes[0], Tree) and nodes[0].data == "index"
                      and any(isinstance(i, Tree) and i.data == "whole" for i in nodes[0].children))
             if not whole:
-                binary = f"; {fn}(a, b) is the larger of two numbers" if fn == "max" else (
-                    f"; {fn}(a, b) is the smaller of two numbers" if fn == "min" else "")
+                if fn in ir.FUNCTIONS:
+                    raise SpecError(f"{fn}() takes 2 argument(s), or one input read with ':' over the dims it "
+                                    f"reduces (as in {fn}(x[b, :])), got 1 without ':'", position(tree))
                 raise SpecError(f"{fn}() takes one input read with ':' over the dims it reduces, as in "
-                                f"{fn}(x[b, :]){binary}", position(tree))
+                                f"{fn}(x[b, :]), got {len(nodes)} argument(s)"
+                                + (" without ':'" if len(nodes) == 1 else ""), position(tree))
             return self._reduce(fn, tree, nodes[0])
         if fn not in ir.FUNCTIONS:
             close = difflib.get_close_matches(fn, list(ir.FUNCTIONS), n=1)
