@@ -138,3 +138,43 @@ def test_a_reduction_over_no_elements_is_a_call_error_but_a_sum_is_zero():
         attn(q, k, v, x=torch.empty(H, 0))
     summed = attngen.build("attention red_empty_sum\ninput x: f32[H, *]\nscore: score + sum(x[h, :])")
     torch.testing.assert_close(summed(q, k, v, x=torch.empty(H, 0)), attngen.build("attention full")(q, k, v))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@CPU_CALLS
+def test_compiled_calls_equal_eager_with_the_reductions_gradient(fresh_dynamo):
+    attn = attngen.build("attention red_compiled\ninput x: f32[H, *] learnable\nmask: q >= k\n"
+                         "score: score * (1.0 + 0.25 * max(x[h, :])) + mean(x[h, :]) * (q - k) * 0.1")
+
+    def loss(q, k, v, x):
+        return attn(q, k, v, x=x).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=False)
+    q, k, v = testing.random_qkv(B, H, HKV, 17, 17, D, D, torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v, torch.randn(H, 3))]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert want[3].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_reductions_on_gpu(dtype):
+    """On the GPU, whatever families the device's plan picks (Hopper's on an H100/H200, decode for the
+    cache call): the reductions' tensors are made on q's device, in the dtypes the kernels read."""
+    attn = attngen.build("attention red_gpu\ninput x: f32[H, *] learnable\ninput n: i32[B, 4]\n"
+                         "mask: k < sum(n[b, :]) + 64 and causal\n"
+                         "score: score * (1.0 + 0.25 * max(x[h, :])) + mean(x[h, :]) * min(n[b, :]) * 0.01")
+    B, H, HKV, N, D = 2, 8, 2, 300, 128
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
+    testing.check_against_reference(attn.spec, attn, q[:, :, :1], k, v, inputs, grads=False, cache={"kv_len": kv_len})
