@@ -92,6 +92,14 @@ def test_int_and_bool_reductions_in_the_mask_match_the_reference():
 
 
 @CPU_CALLS
+def test_a_mask_reading_a_reduction_at_k_follows_tile_tables_built_from_it():
+    attn, q, k, v, given = _check("attention red_table\ninput seen: bool[3, KV_LEN]\nmask: max(seen[:, k]) and q >= k")
+    assert attn.module.FACTS.tile_table
+    tables = attn.tile_tables(q, k, v, **given)
+    torch.testing.assert_close(attn(q, k, v, tile_tables=tables, **given), attn(q, k, v, **given))
+
+
+@CPU_CALLS
 def test_a_reduction_in_the_sink_matches_the_reference():
     _check("attention red_sink\ninput s: f32[H, *] learnable\nmask: q >= k\nsink: max(s[h, :])")
 
