@@ -114,7 +114,7 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
             params: dict | None = None, target: str | Target | None = None) -> Explanation:
     """`attngen explain`: what the compiler decided for a spec at these sizes (report.explain)."""
     facts, _, _, kernel_plan = _prepare(spec, params, target)
-    return Explanation(facts.spec, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
+    return Explanation(facts.source, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:
@@ -123,7 +123,7 @@ def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | 
     problem = interpreter_problem() if tgt.interpreter else None
     if problem:
         raise ArgumentError(problem)
-    parsed = facts.spec
+    parsed = facts.source
     # The source text is part of the module (its header), so it is part of the key: a spec of the
     # same name and meaning but other text never shares a module with it.
     key = cache.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())

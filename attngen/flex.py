@@ -48,6 +48,7 @@ from attngen.api import SpecLike, load_spec, with_params
 from attngen.errors import ArgumentError
 from attngen.frontend.printer import expr_to_source
 # The reference's own tables: the mods apply the very operations that define what each node means.
+from attngen.runtime.reductions import reduced_inputs
 from attngen.reference import _BINARY, _FUNCTIONS, HALF_DTYPES, Env, _check_inputs, _check_qkv, _promote, scale_value
 
 __all__ = ["FlexVariant", "to_flex"]
@@ -114,17 +115,25 @@ class FlexVariant:
         sizes = self._sizes(q, k)
         inputs = _check_inputs(self.spec, inputs, sizes)
         float_dtype = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-        translate = _Translator(self.spec, self._facts.ranges, inputs, sizes, float_dtype, q.device)
+        # A reduction (sum(x[b, :])) is computed here, once, and captured as a buffer of its own, as the
+        # kernels read it: the mods translate the spec the kernels run (Analysis.spec).
+        reductions = tuple((r.name, r.op, r.source, r.dims) for r in self._facts.reductions)
+        try:
+            inputs = {**inputs, **reduced_inputs(reductions, inputs, float_dtype)}
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
+        spec = self._facts.spec
+        translate = _Translator(spec, self._facts.ranges, inputs, sizes, float_dtype, q.device)
         group = sizes["H"] // sizes["HKV"]
         mask_mod = score_mod = None
-        if self.spec.mask is not None:
-            mask = translate(self.spec.mask)
+        if spec.mask is not None:
+            mask = translate(spec.mask)
 
             def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return mask(_indices(b, h, q_idx, kv_idx, group))
             mask_mod.__name__ = mask_mod.__qualname__ = f"{self.spec.name}_mask_mod"
-        if self.spec.score is not None:
-            score = translate(self.spec.score)
+        if spec.score is not None:
+            score = translate(spec.score)
 
             def score_mod(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 env = _indices(b, h, q_idx, kv_idx, group)

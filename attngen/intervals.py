@@ -76,6 +76,10 @@ class TileBox:
     uniform: Mapping[str, tuple[int, int]]  # ranges of b, h, hkv (missing: from the sizes, or unknown)
     # Int inputs' dtypes by name ("i32" or "i64"); a missing one may hold any int64.
     dtypes: Mapping[str, str] = field(default_factory=dict)
+    # Inputs' declared dims by name (a reduction's size is their product); a missing one is unknown.
+    dims: Mapping[str, tuple] = field(default_factory=dict)
+    # Inputs that hold a reduction of another input (ir.without_reductions): name -> (op, source, dims).
+    reduced: Mapping[str, tuple] = field(default_factory=dict)
 
 
 def classify(mask: ir.Expr | None, box: TileBox) -> TileClass:
@@ -111,6 +115,8 @@ def node_value(e: ir.Expr, args: list, box: TileBox) -> Num | Truth:
         return ANY_FLOAT
     if isinstance(e, ir.Load):
         return _load(e, box)
+    if isinstance(e, ir.Reduce):
+        return _reduce(e, box)
     if isinstance(e, ir.Unary):
         (x,) = args
         if e.op == "not":
@@ -148,11 +154,40 @@ def _size(name: str, box: TileBox) -> tuple[float, float]:
 
 
 def _load(e: ir.Load, box: TileBox) -> Num | Truth:
+    if e.input in box.reduced:
+        op, source, dims = box.reduced[e.input]
+        return _reduction(op, source, dims, e.type, box)
     if e.type == "bool":
         return UNKNOWN_BOOL
     if e.type == "int":
         return Num(*_INT_DTYPE_RANGES.get(box.dtypes.get(e.input), ir.I64_RANGE))
     return ANY_FLOAT
+
+
+def _reduce(e: ir.Reduce, box: TileBox) -> Num | Truth:
+    return _reduction(e.op, e.input, e.reduced_dims, e.type, box)
+
+
+def _reduction(op: str, source: str, reduced_dims: tuple[int, ...], type_: str, box: TileBox) -> Num | Truth:
+    # A max, min or mean lies within the input's values. A sum of ints or bools lies within the count of
+    # the reduced elements times the values' range, where the dims bound that count; over a `*` dim the
+    # count is unknown, and the sum is taken to fit int64 (as torch's int64 sum the host computes).
+    if type_ == "bool":
+        return UNKNOWN_BOOL
+    if type_ == "float":
+        return ANY_FLOAT
+    dtype = box.dtypes.get(source)
+    lo, hi = (0, 1) if dtype == "bool" else _INT_DTYPE_RANGES.get(dtype, ir.I64_RANGE)
+    if op != "sum":
+        return Num(lo, hi)
+    dims = box.dims.get(source)
+    count = 1
+    for d in reduced_dims:
+        size = dims[d] if dims is not None else "*"
+        count *= size if isinstance(size, int) else INF if size == "*" else _size(size, box)[1]
+    if count == INF:
+        return Num(*ir.I64_RANGE)
+    return Num(lo * count, hi * count)
 
 
 def _hull(values: list[float], is_float: bool, nan: bool) -> Num:
@@ -450,15 +485,18 @@ MAX_BATCH_HEADS = 65535
 HEAD_DIMS = (1, 256)  # the head dims the generated module accepts
 
 
-def box(spec: ir.Spec, length: int) -> TileBox:
+def box(spec: ir.Spec, length: int, reductions: tuple[ir.Reduction, ...] = ()) -> TileBox:
     """Everything a call may bring, with Q_LEN and KV_LEN at most `length`; a cache call's query
-    positions q_offset + i too, which the module checks lie below `length`, so Q_OFFSET does."""
+    positions q_offset + i too, which the module checks lie below `length`, so Q_OFFSET does.
+    `reductions`: the spec's inputs that hold reductions of others, bounded as the reductions are."""
     length = max(1, min(length, MAX_LENGTH))
     heads = (1, MAX_BATCH_HEADS)
     return TileBox(q=(0, length - 1), k=(0, length - 1), params=spec.param_values,
                    sizes={"B": heads, "H": heads, "HKV": heads, "Q_LEN": (1, length), "KV_LEN": (1, length),
                           "D": HEAD_DIMS, "Q_OFFSET": (0, length - 1)},
-                   uniform={}, dtypes={i.name: i.dtype for i in spec.inputs})
+                   uniform={}, dtypes={i.name: i.dtype for i in spec.inputs},
+                   dims={i.name: i.dims for i in spec.inputs},
+                   reduced={r.name: (r.op, r.source, r.dims) for r in reductions})
 
 
 def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
@@ -482,7 +520,7 @@ def computes_int(e: ir.Expr, args_int: list[bool]) -> bool:
 
 def is_constant(e: ir.Expr) -> bool:
     """Whether an expression is made of literals and params only (known at compile time)."""
-    return not any(isinstance(n, (ir.Var, ir.Size, ir.Load, ir.Score)) for n in ir.postorder(e))
+    return not any(isinstance(n, (ir.Var, ir.Size, ir.Load, ir.Reduce, ir.Score)) for n in ir.postorder(e))
 
 
 def fits(value: Num | Truth, bounds: tuple[int, int] = ir.I64_RANGE) -> bool:

@@ -142,6 +142,35 @@ class Load(Node):
     index: tuple["Expr", ...]
 
 
+ReduceOp = Literal["sum", "max", "min", "mean"]
+# The reductions over whole dimensions of an input, by name; `max` and `min` of two arguments stay FUNCTIONS.
+REDUCTIONS = ("sum", "max", "min", "mean")
+
+
+def reduction_type(op: str, dtype: str) -> ValueType:
+    """The type of `op` over an input of `dtype`: mean is float; sum of bools counts (int); max and min of
+    bools are any and all (bool); otherwise the input's value type."""
+    if op == "mean":
+        return "float"
+    if op == "sum" and dtype == "bool":
+        return "int"
+    return DTYPE_VALUE_TYPE[dtype]
+
+
+class Reduce(Node):
+    """sum, max, min or mean of an input over the dims written ':' (None in `index`), read at the other
+    indices, one int expression each: `sum(x[b, :])` is Reduce(op='sum', input='x', index=(Var(b), None))."""
+    kind: Literal["reduce"] = "reduce"
+    type: ValueType
+    op: ReduceOp
+    input: DeclaredName
+    index: tuple[Union["Expr", None], ...]
+
+    @property
+    def reduced_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, i in enumerate(self.index) if i is None)
+
+
 class Unary(Node):
     kind: Literal["unary"] = "unary"
     type: ValueType
@@ -164,10 +193,10 @@ class Call(Node):
     args: tuple["Expr", ...]
 
 
-Expr = Annotated[Union[Const, Var, Size, Score, Param, Load, Unary, Binary, Call],
+Expr = Annotated[Union[Const, Var, Size, Score, Param, Load, Reduce, Unary, Binary, Call],
                  Field(discriminator="kind")]
 
-for _cls in (Load, Unary, Binary, Call):
+for _cls in (Load, Reduce, Unary, Binary, Call):
     _cls.model_rebuild()
 
 
@@ -253,7 +282,15 @@ class Spec(Node):
                                          f"{node.type}, but the spec declares "
                                          + (f"{decl.dtype}[{', '.join(map(str, decl.dims))}]" if decl else
                                             "no such input"))
-                if item == "scale" and isinstance(node, (Var, Load)):
+                if isinstance(node, Reduce):
+                    decl = inputs.get(node.input)
+                    if (decl is None or len(decl.dims) != len(node.index) or not node.reduced_dims
+                            or reduction_type(node.op, decl.dtype) != node.type):
+                        raise ValueError(f"{item} reduces input {node.input!r} as {node.op}() over dims "
+                                         f"{node.reduced_dims} of {len(node.index)} to {node.type}, but the spec "
+                                         f"declares " + (f"{decl.dtype}[{', '.join(map(str, decl.dims))}]" if decl
+                                                         else "no such input"))
+                if item == "scale" and isinstance(node, (Var, Load, Reduce)):
                     raise ValueError("scale may use only D, params and numbers")
                 if item == "sink" and isinstance(node, Var) and node.name == "k":
                     raise ValueError("sink may not use 'k': a sink is one logit per query row")
@@ -282,6 +319,66 @@ class Spec(Node):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class Reduction(Node):
+    """One distinct reduction of a spec as the kernels read it: input `name` (no user declares it), the
+    reduction `op` of input `source` over its dims `dims`, computed once per call before the kernels."""
+    name: DeclaredName
+    op: ReduceOp
+    source: DeclaredName
+    dims: tuple[int, ...]
+
+
+def _reduced_dtype(op: str, dtype: str) -> str:
+    """The dtype the kernels read a reduction in: floats and means in f32, int and bool sums in i64
+    (exact), int max and min in the input's dtype, bool max and min as bool."""
+    return {"float": "f32", "bool": "bool"}.get(reduction_type(op, dtype), "i64" if op == "sum" else dtype)
+
+
+def without_reductions(spec: Spec) -> tuple[Spec, tuple[Reduction, ...]]:
+    """`spec` with every reduction read as a load of an input of its own (appended to the inputs, learnable
+    iff its source is), and those reductions: the spec the kernels run, and what the host computes first."""
+    declared = {p.name for p in spec.params} | {i.name for i in spec.inputs}
+    found: dict[tuple, Reduction] = {}
+
+    def replaced(expr: Expr | None) -> Expr | None:
+        if expr is None:
+            return None
+        if isinstance(expr, Reduce):
+            key = (expr.op, expr.input, expr.reduced_dims)
+            if key not in found:
+                n = len(found)
+                name = f"{expr.op}{n}_{expr.input}"[:MAX_NAME_LENGTH]
+                while name in declared or name in BUILTIN_NAMES or name in CALL_ARGUMENTS:
+                    n += 1
+                    name = f"{expr.op}{n}_{expr.input}"[:MAX_NAME_LENGTH]
+                declared.add(name)
+                found[key] = Reduction(name=name, op=expr.op, source=expr.input, dims=expr.reduced_dims)
+            return Load(type=expr.type, input=found[key].name,
+                        index=tuple(replaced(i) for i in expr.index if i is not None))
+        if isinstance(expr, Load):
+            return expr.model_copy(update={"index": tuple(replaced(i) for i in expr.index)})
+        if isinstance(expr, Unary):
+            return expr.model_copy(update={"operand": replaced(expr.operand)})
+        if isinstance(expr, Binary):
+            return expr.model_copy(update={"left": replaced(expr.left), "right": replaced(expr.right)})
+        if isinstance(expr, Call):
+            return expr.model_copy(update={"args": tuple(replaced(a) for a in expr.args)})
+        return expr
+
+    items = {item: replaced(getattr(spec, item)) for item in ("mask", "score", "scale", "sink")}
+    if not found:
+        return spec, ()
+    derived = []
+    for r in found.values():
+        source = spec.input(r.source)
+        derived.append(InputDecl(name=r.name, dtype=_reduced_dtype(r.op, source.dtype),
+                                 dims=tuple(d for i, d in enumerate(source.dims) if i not in r.dims),
+                                 learnable=source.learnable))
+    return Spec.model_validate({**spec.model_dump(), **{k: (v.model_dump() if v is not None else None)
+                                                        for k, v in items.items()},
+                                "inputs": [i.model_dump() for i in (*spec.inputs, *derived)]}), tuple(found.values())
+
+
 def revalidated(spec: Spec) -> Spec:
     """`spec` validated anew from its fields. pydantic's model_copy and model_construct skip
     validation, so a Spec object proves nothing: whatever turns one into code or a file name
@@ -302,6 +399,8 @@ def children(expr: Expr) -> tuple[Expr, ...]:
     """The direct subexpressions of a node, in source order."""
     if isinstance(expr, Load):
         return expr.index
+    if isinstance(expr, Reduce):
+        return tuple(i for i in expr.index if i is not None)
     if isinstance(expr, Unary):
         return (expr.operand,)
     if isinstance(expr, Binary):

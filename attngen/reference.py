@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from attngen.errors import ArgumentError, IndexOutOfRange
-from attngen.ir import (FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Score, Size, Spec, Unary, Var,
+from attngen.runtime.reductions import reduce_input
+from attngen.ir import (FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Reduce, Score, Size, Spec, Unary, Var,
                         ValueType, walk)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -92,6 +93,8 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
         return env.values[name]
     if isinstance(expr, Load):
         return _load(expr, env)
+    if isinstance(expr, Reduce):
+        return _reduce(expr, env)
     if isinstance(expr, Unary):
         x = evaluate_expr(expr.operand, env)
         return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[expr.op](x)
@@ -321,6 +324,27 @@ def _load(expr: Load, env: Env) -> Tensor:
     if expr.type == "float":
         return _to_float(value, env)
     return value.long() if expr.type == "int" else value.bool()
+
+
+def _reduce(expr: Reduce, env: Env) -> Tensor:
+    """op(input[..., :, ...]): the input reduced over its ':' dims (floats in the reference's precision, ints and
+    bools exactly), then read at the other indices as a load is."""
+    name = expr.input
+    if name not in env.inputs:
+        raise ArgumentError(f"input {name!r} must be given")
+    x = env.inputs[name]
+    if x.is_floating_point():
+        x = _to_float(x, env)
+    elif x.dtype != torch.bool:
+        x = x.long()
+    try:
+        reduced = reduce_input(x, expr.op, expr.reduced_dims, name)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if expr.op == "mean" and not reduced.dtype.is_floating_point:
+        reduced = _to_float(reduced, env)
+    kept = tuple(i for i in expr.index if i is not None)
+    return _load(Load(type=expr.type, input=name, index=kept), replace(env, inputs={name: reduced}))
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:

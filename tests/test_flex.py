@@ -89,8 +89,17 @@ attention nothing_allowed
 mask: false
 score: 2.5
 """
+# Reductions over whole dims of inputs (captured as reduced buffers of their own), in the mask and the score.
+REDUCTIONS = """
+attention reductions
+input lens: i32[B, 3]
+input flags: bool[B, KV_LEN]
+input bias: f32[H, *, 2]
+mask: k <= max(lens[b, :]) + sum(flags[b, :]) or (max(flags[b, :]) and q >= k)
+score: score + sum(bias[h, :, 1]) - 0.5 * max(bias[:, :, 0]) + mean(lens[b, :]) * min(bias[hkv, :, :])
+"""
 HANDWRITTEN = {"int_ops": INT_OPS, "wide_ints": WIDE, "float_fns": FLOAT_FNS, "bit_ops": BITS, "int_score": INT_SCORE,
-               "nothing_allowed": NOTHING_ALLOWED}
+               "nothing_allowed": NOTHING_ALLOWED, "reductions": REDUCTIONS}
 
 B, H, HKV, D = 2, 4, 2, 16
 

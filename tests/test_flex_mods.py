@@ -216,8 +216,6 @@ def test_natten_morton_kernels_match_the_reference():
                                                               "kernel_h": 5}), {})
 
 
-@pytest.mark.xfail(raises=SpecError, strict=True,
-                   reason="reductions over an input (sum(x[b, :])) are not in the language yet")
 def test_buffer_reduced():
     # FlexAttention's captured_reduction: score + scale[b].sum(dim=-1)
-    attngen.parse_spec("attention buffer_reduced\ninput scale_table: f32[B, 8]\nscore: score + sum(scale_table[b, :])\n")
+    _check("attention buffer_reduced\ninput scale_table: f32[B, 8] learnable\nscore: score + sum(scale_table[b, :])\n", {})

@@ -499,7 +499,8 @@ def test_error_spanning_lines_gets_one_caret():
     with pytest.raises(attngen.SpecError) as info:
         parse_spec("attention t\nscore: min(\n    score)\n", "m.attn")
     err = info.value
-    assert str(err).splitlines()[0] == "m.attn:2:8: min() takes 2 argument(s), got 1"
+    assert str(err).splitlines()[0] == ("m.attn:2:8: min() takes 2 argument(s), or one input read with ':' over the dims it "
+                                          "reduces (as in min(x[b, :])), got 1 without ':'")
     assert caret_target(err) == ("score: min(", "m")
 
 

@@ -39,8 +39,12 @@ class Analysis:
     length_limit, length_culprit: the longest Q_LEN/KV_LEN at which the kernels' ints are exact,
     and the expression that overflows beyond it (None: positions are int32).
     ranges: every int's range at lengths up to length_limit (the kernels' int widths).
+    source: the spec as written; `spec` is what the kernels run, each of its `reductions` (sum(x[b, :]))
+    read as an input of its own that the host computes before the kernels (ir.without_reductions).
     """
     spec: ir.Spec
+    source: ir.Spec
+    reductions: tuple[ir.Reduction, ...]
     params: Mapping[str, int | float]
     regions: Mapping[str, Region]
     loop_bounds: Mapping[str, Region]
@@ -69,19 +73,24 @@ def _warn_mask_allows_nothing(spec: ir.Spec) -> None:
 
 def analyze(spec: ir.Spec) -> Analysis:
     """Every fact about `spec` that planning, emission and the reports use."""
+    source = spec
+    spec, reductions = ir.without_reductions(source)
     params = spec.param_values
     if spans.allows_nothing(spec.mask, params):
         _warn_mask_allows_nothing(spec)
-    limit, culprit = intervals.length_limit(spec)
+    # The limit and its culprit from the text as written (a reduction is bounded the same either way).
+    limit, culprit = intervals.length_limit(source)
     regions = spans.regions(spec.mask, params)
     steps = spans.block_steps(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
-    ranges = intervals.Ranges(intervals.box(spec, limit))
+    ranges = intervals.Ranges(intervals.box(spec, limit, reductions))
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
                                       integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
                    for loop, region in regions.items()}
     return Analysis(
         spec=spec,
+        source=source,
+        reductions=reductions,
         params=MappingProxyType(params),
         regions=MappingProxyType(regions),
         loop_bounds=MappingProxyType(loop_bounds),

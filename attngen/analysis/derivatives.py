@@ -91,7 +91,9 @@ def derivative(expr: ir.Expr, wrt: ir.Expr) -> ir.Expr:
     if expr.type != "float":
         return ZERO  # ints and booleans are piecewise constant
     d = lambda e: derivative(e, wrt)  # noqa: E731
-    if isinstance(expr, (ir.Const, ir.Var, ir.Size, ir.Param, ir.Score, ir.Load)):
+    # A reduction does not depend on score; the kernels read it as an input of its own (ir.without_reductions),
+    # and torch carries its gradient to the input it reduces, so the analysis never differentiates one by a load.
+    if isinstance(expr, (ir.Const, ir.Var, ir.Size, ir.Param, ir.Score, ir.Load, ir.Reduce)):
         return ZERO
     if isinstance(expr, ir.Unary):
         return neg(d(expr.operand))

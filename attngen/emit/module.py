@@ -189,6 +189,8 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     spec = facts.spec
     # Its names and expressions become code: refuse a Spec that skipped validation (ir.revalidated).
     ir.revalidated(spec)
+    for r in facts.reductions:
+        _identifier(r.name), _identifier(r.source)
     inputs_table = "{" + ", ".join(
         f"{i.name!r}: ({i.dtype!r}, {_python_tuple(i.dims)}, {i.learnable})" for i in spec.inputs) + "}"
     plan_table = _shape_table({
@@ -212,7 +214,9 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
                       if others else "{}")
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
-        name=spec.name, version=__version__, fingerprint=spec.fingerprint(),
+        name=spec.name, version=__version__, fingerprint=facts.source.fingerprint(),
+        reductions=repr(tuple((r.name, r.op, r.source, r.dims) for r in facts.reductions)),
+        source_inputs=facts.source.inputs,
         source_comment=comment_lines(source.strip()),
         plan_comment=comment_lines(_plan_comment(plan), indent=" "),
         masked_width_floor=plan.masked_width_floor,

@@ -352,21 +352,59 @@ class Lowerer:
                             position(tree))
         lowered = []
         for node in indices:
+            if isinstance(node, Tree) and node.data == "whole":
+                raise SpecError("':' (a whole dim) is only allowed inside sum(), max(), min() or mean(), as in "
+                                f"sum({name}[..., :])", position(node))
             e = self.expr(node)
             if e.type != "int":
                 raise SpecError(f"an index of '{name}' must be an int, got {e.type}", position(node))
             lowered.append(e)
         return ir.Load(type=decl.value_type, input=name, index=tuple(lowered))
 
+    def _reduce(self, fn: str, tree: Tree, node: Tree) -> ir.Expr:
+        """sum/max/min/mean(x[..., :, ...]): x reduced over its ':' dims, read at its other indices."""
+        token, *indices = node.children
+        name = str(token)
+        if self.context == "scale":
+            raise SpecError(f"scale may use only D, params and numbers, got '{name}'", position(token))
+        if name not in self.inputs:
+            raise SpecError(f"only inputs can be reduced, and '{name}' is not an input", position(token))
+        decl = self.inputs[name]
+        indices = [i for i in indices if i is not None]
+        if len(indices) != len(decl.dims):
+            raise SpecError(f"input '{name}' has {len(decl.dims)} dim(s), indexed with {len(indices)}",
+                            position(node))
+        lowered = []
+        for i in indices:
+            if isinstance(i, Tree) and i.data == "whole":
+                lowered.append(None)
+                continue
+            e = self.expr(i)
+            if e.type != "int":
+                raise SpecError(f"an index of '{name}' must be an int, got {e.type}", position(i))
+            lowered.append(e)
+        return ir.Reduce(type=ir.reduction_type(fn, decl.dtype), op=fn, input=name, index=tuple(lowered))
+
     def call(self, tree: Tree) -> ir.Expr:
         token, *args = tree.children
         fn = str(token)
+        nodes = [a for a in args if a is not None]
+        if fn in ir.REDUCTIONS and (fn not in ir.FUNCTIONS or len(nodes) == 1):
+            whole = (len(nodes) == 1 and isinstance(nodes[0], Tree) and nodes[0].data == "index"
+                     and any(isinstance(i, Tree) and i.data == "whole" for i in nodes[0].children))
+            if not whole:
+                if fn in ir.FUNCTIONS:
+                    raise SpecError(f"{fn}() takes 2 argument(s), or one input read with ':' over the dims it "
+                                    f"reduces (as in {fn}(x[b, :])), got 1 without ':'", position(tree))
+                raise SpecError(f"{fn}() takes one input read with ':' over the dims it reduces, as in "
+                                f"{fn}(x[b, :]), got {len(nodes)} argument(s)"
+                                + (" without ':'" if len(nodes) == 1 else ""), position(tree))
+            return self._reduce(fn, tree, nodes[0])
         if fn not in ir.FUNCTIONS:
             close = difflib.get_close_matches(fn, list(ir.FUNCTIONS), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise SpecError(f"unknown function '{fn}'{hint}; functions are {', '.join(ir.FUNCTIONS)}",
-                            position(token))
-        nodes = [a for a in args if a is not None]
+            raise SpecError(f"unknown function '{fn}'{hint}; functions are {', '.join(ir.FUNCTIONS)}, and the "
+                            f"reductions {', '.join(ir.REDUCTIONS)}", position(token))
         arity, rule = ir.FUNCTIONS[fn]
         if len(nodes) != arity:
             raise SpecError(f"{fn}() takes {arity} argument(s), got {len(nodes)}", position(tree))

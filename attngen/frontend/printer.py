@@ -107,6 +107,9 @@ def _expr(expr: ir.Expr) -> tuple[str, int]:
             return expr.input, ATOM
         case ir.Load():
             return f"{expr.input}[{', '.join(expr_to_source(i) for i in expr.index)}]", ATOM
+        case ir.Reduce():
+            index = ", ".join(":" if i is None else expr_to_source(i) for i in expr.index)
+            return f"{expr.op}({expr.input}[{index}])", ATOM
         case ir.Call():
             return f"{expr.fn}({', '.join(expr_to_source(a) for a in expr.args)})", ATOM
         case ir.Unary(op="neg"):

@@ -73,6 +73,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
         """
         q, k, v = _autocast(q, k, v)
+        inputs = self._reduced(inputs)
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if _is_packed(*packed):
             if kv_len is not None or q_offset is not None or page_table is not None:
@@ -145,6 +146,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         A packed call's: B is its number of sequences, its tiles those of max_seqlen_q/k, counted from each
         sequence's first token."""
         q, k, v = _autocast(q, k, v)
+        inputs = self._reduced(inputs)
         packed = None
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)

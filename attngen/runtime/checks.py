@@ -5,6 +5,7 @@ import weakref
 import torch
 
 from .launch import INTERPRETING
+from .reductions import reduced_inputs
 from .shared import _DTYPES, _INPUT_DTYPES
 
 
@@ -134,13 +135,16 @@ class Checks:
         if B * H > self.facts.max_batch_heads:
             self._fail(f"B * H must be at most {self.facts.max_batch_heads} (the launch grid's limit), got {B} * {H}")
         sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
-        missing = [n for n in self.facts.inputs if n not in inputs]
+        # The user's inputs; those of the spec's reductions (the last ones) are computed from them (_reduced).
+        reduced = {r[0] for r in self.facts.reductions}
+        declared = [n for n in self.facts.inputs if n not in reduced]
+        missing = [n for n in declared if n not in inputs]
         if missing:
             self._fail("missing input(s): " + ", ".join(f"{n}: {self._declared(n)}" for n in missing))
         unknown = [n for n in inputs if n not in self.facts.inputs]
         if unknown:
             self._fail(f"unknown input(s) {', '.join(map(repr, unknown))}; the spec declares "
-                  + (", ".join(self.facts.inputs) or "none"))
+                  + (", ".join(declared) or "none"))
         for name, (dtype, dims, learnable) in self.facts.inputs.items():
             t = inputs[name]
             if not isinstance(t, torch.Tensor):
@@ -156,6 +160,28 @@ class Checks:
             if t.dim() != len(dims) or any(e != "*" and e != n for e, n in zip(expected, t.shape)):
                 want = "(" + ", ".join(str(e) if e != "*" else "*" for e in expected) + ")"
                 self._fail(f"input '{name}' must have shape {want} ({self._declared(name)}), got {tuple(t.shape)}")
+
+    def _reduced(self, inputs):
+        """The call's inputs and, when the inputs its reductions read are tensors as declared, the reductions
+        (sum(x[b, :])), computed in torch so autograd carries their gradients to those inputs; otherwise the
+        inputs alone, for the checks to name what is wrong."""
+        if not self.facts.reductions:
+            return inputs
+        passed = [r[0] for r in self.facts.reductions if r[0] in inputs]
+        if passed:
+            reduced = {r[0] for r in self.facts.reductions}
+            self._fail(f"unknown input(s) {', '.join(map(repr, passed))}; the spec declares "
+                       + ", ".join(n for n in self.facts.inputs if n not in reduced))
+        for _, _, source, _ in self.facts.reductions:
+            x, (dtype, dims, _) = inputs.get(source), self.facts.inputs[source]
+            if (not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_nested
+                    or x.dtype != _INPUT_DTYPES[dtype] or x.dim() != len(dims)):
+                return inputs
+        try:
+            derived = reduced_inputs(self.facts.reductions, inputs)
+        except ValueError as e:
+            self._fail(str(e))
+        return {**inputs, **derived}
 
     def _declared(self, name):
         dtype, dims, learnable = self.facts.inputs[name]

@@ -88,6 +88,7 @@ class Dispatch:
         A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
         D) views, else the portable one."""
         q, k, v = _autocast(q, k, v)
+        inputs = self._reduced(inputs)
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
             q, k, v = map(_packed_view, (q, k, v))
@@ -105,6 +106,7 @@ class Dispatch:
         or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
         packed call)."""
         q, k, v = _autocast(q, k, v)
+        inputs = self._reduced(inputs)
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
             return self._backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]

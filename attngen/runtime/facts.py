@@ -38,7 +38,8 @@ class SpecFacts:
     portable one: forward_families in order of preference, table_families those whose forward follows
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
     packed_families and packed_backward_families those that serve packed calls; sink, the spec's `sink:`
-    logit as a literal tree (attngen.runtime.sinks), or None without one.
+    logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
+    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`.
     """
     name: str
     fingerprint: str
@@ -63,6 +64,7 @@ class SpecFacts:
     packed_families: tuple = ()
     packed_backward_families: tuple = ()
     sink: tuple | None = None
+    reductions: tuple = ()
 
 
 @dataclass(frozen=True)

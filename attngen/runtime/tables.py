@@ -155,6 +155,7 @@ class Tables:
         cannot tell), as with FlexAttention's BlockMask. A spec whose mask needs no tables gets an
         empty object, so code can pass one whatever the spec."""
         q, k, v = _autocast(q, k, v)  # the call's dtype decides the tiles
+        inputs = self._reduced(inputs)
         B, H, HKV, Q_LEN, KV_LEN, _, _ = self._check(q, k, v, inputs)
         sizes = (B, H, HKV, Q_LEN, KV_LEN)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]

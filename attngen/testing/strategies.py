@@ -6,7 +6,7 @@ The strategies draw from the whole language, as users and attngen's own tests ne
   (windows, prefixes, chunks, `causal`), bit operations and data-dependent ones (document ids, block
   layouts, flags). Score expressions use every function and operator, over params and
   inputs of every dtype and dim form (B, H, HKV, Q_LEN, KV_LEN, a literal, `*`, a scalar),
-  learnable ones included. A spec sometimes has a `sink:` of the same functions over b, h, q,
+  learnable ones included, and reductions of them over whole dims (`max(table[h, :])`). A spec sometimes has a `sink:` of the same functions over b, h, q,
   sizes, params and inputs. Each is drawn as text, so a failure shows a spec one can save
   and rerun; its IR prints back to equal text (`printer.to_source`).
 - `cases()`: shapes and data, a `Case`. It covers B, H with a GQA ratio, and Q_LEN != KV_LEN,
@@ -37,20 +37,21 @@ DTYPES = {name: tolerances.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
 
 # Every input a drawn spec may declare, with the mask atoms and score terms that read it.
 INPUT_MENU: dict[str, tuple[str, list[str], list[str]]] = {
-    "prefix": ("i32[B]", ["k < prefix[b]", "q < prefix[b] + w"], []),
-    "lens": ("i64[B]", ["k < lens[b]"], ["lens[b] * 0.01"]),
-    "flag": ("bool[B]", ["flag[b]"], ["where(flag[b], score, -score)"]),
-    "doc": ("i32[*]", ["doc[q] == doc[k]", "doc[k] <= doc[q]"], []),
-    "layout": ("bool[H, *, *]", ["layout[h, q // c, k // c]"], []),
+    "prefix": ("i32[B]", ["k < prefix[b]", "q < prefix[b] + w", "k * B < sum(prefix[:])"], []),
+    "lens": ("i64[B]", ["k < lens[b]", "k < max(lens[:])"], ["lens[b] * 0.01", "mean(lens[:]) * 0.01"]),
+    "flag": ("bool[B]", ["flag[b]", "min(flag[:])"], ["where(flag[b], score, -score)", "sum(flag[:]) * 0.1"]),
+    "doc": ("i32[*]", ["doc[q] == doc[k]", "doc[k] <= doc[q]", "doc[k] < min(doc[:]) + 2"], []),
+    "layout": ("bool[H, *, *]", ["layout[h, q // c, k // c]", "max(layout[h, :, k // c])"], []),
     "bias": ("f32[H]", [], ["bias[h]"]),
     "slopes": ("f32[HKV]", [], ["slopes[hkv] * (k - q) * 0.1"]),
     "qbias": ("f16[Q_LEN]", [], ["qbias[q]"]),
     "kbias": ("bf16[KV_LEN]", ["kbias[k] > -1.0"], ["kbias[k]"]),
-    "table": ("f32[H, 17] learnable", [], ["table[h, clamp(q - k, -8, 8) + 8]"]),
+    "table": ("f32[H, 17] learnable", [], ["table[h, clamp(q - k, -8, 8) + 8]", "max(table[h, :])",
+                                           "mean(table[:, (q + k) % 17])"]),
     "gate": ("f32[] learnable", [], ["score * gate"]),
-    "shift": ("f16[3] learnable", [], ["shift[(q + k) % 3]"]),
+    "shift": ("f16[3] learnable", [], ["shift[(q + k) % 3]", "score * sum(shift[:])"]),
     # T5-style buckets: most tiles far from the diagonal read one entry (the Hopper family's point loads).
-    "bucket": ("f32[H, 9] learnable", [], ["bucket[h, min(abs(q - k) // 16, 8)]"]),
+    "bucket": ("f32[H, 9] learnable", [], ["bucket[h, min(abs(q - k) // 16, 8)]", "min(bucket[h, :])"]),
 }
 AFFINE_ATOMS = ["causal", "causal_bottom_right", "q - k < w", "k - q <= w", "q // c == k // c",
                 "k >= q - 2 * w", "q >= 3", "k < KV_LEN - 2", "h < 1", "(q + 1) // c >= k // c"]
@@ -78,7 +79,8 @@ COMMENTS = st.text(st.characters(exclude_characters="\n", exclude_categories=["C
 SINK_LEAVES = ["t", "0.5 * q - 1.0", "(h % 2) * 1.5", "1.0 * (Q_LEN - q) / (1 + KV_LEN)", "(b + hkv) * 0.25"]
 SINK_TERMS: dict[str, list[str]] = {
     "lens": ["lens[b] * 0.1"], "flag": ["where(flag[b], 1.0, -1.0)"], "bias": ["bias[h] * 2.0"],
-    "slopes": ["slopes[hkv]"], "qbias": ["qbias[q]"], "table": ["table[h, q % 17]"], "gate": ["gate * 3.0"],
+    "slopes": ["slopes[hkv]"], "qbias": ["qbias[q]"], "table": ["table[h, q % 17]", "max(table[h, :])"],
+    "gate": ["gate * 3.0"],
     "shift": ["shift[q % 3]"], "bucket": ["bucket[h, min(q // 16, 8)]"],
 }
 assert SINK_TERMS.keys() <= INPUT_MENU.keys()

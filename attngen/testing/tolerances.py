@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from attngen.runtime import shared
-from attngen.ir import Load, Spec, walk
+from attngen.ir import Load, Reduce, Spec, walk
 from attngen.reference import (PackedRow, evaluate, evaluate_expr, evaluate_packed, make_env, modified_scores,
                                probabilities, scale_value, sink_logits)
 
@@ -211,13 +211,16 @@ TORCH_DTYPES = shared._INPUT_DTYPES
 
 
 def _extent(spec: Spec, name: str, dim: int, sizes: dict[str, int]) -> int:
-    """One more than the largest index the spec's loads of `name` use in `dim` on this grid."""
+    """One more than the largest index the spec's loads of `name` use in `dim` on this grid (5 where a
+    reduction runs over it)."""
     env = make_env(spec, D=16, **sizes)
     largest = 0
     for expr in (spec.mask, spec.score, spec.sink):
         for node in walk(expr) if expr is not None else ():
-            if isinstance(node, Load) and node.input == name:
-                largest = max(largest, int(evaluate_expr(node.index[dim], env).max()))
+            if isinstance(node, (Load, Reduce)) and node.input == name:
+                index = node.index[dim]
+                # A dim a reduction runs over (':') has a few elements to reduce.
+                largest = max(largest, 4 if index is None else int(evaluate_expr(index, env).max()))
     return largest + 1
 
 
