@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from attngen.errors import ArgumentError, IndexOutOfRange
-from attngen.runtime.reductions import reduce_input
 from attngen.ir import (FUNCTIONS, Binary, Call, Const, Expr, Load, Param, Reduce, Score, Size, Spec, Unary, Var,
                         ValueType, walk)
+from attngen.runtime.operations import BINARY as TORCH_BINARY, FUNCTIONS as TORCH_FUNCTIONS, UNARY as TORCH_UNARY
+from attngen.runtime.reductions import reduce_input
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -97,21 +98,21 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
         return _reduce(expr, env)
     if isinstance(expr, Unary):
         x = evaluate_expr(expr.operand, env)
-        return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[expr.op](x)
+        return TORCH_UNARY[expr.op](x)
     if isinstance(expr, Binary):
         a, b = evaluate_expr(expr.left, env), evaluate_expr(expr.right, env)
         # True division, also of two ints; and a power the IR types float (an int to a negative or
         # non-constant power) is a float power, as in Python (2 ** -1 == 0.5), never torch's int one.
         if expr.op == "div" or (expr.op == "pow" and expr.type == "float"):
             a, b = _to_float(a, env), _to_float(b, env)
-        return _BINARY[expr.op](*_promote(a, b, env=env))
+        return TORCH_BINARY[expr.op](*_promote(a, b, env=env))
     if isinstance(expr, Call):
         args = [evaluate_expr(a, env) for a in expr.args]
         if expr.fn == "where":
             return torch.where(args[0], *_promote(*args[1:], env=env))
         if FUNCTIONS[expr.fn][1] == "float":
             args = [_to_float(a, env) for a in args]
-        return _FUNCTIONS[expr.fn](*_promote(*args, env=env))
+        return TORCH_FUNCTIONS[expr.fn](*_promote(*args, env=env))
     raise TypeError(f"not an expression: {expr!r}")
 
 
@@ -271,40 +272,8 @@ def _promote(*xs: Tensor, env: Env) -> list[Tensor]:
     return list(xs)
 
 
-def _floor(x: Tensor) -> Tensor:
-    return torch.floor(x).long() if x.is_floating_point() else x
-
-
-def _ceil(x: Tensor) -> Tensor:
-    return torch.ceil(x).long() if x.is_floating_point() else x
-
-
-def _round(x: Tensor) -> Tensor:
-    # The nearest int, ties to even, as Python's round() and torch.round.
-    return torch.round(x).long() if x.is_floating_point() else x
-
-
-_BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
-    # Python's floor semantics, also for negative operands: -7 // 2 == -4, -7 % 2 == 1
-    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
-    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
-    "and": torch.logical_and, "or": torch.logical_or,
-    # On int64, with counts in 0 .. 63 (checked at compile time), these are Python's: `>>` floors.
-    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
-    "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
-}
-
-_FUNCTIONS = {
-    "tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
-    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "abs": torch.abs,
-    "floor": _floor, "ceil": _ceil, "min": torch.minimum, "max": torch.maximum,
-    "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
-    "softcap": lambda x, cap: cap * torch.tanh(x / cap),
-    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan, "erf": torch.erf,
-    "sign": torch.sign, "round": _round,
-}
-assert _FUNCTIONS.keys() | {"where"} == FUNCTIONS.keys()
+# The operators and functions' torch meaning is the runtime's (one table): checked whole against the IR's.
+assert TORCH_FUNCTIONS.keys() | {"where"} == FUNCTIONS.keys()
 
 
 def _load(expr: Load, env: Env) -> Tensor:

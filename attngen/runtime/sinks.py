@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .operations import BINARY, FUNCTIONS, UNARY
+
 # A sink arrives as FACTS.sink, a literal tree the emitter writes from the spec's IR
 # (attngen.emit.module.sink_literal), each node a tuple:
 #   ("const", type, value)  ("var", name)  ("size", name)  ("load", input, type, (index, ...))
@@ -11,32 +13,6 @@ import torch
 # with params already replaced by their values. It is data, not code: this module gives it the meaning
 # attngen.reference gives the IR (test_sinks checks that they agree), in float32 as the kernels compute.
 
-_BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
-    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
-    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
-    "and": torch.logical_and, "or": torch.logical_or,
-    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
-    "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
-}
-
-
-def _to_int(x):
-    return x.long() if x.is_floating_point() else x
-
-
-_FUNCTIONS = {
-    "tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
-    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "abs": torch.abs,
-    "floor": lambda x: _to_int(torch.floor(x)) if x.is_floating_point() else x,
-    "ceil": lambda x: _to_int(torch.ceil(x)) if x.is_floating_point() else x,
-    "round": lambda x: _to_int(torch.round(x)) if x.is_floating_point() else x,
-    "min": torch.minimum, "max": torch.maximum,
-    "clamp": lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi),
-    "softcap": lambda x, cap: cap * torch.tanh(x / cap),
-    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan, "erf": torch.erf,
-    "sign": torch.sign,
-}
 # The functions whose arguments are floats whatever they are given (ir.FUNCTIONS' "float" rule).
 _FLOAT_FUNCTIONS = frozenset({"tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "sin", "cos", "tan",
                               "atan", "erf", "softcap"})
@@ -76,13 +52,13 @@ def _evaluate(node, values, inputs, device):
     if kind == "unary":
         _, op, _, operand = node
         x = _evaluate(operand, values, inputs, device)
-        return {"not": torch.logical_not, "neg": torch.neg, "invert": torch.bitwise_not}[op](x)
+        return UNARY[op](x)
     if kind == "binary":
         _, op, type_, left, right = node
         a, b = _evaluate(left, values, inputs, device), _evaluate(right, values, inputs, device)
         if op == "div" or (op == "pow" and type_ == "float"):
             a, b = _float(a), _float(b)
-        return _BINARY[op](*_promote(a, b))
+        return BINARY[op](*_promote(a, b))
     assert kind == "call", node
     _, fn, _, args = node
     args = [_evaluate(a, values, inputs, device) for a in args]
@@ -90,7 +66,7 @@ def _evaluate(node, values, inputs, device):
         return torch.where(args[0], *_promote(*args[1:]))
     if fn in _FLOAT_FUNCTIONS:
         args = [_float(a) for a in args]
-    return _FUNCTIONS[fn](*_promote(*args))
+    return FUNCTIONS[fn](*_promote(*args))
 
 
 def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=None, q_offset=None, kv_len=None):
