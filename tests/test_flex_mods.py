@@ -211,6 +211,66 @@ GYM = {
                             "               / max(path_lengths[b, q, k], 1))", {}),
     "gym_mla_rope": ("param rope_scale = 0.5\ninput rope_dots: f32[B, H, Q_LEN, KV_LEN]\n"
                      "score: score + rope_scale * rope_dots[b, h, q, k]", {}),
+    "gym_mla_rope_dot": ("param rope_scale = 0.5\ninput query_rope: f32[B, H, Q_LEN, 4]\ninput key_rope: f32[B, 1, KV_LEN, 4]\n"
+                         "score: score + rope_scale * (query_rope[b, h, q, 0] * key_rope[b, h // H, k, 0]\n"
+                         "                             + query_rope[b, h, q, 1] * key_rope[b, h // H, k, 1]\n"
+                         "                             + query_rope[b, h, q, 2] * key_rope[b, h // H, k, 2]\n"
+                         "                             + query_rope[b, h, q, 3] * key_rope[b, h // H, k, 3])", {}),
+    "gym_sink_window": ("param window_size = 5\nparam sink_size = 4\n"
+                        "mask: ((q - k <= window_size) | (k < sink_size)) & (q >= k)", {}),
+    "gym_dilated_sliding_window": ("param window_size = 6\nparam dilation = 2\n"
+                                   "mask: (abs(q - k) <= window_size) & (abs(q - k) % dilation == 0)", {}),
+    "gym_vision_cross_attention": ("input image_boundaries: i64[KV_LEN]\ninput intervals: i32[10, 2]\n"
+                                   "mask: (q >= intervals[image_boundaries[k], 0]) & (q < intervals[image_boundaries[k], 1])",
+                                   {"image_boundaries": torch.arange(N) // 4,
+                                    "intervals": torch.tensor([[max(0, 4 * i - 5), 4 * i + 3] for i in range(10)],
+                                                              dtype=torch.int32)}),
+    "gym_batchify": ("param batchify_size = 8\nmask: q // batchify_size == k // batchify_size", {}),
+    "gym_svg_spatial_no_sink": ("param prompt_length = 3\nparam token_per_frame = 5\nparam width = 2\nparam round_width = 4\n"
+                                "mask: (k < prompt_length or q < prompt_length\n"
+                                "       or abs(q - k) < floor(width * token_per_frame / round_width) * round_width)", {}),
+    # canvas 2 x 4 x 4 in tiles of 1 x 2 x 2 (2 x 2 x 2 tiles of 4 tokens), a kernel of 2 x 2 x 1 tiles, 3 text tokens
+    "gym_sta_3d": ("param tile_numel = 4\nparam canvas_tile_t = 2\nparam canvas_tile_h = 2\nparam canvas_tile_w = 2\n"
+                   "param kernel_tile_t = 2\nparam kernel_tile_h = 2\nparam kernel_tile_w = 1\n"
+                   "param vision_seq_len = 32\nparam text_seq_len = 3\n"
+                   "mask: ((q < vision_seq_len and k < vision_seq_len\n"
+                   "        and k // tile_numel // (canvas_tile_h * canvas_tile_w) >= clamp(q // tile_numel // (canvas_tile_h * canvas_tile_w),"
+                   " kernel_tile_t // 2, canvas_tile_t - 1 - (kernel_tile_t // 2 + kernel_tile_t % 2 - 1)) - kernel_tile_t // 2\n"
+                   "        and k // tile_numel // (canvas_tile_h * canvas_tile_w) <= clamp(q // tile_numel // (canvas_tile_h * canvas_tile_w),"
+                   " kernel_tile_t // 2, canvas_tile_t - 1 - (kernel_tile_t // 2 + kernel_tile_t % 2 - 1))"
+                   " + kernel_tile_t // 2 + kernel_tile_t % 2 - 1\n"
+                   "        and k // tile_numel % (canvas_tile_h * canvas_tile_w) // canvas_tile_w >= clamp(q // tile_numel"
+                   " % (canvas_tile_h * canvas_tile_w) // canvas_tile_w, kernel_tile_h // 2,"
+                   " canvas_tile_h - 1 - (kernel_tile_h // 2 + kernel_tile_h % 2 - 1)) - kernel_tile_h // 2\n"
+                   "        and k // tile_numel % (canvas_tile_h * canvas_tile_w) // canvas_tile_w <= clamp(q // tile_numel"
+                   " % (canvas_tile_h * canvas_tile_w) // canvas_tile_w, kernel_tile_h // 2,"
+                   " canvas_tile_h - 1 - (kernel_tile_h // 2 + kernel_tile_h % 2 - 1)) + kernel_tile_h // 2 + kernel_tile_h % 2 - 1\n"
+                   "        and k // tile_numel % canvas_tile_w >= clamp(q // tile_numel % canvas_tile_w, kernel_tile_w // 2,"
+                   " canvas_tile_w - 1 - (kernel_tile_w // 2 + kernel_tile_w % 2 - 1)) - kernel_tile_w // 2\n"
+                   "        and k // tile_numel % canvas_tile_w <= clamp(q // tile_numel % canvas_tile_w, kernel_tile_w // 2,"
+                   " canvas_tile_w - 1 - (kernel_tile_w // 2 + kernel_tile_w % 2 - 1)) + kernel_tile_w // 2 + kernel_tile_w % 2 - 1)\n"
+                   "       or (q < vision_seq_len and k >= vision_seq_len and k < vision_seq_len + text_seq_len)\n"
+                   "       or (q >= vision_seq_len and k < vision_seq_len + text_seq_len))", {}),
+    # VSA's top-k membership test unrolled over a top-k of 2; 37 keys make 5 tiles of 8, the last with 5 real tokens
+    "gym_vsa_topk": ("param tile_numel = 8\ninput topk_indices: i32[B, H, 5, 2]\n"
+                     "mask: ((topk_indices[b, h, q // tile_numel, 0] == k // tile_numel)\n"
+                     "       | (topk_indices[b, h, q // tile_numel, 1] == k // tile_numel))",
+                     {"topk_indices": torch.randint(0, 5, (B, H, 5, 2), generator=torch.Generator().manual_seed(0),
+                                                    dtype=torch.int32)}),
+    "gym_vsa_topk_padded": ("param tile_numel = 8\ninput topk_indices: i32[B, H, 5, 2]\ninput variable_block_sizes: i64[5]\n"
+                            "mask: (((topk_indices[b, h, q // tile_numel, 0] == k // tile_numel)\n"
+                            "        | (topk_indices[b, h, q // tile_numel, 1] == k // tile_numel))\n"
+                            "       & (k % tile_numel < variable_block_sizes[k // tile_numel]))",
+                            {"topk_indices": torch.randint(0, 5, (B, H, 5, 2), generator=torch.Generator().manual_seed(1),
+                                                           dtype=torch.int32),
+                             "variable_block_sizes": torch.tensor([8, 6, 8, 8, 5])}),
+    "gym_vsa_block_map_padded": ("param tile_numel = 8\ninput block_map: bool[B, H, 5, 5]\ninput variable_block_sizes: i64[5]\n"
+                                 "mask: block_map[b, h, q // tile_numel, k // tile_numel]"
+                                 " & (k % tile_numel < variable_block_sizes[k // tile_numel])",
+                                 {"variable_block_sizes": torch.tensor([8, 6, 8, 8, 5])}),
+    "gym_vsa_padding": ("param tile_numel = 8\ninput variable_block_sizes: i64[5]\n"
+                        "mask: k % tile_numel < variable_block_sizes[k // tile_numel]",
+                        {"variable_block_sizes": torch.tensor([8, 6, 8, 8, 5])}),
 }
 SPELLINGS = {**FLEX_TESTS, **GYM}
 # The default tier: trigonometry, bools' bit operators, bit operations on ints, a learnable gather; the
