@@ -1,12 +1,48 @@
 """FlexAttention's test mods and attention-gym's masks and mods, spelled in .attn: each spelling's kernels
 match the float64 reference forward and backward.
 
-The spellings are written here from reading the originals: the score_mods and mask_mods of PyTorch's
-test/inductor/test_flex_attention.py, and attention-gym's attn_gym/masks and attn_gym/mods. A mod that
-reads a captured tensor reads an input of the same shape; one that builds a table outside the mod
-(Sandwich's cosine table, MLA's RoPE dot products, VSA's top-k tiles, Graphormer's path tables) reads
-that table as an input, as the original's mod does. Masks written as `where(cond, score, -inf)` score
-mods are spelled as masks. A few cases run in the default tier; the rest are slow in the interpreter.
+The spellings are written here from reading the originals: every score_mod and mask_mod of PyTorch's
+test/inductor/test_flex_attention.py (at commit 00125ef3: module level, test bodies, parametrizations,
+lambdas), and of attention-gym's attn_gym/masks and attn_gym/mods (meta-pytorch/attention-gym, and the
+pytorch-labs copy's dilated_sliding_window.py, flamingo.py and sink_attn.py). A mod that reads a captured
+tensor reads an input of the same shape; one that builds a table outside the mod (Sandwich's cosine table,
+MLA's RoPE dot products, VSA's top-k tiles, Graphormer's path tables) reads that table as an input, as the
+original's mod does. Masks written as `where(cond, score, -inf)` score mods are spelled as masks. Sizes
+are scaled to the test grid (37 positions). A few cases run in the default tier; the rest are slow in
+the interpreter.
+
+The same function under another name has no entry of its own:
+- identity: `_identity`, `noop_mask`, `noop_mod`.
+- causal: `_causal`, `_causal_mask` and every `q >= kv` mask_mod or lambda of the test bodies (the
+  block-mask, GQA, paged, SDPA-comparison and device tests), `scoremod_2` of the multiple-call tests.
+- inverse_causal: `_inverse_causal_mask`, `score_mod_2` of function_composition, and
+  autograd_function_in_score_mod's `ApplyMask` (its backward passes the gradient where the mask is
+  false too, where P is 0).
+- rel_bias: `scoremod_1` of the multiple-call tests; alibi_bias: test_strided_inputs' mod; times_two:
+  max_autotune's and float32_matmul_precision's mods; squared: fw_bw_graph_correctness's.
+- captured_scale: recompile_changed_score_mod's `ADD` branch (the other branch has its entry);
+  captured_buffers_all_dims: max_autotune_with_captured's; load_from_bias_head_seq_batch:
+  modular_indexing's (a doubled bias viewed as [B, H, N, N]); test_buffer_reduced below:
+  captured_reduction's; head_offset: captured_score_mod_aot_eager_gradcheck's.
+- mask_mod_combiners: and_masks(causal, sliding_window); gym_sliding_window: lse_masked_output's
+  `sliding_window_causal`; doc_mask_sparse: compiling_create_block_mask's `(q >= kv) & (seq[q] == seq[kv])`.
+- block_mask_non_divisible: doc_mask_clamped_repro's first `doc_mask_mod` and attention-gym's
+  generate_doc_mask_mod(noop_mask) (an id table compared at q and k).
+- block_mask_offset_causal: the `(q + offset[b] * 128) >= kv` mask of block_mask_attributes, getitem,
+  block_mask_device_change and block_mask_viz (float and int offsets).
+- reduction_unrolled: captured_wrong_device_error_message's `euclidean_dist_pos_embed`; that of
+  cant_lower_error_message is the same function over 256 coordinates (the same sum with 256 terms).
+- rel_pos_2d: rel_pos_2d's `bias[q][kv]` form and TestLearnableBiases' absolute_2d_bias;
+  rel_pos_2d_transposed: flipped_indexed_bias; relative_1d_bias: relative_1d_bias_only_grad.
+- gym_alibi: generate_alibi_bias (with its demo's causal mask; without it, alibi_bias with num_heads = H);
+  gym_tanh_softcap: generate_tanh_softcap(approx=True) (`tanh.approx.f32` approximates the same tanh);
+  the natten_morton tests below: generate_morton_natten.
+
+Spelled only for a fixed size, since the language reduces inputs (`sum(x[b, :])`) but not expressions of
+q and k: VSA's top-k membership (`.any(dim=-1)` over the top-k dim, unrolled for a top-k of 2), MLA's
+RoPE `torch.dot` (unrolled over a RoPE dim of 4) and the Euclidean distance's `.sum(-1)` (3 coordinates).
+Not score or mask mods, so not spelled: attention-gym's `exclusive_output_mod` (exclusive_sa.py) and
+`undo_softmax` (activation.py) post-process the attention output with V and the LSE outside the kernel.
 """
 
 import contextlib
