@@ -2,24 +2,26 @@
 match the float64 reference forward and backward.
 
 The spellings are written here from reading the originals: every score_mod and mask_mod of PyTorch's
-test/inductor/test_flex_attention.py (at commit 00125ef3: module level, test bodies, parametrizations,
-lambdas), and of attention-gym's attn_gym/masks and attn_gym/mods (meta-pytorch/attention-gym, and the
-pytorch-labs copy's dilated_sliding_window.py, flamingo.py and sink_attn.py). A mod that reads a captured
-tensor reads an input of the same shape; one that builds a table outside the mod (Sandwich's cosine table,
-MLA's RoPE dot products, VSA's top-k tiles, Graphormer's path tables) reads that table as an input, as the
-original's mod does. Masks written as `where(cond, score, -inf)` score mods are spelled as masks. Sizes
-are scaled to the test grid (37 positions). A few cases run in the default tier; the rest are slow in
-the interpreter.
+test/inductor/test_flex_attention.py (module level, test bodies, parametrizations, lambdas; pytorch/pytorch
+at commit 00125ef3 and a later, device-generic version of the file), and of attention-gym's attn_gym/masks
+and attn_gym/mods (meta-pytorch/attention-gym, and the pytorch-labs copy's dilated_sliding_window.py,
+flamingo.py and sink_attn.py). A mod that reads a captured tensor reads an input of the same shape; one
+that builds a table outside the mod (Sandwich's cosine table, MLA's RoPE dot products, VSA's top-k tiles,
+Graphormer's path tables) reads that table as an input, as the original's mod does. Masks written as
+`where(cond, score, -inf)` score mods are spelled as masks. Sizes are scaled to the test grid (37
+positions). A few cases run in the default tier; the rest are slow in the interpreter.
 
 The same function under another name has no entry of its own:
 - identity: `_identity`, `noop_mask`, `noop_mod`.
 - causal: `_causal`, `_causal_mask` and every `q >= kv` mask_mod or lambda of the test bodies (the
-  block-mask, GQA, paged, SDPA-comparison and device tests), `scoremod_2` of the multiple-call tests.
+  block-mask, GQA, paged, SDPA-comparison, pytree, CUDA-graph and device tests), `scoremod_2` of the
+  multiple-call tests, dynamic_divisibility_guards' score_mod.
 - inverse_causal: `_inverse_causal_mask`, `score_mod_2` of function_composition, and
   autograd_function_in_score_mod's `ApplyMask` (its backward passes the gradient where the mask is
   false too, where P is 0).
-- rel_bias: `scoremod_1` of the multiple-call tests; alibi_bias: test_strided_inputs' mod; times_two:
-  max_autotune's and float32_matmul_precision's mods; squared: fw_bw_graph_correctness's.
+- rel_bias: `scoremod_1` of the multiple-call tests, non_pow_2_headdim's; alibi_bias: test_strided_inputs'
+  mod (with causal in the dynamic-max-autotune test); times_two: max_autotune's, float32_matmul_precision's
+  and flex_attention_logging's (with causal) mods; squared: fw_bw_graph_correctness's.
 - captured_scale: recompile_changed_score_mod's `ADD` branch (the other branch has its entry);
   captured_buffers_all_dims: max_autotune_with_captured's; load_from_bias_head_seq_batch:
   modular_indexing's (a doubled bias viewed as [B, H, N, N]); test_buffer_reduced below:
@@ -33,7 +35,8 @@ The same function under another name has no entry of its own:
 - reduction_unrolled: captured_wrong_device_error_message's `euclidean_dist_pos_embed`; that of
   cant_lower_error_message is the same function over 256 coordinates (the same sum with 256 terms).
 - rel_pos_2d: rel_pos_2d's `bias[q][kv]` form and TestLearnableBiases' absolute_2d_bias;
-  rel_pos_2d_transposed: flipped_indexed_bias; relative_1d_bias: relative_1d_bias_only_grad.
+  rel_pos_2d_transposed: flipped_indexed_bias; relative_1d_bias: relative_1d_bias_only_grad;
+  batch_head_bias: learnable_bias_global_compiled's.
 - gym_alibi: generate_alibi_bias (with its demo's causal mask; without it, alibi_bias with num_heads = H);
   gym_tanh_softcap: generate_tanh_softcap(approx=True) (`tanh.approx.f32` approximates the same tanh);
   the natten_morton tests below: generate_morton_natten.
@@ -154,6 +157,34 @@ FLEX_TESTS = {
     "head_specific_gate": ("input gate_score: f32[H] learnable\nscore: score * sigmoid(gate_score[h])", {}),
     "distinct_biases": ("input bias1: f32[Q_LEN] learnable\ninput bias2: f32[KV_LEN] learnable\n"
                         "score: score + bias1[q] + bias2[k]", {}),
+    "small_block_mask": ("input q_batch: i64[Q_LEN]\ninput kv_batch: i64[KV_LEN]\n"
+                         "mask: (q_batch[q] == kv_batch[k]) & (q_batch[q] != -1) & (kv_batch[k] != -1)",
+                         {"q_batch": torch.tensor([0] * 9 + [1] * 12 + [2] * 11 + [-1] * 5),
+                          "kv_batch": torch.tensor([0] * 9 + [1] * 12 + [2] * 11 + [-1] * 5)}),
+    "dynamic_captured_buffer": ("input head_scale: f16[H] learnable\nscore: score * head_scale[h]", {}),
+    "symint_addition": ("param frame = 32\nmask: q < (Q_LEN // frame + KV_LEN // frame) * frame", {}),
+    "upcast_appropriately": ("input mass: f16[1]\nscore: score + log(mass[0])",
+                             {"mass": torch.tensor([1.5], dtype=torch.float16)}),
+    # rows b >= B of the table are NaN and never read
+    "poisoned_rel_logits": ("input rel_logits: f32[*, H, Q_LEN, KV_LEN]\nmask: q >= k\nscore: score + rel_logits[b, h, q, k]",
+                            {"rel_logits": torch.cat([torch.randn(B, H, N, N, generator=torch.Generator().manual_seed(0)),
+                                                      torch.full((B, H, N, N), float("nan"))])}),
+    "poison_mod_fwd": ("mask: q >= k\nscore: 1 / score", {}),
+    "poison_mod_bwd": ("mask: q >= k\nscore: where(score > 0, log(score), score)", {}),
+    # the original's offset is an int64 tensor; arithmetic on an i64 input is refused (it could overflow)
+    "broadcasted_head_offset": ("input offset: i32[]\nmask: q + offset >= k", {"offset": torch.tensor(5, dtype=torch.int32)}),
+    # its bias_mat = y[b, q] + y[b, kv] is built outside the mod; spelled from y, which the gradient reaches there too
+    "backprop_error_case": ("input y: f32[B, KV_LEN] learnable\nscore: score + y[b, q] + y[b, k]", {}),
+    "inspect_bug": ("input val: f32[]\nmask: abs(q - k) < val", {"val": torch.tensor(5.5)}),
+    # FlexAttentionCPB of custom_score_mod_layout_freeze: a gated bias from a table of an MLP's outputs,
+    # indexed by a relative-position table, past the first r_cutoff tokens
+    "custom_score_mod_cpb": ("input r_cutoff: i64[]\ninput idx_table: i64[Q_LEN, KV_LEN]\ninput bt: f32[121, H]\n"
+                             "input gam_sig: f32[H]\ninput mu: f32[B, H, 2, Q_LEN]\n"
+                             "score: score + (where(q >= r_cutoff and k >= r_cutoff, 1.0, 0.0) * gam_sig[h]\n"
+                             "                * (mu[b, h, 0, q] + mu[b, h, 1, k]) * bt[idx_table[q, k], h])",
+                             {"r_cutoff": torch.tensor(1),
+                              "idx_table": torch.randint(0, 121, (N, N), generator=torch.Generator().manual_seed(0)),
+                              "gam_sig": torch.sigmoid(torch.randn(H, generator=torch.Generator().manual_seed(1)))}),
 }
 
 GYM = {
