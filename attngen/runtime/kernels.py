@@ -51,16 +51,23 @@ def _base2_lse(Lse, row, offs, n):
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, H, Q_LEN, n_rows, SPLITS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, H, Q_LEN, n_rows, SPLITS,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                    HAS_SINK: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
-    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides.
+    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
+    # of the spec's sink (B, H, Q_LEN), if it has one (HAS_SINK): a part with no value (O = 0, LSE = sink),
+    # the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the first part
+    # rescales its 1 by exp(-inf) = 0).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if HAS_SINK:
+        m = tl.load(Sink + rows, mask=row_ok, other=float("-inf"))
+        total += 1.0
     acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
     for s in range(SPLITS):
         part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr

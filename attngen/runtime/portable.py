@@ -123,11 +123,18 @@ class Portable:
         (FAMILY_TILES; int() as in _tiles)."""
         return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 
-    def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None):
+    def _sink_args(self, sink):
+        """A forward kernel's Sink argument: a spec with a sink passes the sink of every row (_sink_rows, laid
+        out as LSE); a spec without one has no such parameter (emit.signatures.SINK)."""
+        assert (sink is None) == (self.facts.sink is None), "a spec's sink runs in every forward call, and only its"
+        return [sink] if sink is not None else []
+
+    def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
+                          sink=None):
         """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-        `cache`, `page_table` and `plan` as for _forward; `packed` a packed call's (cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views (_packed_view);
-        its LSE is (1, H, TOTAL_Q)."""
+        `cache`, `page_table`, `plan` and `sink` as for _forward; `packed` a packed call's (cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views
+        (_packed_view); its LSE is (1, H, TOTAL_Q)."""
         _, H, Q_ROWS, D = q.shape
         DV = v.shape[3]
         sm_scale = self.facts.softmax_scale(D)
@@ -145,7 +152,7 @@ class Portable:
         packed_args, packed_flags = _packed_launch(packed, lse)
         table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
         _launch(
-            self.kernels.forward, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
+            self.kernels.forward, grid, q, k, v, out, lse, *self._sink_args(sink), sm_scale, sm_scale * LOG2E.value,
             *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
             *self._input_args(tensors), *table_args,
             B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,

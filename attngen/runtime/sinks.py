@@ -1,4 +1,4 @@
-"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch, and its merge into a call's O and LSE."""
+"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch for the forward kernels, and its gradient."""
 
 import math
 
@@ -119,21 +119,11 @@ def _names(node):
     return set().union(*(_names(child) for child in children)) if children else set()
 
 
-def with_sink(out, lse, sink):
-    """(O, LSE) of the softmax with one more logit, `sink`, which has no value, from the kernels' (O, LSE)
-    without it: LSE' = log(exp(LSE) + exp(sink)) and O' = O * exp(LSE - LSE'). Exact, and differentiable
-    by torch: the kernels' backward sees the gradients of their own O and LSE, and the sink's is
-    -exp(sink - LSE') * (rowsum(dO' * O') - dLSE'). A row with no allowed key (LSE = -inf) gets O' = 0
-    and LSE' = sink. `out` has its rows along dim -2 of lse's shape ((.., H, Q_LEN, DV) against
-    (.., H, Q_LEN)) or is a packed call's (TOTAL_Q, H, DV) against (H, TOTAL_Q) (`packed`)."""
-    # A row with no allowed key whose sink is -inf keeps LSE = -inf and O = 0: its logaddexp is taken of
-    # zeros instead, so no gradient meets exp(-inf - -inf) (NaN), and the row's gradients are 0.
-    empty = (lse == -math.inf) & (sink == -math.inf)
-    lse_safe, sink_safe = torch.where(empty, 0.0, lse), torch.where(empty, 0.0, sink)
-    total = torch.logaddexp(lse_safe, sink_safe)
-    factor = torch.where(empty, 0.0, torch.exp(lse_safe - total))
-    total = torch.where(empty, -math.inf, total)
-    if out.dim() == 3 and lse.dim() == 2:  # packed: out (TOTAL_Q, H, DV), lse (H, TOTAL_Q)
-        factor = factor.transpose(0, 1)
-    # bf16 or fp16 times fp32 is computed in fp32 (type promotion) in one pass, then rounded once.
-    return (out * factor[..., None]).to(out.dtype), total
+def sink_grad(sink, lse, delta):
+    """The gradient of every row's sink, which the forward kernels took as the first term of the row's
+    softmax (a logit whose value is 0): d sink = exp(sink - LSE) * (dLSE - rowsum(dO * O)) = -exp(sink - LSE)
+    * delta, with LSE including the sink and delta the softmax backward's row term, all laid out alike."""
+    # A row with no allowed key and a sink of -inf has LSE = -inf: its sink weighs 0 there, never
+    # exp(-inf - -inf) (NaN).
+    return -torch.where(lse == -math.inf, 0.0, torch.exp(sink - lse)) * delta
+
