@@ -102,12 +102,14 @@ SINK_EXPRESSIONS = [
     "where(q < Q_LEN // 2, 1.5, -inf) + exp2(1.0 * (b - B)) + log(1.0 + H * HKV)",
     "max(sinks[h], 0.25) + clamp(q - KV_LEN, -3, 3) + floor(q / 2.0) ** 2 + ((q << 2) ^ 5) % 7",
     "softcap(sinks[h] * 10.0, 3.0) + sign(q - 4.5) + round(q * 0.3) + erf(q * 0.1) + atan(1.0 * D)",
+    # Loads of a whole input along the rows' axes (transposed here) beside gathers.
+    "bt[h, b] * 0.5 + sinks[q % H] - bt[h, 1]",
 ]
 
 
 @pytest.mark.parametrize("expression", SINK_EXPRESSIONS)
 def test_the_runtime_evaluates_a_sink_as_the_reference_does(expression):
-    spec = _spec(f"attention t\ninput sinks: f32[H]\ninput table: f32[HKV, 3]\nsink: {expression}\n")
+    spec = _spec(f"attention t\ninput sinks: f32[H]\ninput table: f32[HKV, 3]\ninput bt: f32[H, B]\nsink: {expression}\n")
     tree = eval(sink_literal(spec.sink, spec.param_values), {"__builtins__": {}})  # a literal: data only
     B, H, HKV, N, M, D = 2, 4, 2, 7, 11, 8
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
