@@ -126,7 +126,7 @@ class Portable:
     def _sink_args(self, sink):
         """A forward kernel's Sink argument: a spec with a sink passes the sink of every row (_sink_rows, laid
         out as LSE); a spec without one has no such parameter (emit.signatures.SINK)."""
-        assert (sink is None) == (self.facts.sink is None), "a spec's sink runs in every forward call, and only its"
+        assert (sink is None) == (self.facts.sink is None), "every forward of a spec with a sink takes its rows, no other"
         return [sink] if sink is not None else []
 
     def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
