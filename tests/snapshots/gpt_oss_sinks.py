@@ -154,13 +154,11 @@ def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, stride_qz, stride_q
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # The sink is the softmax's first term, one with no value: the running max starts at it (base 2) and
     # the running sum at its exp2(0) = 1, so O and LSE below include it. A sink of -inf is no sink: the
     # first tile rescales that 1 by exp2(-inf) = 0, and a row that visits no tile keeps LSE = -inf, O = 0.
     m_i = tl.load(Sink + lse_row + offs_m, mask=offs_m < Q_LEN, other=float("-inf")) * LOG2E
-    l_i += 1.0
+    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     q_first = start_m * BLOCK_M + q_off
     q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1 + q_off
@@ -800,8 +798,6 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         # Query positions: the family takes no cache calls, so query i sits at position i.
         pos_m = offs_m
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
         # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1.
         # Its rows lie as LSE's.
         if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
@@ -809,7 +805,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         else:
             lse_row = off_bh.to(gl.int64) * Q_LEN
         m_i = gl.load(Sink + lse_row + offs_m, mask=offs_m < seq_q_len, other=float("-inf")) * LOG2E
-        l_i += 1.0
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
         n_masked = masked_hi - masked_lo
         if n_tiles > 0:
@@ -1422,7 +1418,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "134003cfa276f032"
+MODULE_DIGEST = "d5561f4ad4325091"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",
