@@ -328,18 +328,18 @@ def test_compiled_packed_and_cache_calls_equal_eager(fresh_dynamo):
 
 @CPU_CALLS
 def test_opcheck_of_the_operators_with_a_sink(rows):
-    # The fakes of the forward, cache and packed operators, given the sink's rows, and of the row terms the
-    # sink's gradient reads announce what they return.
+    # The fakes of the forward, cache and packed operators given the sink's rows, and of the sink rows'
+    # gradient, announce what they return.
     q, k, v, inputs = _rows_case(rows, N=12, M=12)
     runtime = rows.module.ATTENTION
-    _, forward_op, _, cache_op, packed_op, _, row_terms_op = rows.module.OPERATORS
+    _, forward_op, _, cache_op, packed_op, _, sink_grad_op = rows.module.OPERATORS
     tensors = [inputs[i.name] for i in rows.spec.inputs]
     sink = runtime._sink_rows(q, k, inputs)
     torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink]), test_utils=("test_schema", "test_faketensor"))
     out, lse = forward_op(q, k, v, tensors, [], [sink])
+    do = torch.randn(2, 4, 16, 12).transpose(2, 3)  # dO in another layout than O's
     for dlse in ([], [torch.randn_like(lse)]):
-        torch.library.opcheck(row_terms_op, (out, torch.randn_like(out).transpose(2, 3).contiguous().transpose(2, 3),
-                                             dlse))
+        torch.library.opcheck(sink_grad_op, (out, do, dlse, lse, sink))
     kv_len = torch.tensor([12, 7], dtype=torch.int32)
     cached = runtime._sink_rows(q[:, :, :2], k, inputs, cache=(kv_len, kv_len - 2, False))
     torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], kv_len - 2, [], [cached]),

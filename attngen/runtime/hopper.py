@@ -228,7 +228,7 @@ class HopperFamily:
         # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
         dq_sum = _empty_in_layout(q, D, torch.float32)
         # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-        delta, lse2 = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
+        delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
         if packed is not None:
             delta, lse2 = (_hopper_sequence_rows(rows, packed, fill, block_m) for rows, fill in ((delta, 0.0),
                                                                                               (lse2, float("inf"))))

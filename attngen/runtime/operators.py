@@ -4,7 +4,6 @@ import torch
 
 from .portable import _sizes
 from .shared import _empty_in_layout, _packed_view, _unpacked
-from .sinks import sink_grad
 from .tables import _pairs
 
 
@@ -31,8 +30,8 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(out)
         dq, dk, dv, input_grads = ctx.rt._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known,
                                                                ctx.build, ctx.plan)
-        # The sink's row terms by the row-terms kernel: one pass over O and dO.
-        dsink = sink_grad(sink, lse, ctx.rt._row_terms(out, do, dlse)[0]) if ctx.needs_input_grad[6] else None
+        # The sink rows' gradient by the row-terms kernel: one pass over O and dO.
+        dsink = ctx.rt._row_terms(out, do, dlse, sink=(sink, lse))[2] if ctx.needs_input_grad[6] else None
         return (None, dq, dk, dv, None, None, dsink, *input_grads)
 
 
@@ -56,9 +55,9 @@ class _PackedAttention(torch.autograd.Function):
         dq, dk, dv, input_grads = ctx.rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
                                                           cu_seqlens_k, *ctx.max_seqlens)
         dsink = None
-        if ctx.needs_input_grad[8]:  # the row terms as _Attention's, of the (1, H, TOTAL_Q) views
-            delta = ctx.rt._row_terms(_packed_view(out), _packed_view(do), dlse[None] if dlse is not None else None)[0]
-            dsink = sink_grad(sink, lse, delta[0])
+        if ctx.needs_input_grad[8]:  # as _Attention's, of the (1, H, TOTAL_Q) views
+            dsink = ctx.rt._row_terms(_packed_view(out), _packed_view(do), dlse[None] if dlse is not None else None,
+                                      sink=(sink, lse))[2]
         return (None, dq, dk, dv, None, None, None, None, dsink, *input_grads)
 
 
@@ -86,7 +85,7 @@ class Operators:
         return [next(grads) if learnable else None for (_, (_, _, learnable)) in self.facts.inputs.items()]
 
     def _define_operators(self, table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name,
-                          row_terms_name):
+                          sink_grad_name=None):
         @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
         def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
                      block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,18 +95,21 @@ class Operators:
         def _(q, k, tensors, by_query, block_m, block_n):
             return self._empty_table((by_query, block_m, block_n), _sizes(q, k), q.device)
 
-        # The softmax backward's row terms delta = rowsum(dO * O) - dLSE, which the sink's gradient reads: the
-        # row-terms kernel eager calls run too, so a compiled call's gradients equal an eager one's.
-        @torch.library.custom_op(f"attngen::{row_terms_name}", mutates_args=())
-        def row_terms_op(out: torch.Tensor, do: torch.Tensor, dlse: list[torch.Tensor]) -> torch.Tensor:
-            return self._row_terms(out, do, dlse[0] if dlse else None)[0]
+        if sink_grad_name is not None:
+            # The gradient of a spec's sink rows, -exp(sink - LSE) * (rowsum(dO * O) - dLSE), by the row-terms
+            # kernel that eager calls run too, so a compiled call's gradients equal an eager one's. `out` and
+            # `do` are (B, H, Q_LEN, DV) (a packed call's (1, H, TOTAL_Q, DV) views), `lse` and `sink` dense alike.
+            @torch.library.custom_op(f"attngen::{sink_grad_name}", mutates_args=())
+            def sink_grad_op(out: torch.Tensor, do: torch.Tensor, dlse: list[torch.Tensor], lse: torch.Tensor,
+                             sink: torch.Tensor) -> torch.Tensor:
+                return self._row_terms(out, do, dlse[0] if dlse else None, sink=(sink, lse))[2]
 
-        @row_terms_op.register_fake
-        def _(out, do, dlse):
-            return out.new_empty(out.shape[:-1], dtype=torch.float32)
+            @sink_grad_op.register_fake
+            def _(out, do, dlse, lse, sink):
+                return torch.empty_like(sink)
 
         # `sink` (here and in the cache and packed forwards): [] or [the sink of every row] (_sink_rows), whose
-        # gradient the autograd formulas compute from the row terms (row_terms_op), beside the backward operators.
+        # gradient the autograd formulas take from sink_grad_op, beside the backward operators.
         @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
         def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                        tables: list[torch.Tensor], sink: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +153,7 @@ class Operators:
             sink, tensors, flat = rest[:n_sink], rest[n_sink:n_sink + n_tensors], rest[n_sink + n_tensors:]
             dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
             return (dq, dk, dv, self._per_input(grads), [None] * n_tables,
-                    [sink_grad(s, lse, row_terms_op(out, do, [dlse] if dlse is not None else [])) for s in sink])
+                    [sink_grad_op(out, do, [dlse] if dlse is not None else [], lse, s) for s in sink])
 
         forward_op.register_autograd(backward, setup_context=setup_context)
 
@@ -208,8 +210,8 @@ class Operators:
             dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
                                                    cu_seqlens_k, *ctx.max_seqlens)
             return (dq, dk, dv, self._per_input(grads), None, None, None, None,
-                    [sink_grad(s, lse, row_terms_op(_packed_view(out), _packed_view(do),
-                                                    [dlse[None]] if dlse is not None else [])[0]) for s in sink])
+                    [sink_grad_op(_packed_view(out), _packed_view(do), [dlse[None]] if dlse is not None else [], lse, s)
+                     for s in sink])
 
         packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
 
@@ -239,10 +241,11 @@ class Operators:
         return _unpacked(dq), _unpacked(dk), _unpacked(dv), input_grads
 
     def _operators(self):
-        """The (table, forward, backward, cache forward, packed forward, packed backward, row terms) custom
-        operators of this module's kernels."""
-        names = [f"{self.facts.name}_{self.facts.digest}_{part}"
-                 for part in ("table", "forward", "backward", "cache", "packed", "packed_backward", "row_terms")]
+        """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of
+        this module's kernels, and a spec with a sink's seventh, its sink rows' gradient."""
+        parts = ("table", "forward", "backward", "cache", "packed", "packed_backward",
+                 *(("sink_grad",) if self.facts.sink is not None else ()))
+        names = [f"{self.facts.name}_{self.facts.digest}_{part}" for part in parts]
         if not all(hasattr(torch.ops.attngen, name) for name in names):
             self._define_operators(*names)
         return tuple(getattr(torch.ops.attngen, name).default for name in names)

@@ -1,6 +1,4 @@
-"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch for the forward kernels, and its gradient."""
-
-import math
+"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch for the forward kernels."""
 
 import torch
 
@@ -137,13 +135,4 @@ def _whole_dims(index, shape, whole):
     """Whether every index of a load is a distinct variable of `whole` whose extent is its dim's size."""
     return (bool(index) and len({i[1] for i in index if i[0] == "var"}) == len(index)
             and all(i[0] == "var" and i[1] in whole and whole[i[1]][1] == size for i, size in zip(index, shape)))
-
-
-def sink_grad(sink, lse, delta):
-    """The gradient of every row's sink, which the forward kernels took as the first term of the row's
-    softmax (a logit whose value is 0): d sink = exp(sink - LSE) * (dLSE - rowsum(dO * O)) = -exp(sink - LSE)
-    * delta, with LSE including the sink and delta the softmax backward's row term, all laid out alike."""
-    # A row with no allowed key and a sink of -inf has LSE = -inf: its sink weighs 0 there, never
-    # exp(-inf - -inf) (NaN).
-    return -torch.where(lse == -math.inf, 0.0, torch.exp(sink - lse)) * delta
 
