@@ -47,9 +47,10 @@ from attngen.analysis import Analysis, analyze
 from attngen.api import SpecLike, load_spec, with_params
 from attngen.errors import ArgumentError
 from attngen.frontend.printer import expr_to_source
+from attngen.reference import HALF_DTYPES, Env, _check_inputs, _check_qkv, _promote, scale_value
 # The reference's own tables: the mods apply the very operations that define what each node means.
+from attngen.runtime.operations import BINARY as TORCH_BINARY, FUNCTIONS as TORCH_FUNCTIONS
 from attngen.runtime.reductions import reduced_inputs
-from attngen.reference import _BINARY, _FUNCTIONS, HALF_DTYPES, Env, _check_inputs, _check_qkv, _promote, scale_value
 
 __all__ = ["FlexVariant", "to_flex"]
 
@@ -289,7 +290,7 @@ class _Translator:
 
     def _binary(self, e: ir.Binary) -> Value:
         left, right, widen, env_ = self(e.left), self(e.right), self._widen(e), self.env
-        op, fd = _BINARY[e.op], self.float_dtype
+        op, fd = TORCH_BINARY[e.op], self.float_dtype
         if e.op == "div" or (e.op == "pow" and e.type == "float"):
             # True division, also of two ints; and a power the IR types float (an int to a negative or
             # non-constant power) is a float power, as the reference takes them.
@@ -314,7 +315,7 @@ class _Translator:
         if e.fn == "where":
             cond, a, b = args
             return lambda env: torch.where(cond(env), *widen(_promote(a(env), b(env), env=env_)))
-        fn = _FUNCTIONS[e.fn]
+        fn = TORCH_FUNCTIONS[e.fn]
         if ir.FUNCTIONS[e.fn][1] == "float":
             return lambda env: fn(*_promote(*[a(env).to(fd) for a in args], env=env_))
         return lambda env: fn(*widen(_promote(*[a(env) for a in args], env=env_)))

@@ -7,9 +7,9 @@ BlockMask), with cuDNN on the sequences padded to a batch for scale.
 --kernels also prints where each attngen call's GPU time goes: every kernel's microseconds per
 forward+backward call, under torch.profiler (benchmarks/kernel_times.py's measure).
 
-A packed call's grid follows the sequences, so it should cost what its sequences cost; the document
-mask visits the block diagonal of the whole batch (tile tables skip the rest), and padding computes
-the longest sequence's tiles for every sequence. Each row: forward and forward+backward median ms
+A packed call's grid follows the sequences, so it should cost what its sequences cost (for equal lengths,
+the dense batch of them, timed beside it); the document mask visits the block diagonal of the whole
+batch (tile tables skip the rest), and padding computes the longest sequence's tiles for every sequence. Each row: forward and forward+backward median ms
 (triton.testing.do_bench), bf16, H = 16, D = 128, and TFLOP/s counted on the allowed pairs only.
 """
 
@@ -89,6 +89,11 @@ def main() -> None:
         calls["attngen document mask"] = (lambda: doc_attn(*views, doc=doc), [fused], doc_dout)
         flex_kwargs = attngen.to_flex(doc_spec).kwargs(views[0], views[1], doc=doc)  # its BlockMask, built once
         calls["flex document BlockMask"] = (lambda: flex_kernel(*views, **flex_kwargs), [fused], doc_dout)
+
+        if len(set(lengths)) == 1:  # equal lengths are a dense batch: what the packed call should cost
+            batch = [t.unflatten(0, (len(lengths), longest)).transpose(1, 2) for t in (q, k, v)]
+            calls["attngen dense batch"] = (lambda: packed_attn(*batch), [fused],
+                                            dout.unflatten(0, (len(lengths), longest)).transpose(1, 2))
 
         # cuDNN on the sequences padded to (B, H, longest, D): what a padded batch costs.
         padded = [torch.randn(len(lengths), H, longest, D, device="cuda", dtype=torch.bfloat16,

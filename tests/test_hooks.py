@@ -52,9 +52,17 @@ def test_catalog_hooks_keep_their_contracts(path):
     _check_contracts(attngen.parse_spec(path.read_text()))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+# 15 drawn specs in the default tier and 25 others in the slow one (another test, other draws).
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=strategies.specs())
 def test_random_spec_hooks_keep_their_contracts(spec):
+    _check_contracts(spec)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=strategies.specs())
+def test_random_spec_hooks_keep_their_contracts_in_more_drawn_specs(spec):
     _check_contracts(spec)
 
 

@@ -406,3 +406,30 @@ def test_planned_launches_see_the_facts_they_were_bound_with_on_gpu(name, target
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     assert len(plans[-1].backwards) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["causal", "document_causal", "learned_rel_bias", "gemma2_local"])
+@pytest.mark.parametrize("target", [None, "a100"], ids=["planned", "portable"])
+def test_packed_call_plans_bind_launches_of_the_facts_they_saw_on_gpu(name, target, monkeypatch):
+    # A packed call's plan (packed.py's _packed_plan) is keyed by its tensors', offsets' and longest
+    # lengths' facts: other sequence lengths of the same facts reuse it, and every launch it binds
+    # recomputes its arguments' facts (_VERIFY_BINDS), forward and backward, each against float64.
+    attn = attngen.build(SPECS / f"{name}.attn", target=target)
+    monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
+    monkeypatch.setattr(attn.module.ATTENTION, "call_plans", {})
+    # Two splits of 600 tokens with the same longest sequence (one plan), then more tokens (another).
+    for seed, lengths in enumerate([[300, 1, 0, 299], [150, 300, 100, 50], [300, 17, 300, 129]]):
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=300, max_seqlen_k=300)
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(sum(lengths), 4, 128, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(sum(lengths), 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        inputs = testing.random_inputs(attn.spec, len(lengths), 4, 2, 300, 300, seed=seed, device="cuda")
+        with torch.no_grad():
+            attn(q, k, v, **inputs, **packed)
+        testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+    plans = list(attn.module.ATTENTION.call_plans.values())
+    assert len(plans) == 2 and all(plan.launches for plan in plans)
+    assert all(backward.launches for plan in plans for backward in plan.backwards.values())

@@ -59,14 +59,29 @@ _TRICKY = ['"""', "'''", "\\", "\\N{DASH}", "\r", "\x00", "\x0b", "\x0c", "\x1c"
            "\ud800", "\ufeff", "-*- coding: rot13 -*-", "coding=latin-1"]
 
 
-@settings(max_examples=150)
-@given(st.lists(st.one_of(st.text(alphabet=st.characters(exclude_categories=[])), st.sampled_from(_TRICKY)),
-                min_size=1, max_size=6).map("".join))
+_COMMENTS = st.lists(st.one_of(st.text(alphabet=st.characters(exclude_categories=[])), st.sampled_from(_TRICKY)),
+                     min_size=1, max_size=6).map("".join)
+
+
+# 30 drawn comments in the default tier and 120 others in the slow one (another test, other draws).
+@settings(max_examples=30)
+@given(_COMMENTS)
 @example("-*- coding: rot13 -*-")
 @example('"""; import os; os.system("x"); """')
 def test_comment_text_never_changes_the_generated_module(comment):
     """Whatever a comment holds, the module parses to the same program as without it: comments
     are all that differ, so the kernels behave the same and nothing of the comment runs."""
+    _check_comment(comment)
+
+
+@pytest.mark.slow
+@settings(max_examples=120)
+@given(_COMMENTS)
+def test_comment_text_never_changes_the_generated_module_in_more_drawn_comments(comment):
+    _check_comment(comment)
+
+
+def _check_comment(comment):
     comment = comment.replace("\n", "")  # a comment ends at the line break
     for text in (f"# {comment}\n{CAUSAL}", f"attention causal  # {comment}\nmask: causal # {comment}\n"):
         source = attngen.compile_source(text)

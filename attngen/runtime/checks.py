@@ -37,12 +37,13 @@ def _autocast(q, k, v):
 
 
 class CheckedValues:
-    """Tensors whose values passed a check that reads them on the host (a sync), with the facts they were
-    checked against: a model passes one batch's cu_seqlens, or one decoding step's kv_len and page table,
-    to every layer, and the sync would leave the GPU idle while the host prepares each layer's launches.
-    An entry holds the tensors weakly (their memory, while they live, is theirs: a new tensor at the same
-    address is not mistaken for them) with their version counters (an in-place write, through any view,
-    bumps it). Inference tensors have no version counter: they are checked every call."""
+    """Tensors whose values passed a check that reads them on the host (a sync), or gave a value derived
+    from them on the device, with the facts they were checked against: a model passes one batch's
+    cu_seqlens, or one decoding step's kv_len and page table, to every layer, and the sync would leave the
+    GPU idle while the host prepares each layer's launches (a derived value costs launches of its own
+    every layer). An entry holds the tensors weakly (their memory, while they live, is theirs: a new
+    tensor at the same address is not mistaken for them) with their version counters (an in-place write,
+    through any view, bumps it). Inference tensors have no version counter: they are checked every call."""
 
     def __init__(self, kept=8):
         self._entries = []
@@ -60,19 +61,27 @@ class CheckedValues:
             (k is None) == (t is None) and (t is None or (k[0]() is t and k[1] == t._version))
             for k, t in zip(key, tensors))
 
-    def holds(self, tensors, facts):
-        """Whether these tensors (None allowed), unchanged, passed the check with these facts."""
+    def value(self, tensors, facts):
+        """What was kept for these tensors (None allowed), unchanged, with these facts; None if nothing was."""
         if any(t is not None and t.is_inference() for t in tensors):
-            return False
-        return any(checked == facts and self._matches(key, tensors) for key, checked in self._entries)
+            return None
+        return next((value for key, checked, value in self._entries if checked == facts and self._matches(key, tensors)),
+                    None)
 
-    def add(self, tensors, facts):
+    def keep(self, tensors, facts, value):
         key = self._key(tensors)
         if key is None:
             return
         if len(self._entries) >= self._kept:
             del self._entries[0]
-        self._entries.append((key, facts))
+        self._entries.append((key, facts, value))
+
+    def holds(self, tensors, facts):
+        """Whether these tensors (None allowed), unchanged, passed the check with these facts."""
+        return self.value(tensors, facts) is not None
+
+    def add(self, tensors, facts):
+        self.keep(tensors, facts, True)
 
 
 # One for every spec's Attention: the facts name all a check depends on.

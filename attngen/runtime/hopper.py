@@ -11,6 +11,7 @@ from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .checks import CHECKED_VALUES
 from .helpers import LOG2E, _tile_start
 from .launch import _launch
 from .plans import _plan_site
@@ -117,17 +118,35 @@ def _hopper_row_descriptor(t, rows):
 _HOPPER_LAYOUTS = {}
 
 
-def _hopper_sequence_rows(rows, packed, fill, block_m):
-    """A packed call's row terms (1, H, rows) fp32, moved so that sequence b's rows start at column
-    4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the backward kernel's row_start),
-    the columns between sequences `fill`; padded to whole query tiles. Made on the device, no sync."""
+def _hopper_sequence_columns(packed, block_m):
+    """Where a packed call's row terms go for the backward kernel: each token's column, sequence b's rows
+    from column 4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the kernel's row_start),
+    and the width of the moved rows, padded to whole query tiles. Made on the device without a sync
+    (searchsorted: repeat_interleave reads its repeats on the host), once per offsets tensor while it is
+    unchanged (every layer of a model's step passes the same one), except while a CUDA graph is captured."""
     cu, TOTAL_Q = packed[0], packed[4]
-    B = cu.shape[0] - 1
-    starts = cu[:-1].long()
-    sequence = torch.repeat_interleave(torch.arange(B, device=cu.device), cu[1:] - cu[:-1], output_size=TOTAL_Q)
-    columns = torch.arange(TOTAL_Q, device=cu.device) + 4 * sequence - (starts % 4)[sequence]
-    moved = rows.new_full((*rows.shape[:2], _cdiv(TOTAL_Q + 4 * B, block_m) * block_m), fill)
-    moved[..., columns] = rows[..., :TOTAL_Q]
+    capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
+    facts = ("hopper sequence columns", TOTAL_Q, block_m)
+    known = None if capturing else CHECKED_VALUES.value((cu,), facts)
+    if known is not None:
+        return known
+    starts = cu.long()
+    tokens = torch.arange(TOTAL_Q, device=cu.device)
+    sequence = torch.searchsorted(starts[1:], tokens, right=True)
+    # 4 * (start // 4 + b) + (token - start), with start = cu[b]
+    columns = tokens + 4 * sequence - starts[:-1][sequence] % 4
+    known = columns, _cdiv(TOTAL_Q + 4 * (cu.shape[0] - 1), block_m) * block_m
+    if not capturing:
+        CHECKED_VALUES.keep((cu,), facts, known)
+    return known
+
+
+def _hopper_sequence_rows(rows, sequence_columns, fill):
+    """A packed call's row terms (1, H, TOTAL_Q) fp32 at the columns _hopper_sequence_columns gives, the
+    columns between sequences `fill`."""
+    columns, width = sequence_columns
+    moved = rows.new_full((*rows.shape[:2], width), fill)
+    moved[..., columns] = rows[..., :columns.shape[0]]
     return moved
 
 
@@ -230,8 +249,8 @@ class HopperFamily:
         # Both padded to whole query tiles, so a TMA box never reads another head's rows.
         delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
         if packed is not None:
-            delta, lse2 = (_hopper_sequence_rows(rows, packed, fill, block_m) for rows, fill in ((delta, 0.0),
-                                                                                              (lse2, float("inf"))))
+            columns = _hopper_sequence_columns(packed, block_m)
+            delta, lse2 = _hopper_sequence_rows(delta, columns, 0.0), _hopper_sequence_rows(lse2, columns, float("inf"))
         d_pad, dv_pad = self.rt._widths(D, DV)
         sm_scale = self.rt.facts.softmax_scale(D)
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)

@@ -2,6 +2,7 @@
 
 import torch
 
+from .plans import _backward_plan
 from .portable import _sizes
 from .shared import _empty_in_layout, _packed_view, _unpacked
 from .tables import _pairs
@@ -41,10 +42,11 @@ class _PackedAttention(torch.autograd.Function):
     against a dense call of the same tokens)."""
 
     @staticmethod
-    def forward(ctx, rt, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, *tensors):
-        ctx.rt, ctx.max_seqlens = rt, (max_seqlen_q, max_seqlen_k)
+    def forward(ctx, rt, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink, *tensors):
+        # plan: the call's _CallPlan (packed.py's _packed_plan); sink: as _Attention's
+        ctx.rt, ctx.max_seqlens, ctx.plan = rt, (max_seqlen_q, max_seqlen_k), plan
         out, lse = rt._packed_forward(q, k, v, list(tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      sink)
+                                      sink, plan)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink, *tensors)
         return out, lse
 
@@ -53,12 +55,13 @@ class _PackedAttention(torch.autograd.Function):
         ctx.rt._no_double_backward()
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink, *tensors = ctx.saved_tensors
         dq, dk, dv, input_grads = ctx.rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
-                                                          cu_seqlens_k, *ctx.max_seqlens)
+                                                          cu_seqlens_k, *ctx.max_seqlens,
+                                                          _backward_plan(ctx.plan, do, dlse))
         dsink = None
-        if ctx.needs_input_grad[8]:  # as _Attention's, of the (1, H, TOTAL_Q) views
+        if ctx.needs_input_grad[9]:  # as _Attention's, of the (1, H, TOTAL_Q) views
             dsink = ctx.rt._row_terms(_packed_view(out), _packed_view(do), dlse[None] if dlse is not None else None,
                                       sink=(sink, lse))[2]
-        return (None, dq, dk, dv, None, None, None, None, dsink, *input_grads)
+        return (None, dq, dk, dv, None, None, None, None, None, dsink, *input_grads)
 
 
 # Under torch.compile the kernels run as opaque custom operators (torch.library.custom_op: table,
@@ -215,29 +218,34 @@ class Operators:
 
         packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
 
-    def _packed_forward(self, q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink):
-        """A checked packed call's (out (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)), by the family that serves it; `sink`
-        as for _forward, (H, TOTAL_Q)."""
+    def _packed_forward(self, q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+                        plan=None):
+        """A checked packed call's (out (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)), by the family that serves it;
+        `sink` as for _forward, (H, TOTAL_Q); `plan` the call's _CallPlan, which has the family and binds the
+        launches (None under torch.compile)."""
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
         q, k, v = map(_packed_view, (q, k, v))
-        _, launch = self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)
+        _, launch = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False,
+                                                                              packed=True)
         if launch is not None:
-            out, lse = launch(q, k, v, tensors, (), packed=packed, sink=sink)
+            out, lse = launch(q, k, v, tensors, (), packed=packed, plan=plan, sink=sink)
         else:
-            out, lse = self._portable_forward(q, k, v, tensors, (), packed=packed, sink=sink)
+            out, lse = self._portable_forward(q, k, v, tensors, (), packed=packed, plan=plan, sink=sink)
         return _unpacked(out), lse[0]
 
     def _packed_backward(self, q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k):
-        """A packed call's (dq, dk, dv, one gradient per input, None where not learnable), in the packed layout."""
+                         max_seqlen_k, plan=None):
+        """A packed call's (dq, dk, dv, one gradient per input, None where not learnable), in the packed
+        layout; `plan` the backward's (_backward_plan), or None."""
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
         q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
-        _, _, launch = self._backward_family(q, k, v, packed=True)
+        _, _, launch = plan.backward_family if plan is not None else self._backward_family(q, k, v, packed=True)
         if launch is not None:
-            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed)
+            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed,
+                                             plan=plan)
         else:
             dq, dk, dv, input_grads = self._portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors,
-                                                              ((), ()), packed=packed)
+                                                              ((), ()), packed=packed, plan=plan)
         return _unpacked(dq), _unpacked(dk), _unpacked(dv), input_grads
 
     def _operators(self):

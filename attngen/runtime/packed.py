@@ -4,7 +4,16 @@ import torch
 
 from .checks import CHECKED_VALUES
 from .operators import _PackedAttention
+from .plans import _CallPlan, _call_facts
 from .shared import _packed_view
+
+
+def _offsets_facts(t):
+    """What _check_packed and the launches read of an offsets tensor beside its values (dtype, device,
+    shape, strides, 16-byte alignment); None for anything but a plain dense tensor."""
+    if t.__class__ is not torch.Tensor or t.layout != torch.strided:
+        return None
+    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
 def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -17,9 +26,14 @@ class Packed:
     """Packed calls of an Attention (a mixin)."""
 
     def _packed_attention(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k): checked, then the packed operator, whose
-        autograd runs the packed backward."""
-        self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+        """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k): checked, then the packed kernels behind
+        _PackedAttention (eager, with the call's plan) or the packed operators (under torch.compile)."""
+        packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
+            plan = None
+            self._check_packed(q, k, v, *packed, inputs)
+        else:
+            plan = self._packed_plan(q, k, v, inputs, *packed)
         self._check_learnable(inputs)
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
@@ -35,9 +49,33 @@ class Packed:
             return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      [sink] if sink is not None else [])
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))):
-            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink)
-        return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+                                        plan)
+        return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink,
                                       *tensors)
+
+    def _packed_plan(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        """The _CallPlan of a packed call (plans.py): its checks passed and both families chosen once per set
+        of facts, a dense call's (_call_facts) and those of the offsets' tensors and the longest lengths,
+        which with them decide every launch's arguments' facts."""
+        facts = _call_facts(q, k, v, inputs)
+        offsets = [_offsets_facts(t) for t in (cu_seqlens_q, cu_seqlens_k)]
+        if facts is not None and None not in offsets:
+            # The lengths' types too: True == 1 as a key, and _check_packed refuses a bool.
+            facts = ("packed", type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, *offsets, *facts)
+        else:
+            facts = None
+        plan = self.call_plans.get(facts) if facts is not None else None
+        if plan is None:
+            sizes = self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
+            q, k, v = map(_packed_view, (q, k, v))
+            plan = _CallPlan(sizes, self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True),
+                             self._backward_family(q, k, v, packed=True))
+            if facts is not None:
+                if len(self.call_plans) >= self.call_plan_keys:
+                    self.call_plans.clear()
+                self.call_plans[facts] = plan
+        return plan
 
     def _check_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
         """A packed call's tensors, offsets' tensors and sizes; returns (B, H, HKV, max_seqlen_q, max_seqlen_k,
