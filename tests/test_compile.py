@@ -188,9 +188,9 @@ def test_opcheck(name):
         torch.library.opcheck(table_op, (q, k, tensors, *key))
         tables = list(table_op(q, k, tensors, *key))
     learnable = [t.requires_grad_() for t, i in zip(tensors, attn.spec.inputs) if i.learnable]
-    torch.library.opcheck(forward_op, ([x.requires_grad_() for x in (q, k, v)] + [tensors, tables]))
+    torch.library.opcheck(forward_op, ([x.requires_grad_() for x in (q, k, v)] + [tensors, tables, []]))
     with torch.no_grad():
-        out, lse = forward_op(q, k, v, tensors, tables)
+        out, lse = forward_op(q, k, v, tensors, tables, [])
     module = attn.module
     backward_tables = module._resolve([1, 2], q, v, {}, module._builder(portable._sizes(q, k), q.device, tensors))
     for t in (q, k, v, *learnable):

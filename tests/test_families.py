@@ -39,9 +39,10 @@ class MirrorFamily:
     def serves(self, q, k, v, HKV, KV_LEN, cached):
         return q.shape[2] == 1
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None):
         MIRROR_CALLS.append(tuple(q.shape))
-        return self.rt._portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table, plan=plan)
+        return self.rt._portable_forward(q, k, v, tensors, table, cache=cache, page_table=page_table, plan=plan,
+                                         sink=sink)
 """
 
 

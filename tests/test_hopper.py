@@ -154,10 +154,10 @@ def _compile_sm90(specs, head_dim):
 
 
 # Compiling is slow (two Gluon kernels a spec): the default run compiles specs that between them reach
-# each variant of the templates (a plain score, a softcap, a learnable table, a tile table), the slow
-# tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a plain mask,
+# each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink), the
+# slow tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a plain mask,
 # a learnable table and a softcap.
-SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias"]
+SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks"]
 
 
 @pytest.mark.parametrize("specs, wide", [

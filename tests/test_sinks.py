@@ -74,7 +74,7 @@ def test_a_sink_prints_back_and_keeps_specs_without_one_as_they_were():
 def test_explain_shows_the_sink_and_where_it_runs():
     from attngen import api
     text = api.explain(ROWS, q_len=32, kv_len=32, head_dim=16, head_dim_v=16, dtype="f32").text
-    assert "  sink: " in text and "merged into O and LSE" in text
+    assert "  sink: " in text and "start each row's softmax at it" in text
     assert "  sink: " not in api.explain("attention t\nmask: causal\n", q_len=32, kv_len=32, head_dim=16,
                                          head_dim_v=16, dtype="f32").text
 
@@ -102,12 +102,14 @@ SINK_EXPRESSIONS = [
     "where(q < Q_LEN // 2, 1.5, -inf) + exp2(1.0 * (b - B)) + log(1.0 + H * HKV)",
     "max(sinks[h], 0.25) + clamp(q - KV_LEN, -3, 3) + floor(q / 2.0) ** 2 + ((q << 2) ^ 5) % 7",
     "softcap(sinks[h] * 10.0, 3.0) + sign(q - 4.5) + round(q * 0.3) + erf(q * 0.1) + atan(1.0 * D)",
+    # Loads of a whole input along the rows' axes (transposed here) beside gathers.
+    "bt[h, b] * 0.5 + sinks[q % H] - bt[h, 1]",
 ]
 
 
 @pytest.mark.parametrize("expression", SINK_EXPRESSIONS)
 def test_the_runtime_evaluates_a_sink_as_the_reference_does(expression):
-    spec = _spec(f"attention t\ninput sinks: f32[H]\ninput table: f32[HKV, 3]\nsink: {expression}\n")
+    spec = _spec(f"attention t\ninput sinks: f32[H]\ninput table: f32[HKV, 3]\ninput bt: f32[H, B]\nsink: {expression}\n")
     tree = eval(sink_literal(spec.sink, spec.param_values), {"__builtins__": {}})  # a literal: data only
     B, H, HKV, N, M, D = 2, 4, 2, 7, 11, 8
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
@@ -146,12 +148,21 @@ def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
     torch.testing.assert_close(lse[empty], sink[empty], rtol=0, atol=1e-6)
 
 
-@CPU_CALLS
-def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
+@pytest.fixture(scope="module")
+def minus_inf():
+    """A spec whose sink is -inf on every other row, beside rows without keys (k > q + 2: the last three of
+    12), and a call's q, k, v and inputs: row 10 has neither a key nor a sink."""
     attn = attngen.build("attention no_sink\ninput bias: f32[H] learnable\nmask: k > q + 2\n"
                          "sink: where(q % 2 == 0, -inf, bias[h])\n")
     q, k, v = testing.random_qkv(1, 2, 2, 12, 12, 16, 16, torch.float32)
-    inputs = testing.random_inputs(attn.spec, 1, 2, 2, 12, 12)
+    return attn, q, k, v, testing.random_inputs(attn.spec, 1, 2, 2, 12, 12)
+
+
+@CPU_CALLS
+def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys(minus_inf):
+    attn, *tensors, inputs = minus_inf
+    q, k, v, bias = (t.clone() for t in (*tensors, inputs["bias"]))  # the fixture's stay without grad
+    inputs = inputs | {"bias": bias}
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
     leaves = [x.requires_grad_() for x in (q, k, v, inputs["bias"])]
     out, lse = attn(q, k, v, return_lse=True, **inputs)
@@ -161,14 +172,71 @@ def test_a_sink_of_minus_inf_is_no_sink_even_on_rows_without_keys():
 
 
 @CPU_CALLS
+def test_a_sink_of_minus_inf_is_no_sink_in_cache_and_packed_calls(minus_inf):
+    # The decode family's merge and the packed kernels start at the sink too.
+    attn, q, k, v, inputs = minus_inf
+    cache = {"kv_len": torch.tensor([12], dtype=torch.int32), "q_offset": torch.tensor([10], dtype=torch.int32)}
+    assert attn.forward_family(q[:, :, :2], k, v, **cache, **inputs) == "decode"
+    testing.check_against_reference(attn.spec, attn, q[:, :, :2], k, v, inputs, grads=False, cache=cache)
+    with torch.no_grad():
+        out, lse = attn(q[:, :, :2], k, v, return_lse=True, **cache, **inputs)
+    assert torch.isneginf(lse[..., 0]).all() and (out[..., 0, :] == 0).all()
+    packed = dict(cu_seqlens_q=torch.tensor([0, 12], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32),
+                  max_seqlen_q=12, max_seqlen_k=12)
+    pq, pk, pv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (TOTAL, heads, D)
+    testing.check_against_reference(attn.spec, attn, pq, pk, pv, inputs, packed=packed)
+    out, lse = attn(pq, pk, pv, return_lse=True, **packed, **inputs)
+    assert torch.isneginf(lse[:, 10]).all() and (out[10] == 0).all() and not out.isnan().any()
+
+
+@CPU_CALLS
+def test_the_sinks_gradient_through_the_lse_alone_matches_the_reference(rows):
+    # A loss on LSE only: no gradient reaches O (dO is None in the autograd node), the sink's comes from dLSE.
+    q, k, v, inputs = _rows_case(rows, N=13, M=13)
+    weights = torch.randn(2, 4, 13, generator=torch.Generator().manual_seed(3))
+
+    def loss(attention, q, k, v, inputs):
+        _, lse = attention(q, k, v, return_lse=True, **inputs)
+        return (torch.where(lse.isfinite(), lse, 0.0) * weights.to(lse.dtype)).sum()
+
+    bias = inputs["bias"].clone().requires_grad_()
+    got = torch.autograd.grad(loss(rows, q, k, v, inputs | {"bias": bias}), bias)[0]
+    bias64 = inputs["bias"].double().requires_grad_()
+    def evaluate(q, k, v, return_lse, **inputs):
+        return reference.evaluate(rows.spec, q, k, v, inputs)
+    want = torch.autograd.grad(loss(evaluate, q.double(), k.double(), v.double(), inputs | {"bias": bias64}), bias64)[0]
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_only_a_spec_with_a_sink_gives_its_forward_kernels_the_sink_rows():
+    # The sink enters every family's forward: the portable and Hopper kernels as a pointer of their own (a
+    # spec without a sink keeps its kernels, parameter for parameter), the decode merge behind HAS_SINK.
+    for text, has_sink in ((ROWS, True), ("attention t\nmask: causal\n", False)):
+        module = attngen.build(text, target="h200").module
+        for kernel in (module._fwd_kernel, module._hopper_fwd_kernel):
+            assert ("Sink" in kernel.arg_names) == has_sink, (text, kernel)
+        assert {"Sink", "HAS_SINK"} <= set(module._decode_combine.arg_names)
+        assert "Sink" not in module._bwd_kernel.arg_names and "Sink" not in module._hopper_bwd_kernel.arg_names
+
+
+@CPU_CALLS
 def test_cache_calls_match_the_reference(rows):
     q, k, v, inputs = _rows_case(rows, M=30)
     kv_len = torch.tensor([30, 19], dtype=torch.int32)
-    for n in (1, 5):  # a decoding step and a chunk of prefill
+    for n in (1, 5):  # a decoding step and a chunk of prefill: the decode family's merge takes the sink
         cache = {"kv_len": kv_len}
         testing.check_against_reference(rows.spec, rows, q[:, :, :n], k, v, inputs, grads=False, cache=cache)
         cache["q_offset"] = torch.tensor([2, 0], dtype=torch.int32)
         testing.check_against_reference(rows.spec, rows, q[:, :, :n], k, v, inputs, grads=False, cache=cache)
+
+
+@CPU_CALLS
+def test_a_long_cache_chunk_takes_the_sink_in_the_portable_forward(rows):
+    q, k, v, inputs = _rows_case(rows, N=40, M=48)
+    cache = {"kv_len": torch.tensor([48, 45], dtype=torch.int32)}
+    assert rows.forward_family(q, k, v, **cache, **inputs) == "portable"
+    testing.check_against_reference(rows.spec, rows, q, k, v, inputs, grads=False, cache=cache)
 
 
 @CPU_CALLS
@@ -183,10 +251,7 @@ def test_paged_cache_calls_match_the_reference(rows):
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-@CPU_CALLS
-def test_packed_calls_match_the_reference_of_each_sequence():
-    attn = attngen.build(PACKED)
-    H, HKV, D, lengths_q, lengths_k = 4, 2, 16, [5, 17, 9], [7, 17, 12]
+def _packed_case(attn, lengths_q=(5, 17, 9), lengths_k=(7, 17, 12), H=4, HKV=2, D=16):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(sum(lengths_q), H, D, generator=g)
     k, v = (torch.randn(sum(lengths_k), HKV, D, generator=g) for _ in range(2))
@@ -195,7 +260,13 @@ def test_packed_calls_match_the_reference_of_each_sequence():
         return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     packed = dict(cu_seqlens_q=offsets(lengths_q), cu_seqlens_k=offsets(lengths_k), max_seqlen_q=max(lengths_q),
                   max_seqlen_k=max(lengths_k))
-    inputs = testing.random_inputs(attn.spec, 3, H, HKV, max(lengths_q), max(lengths_k))
+    return q, k, v, testing.random_inputs(attn.spec, len(lengths_q), H, HKV, max(lengths_q), max(lengths_k)), packed
+
+
+@CPU_CALLS
+def test_packed_calls_match_the_reference_of_each_sequence():
+    attn = attngen.build(PACKED)
+    q, k, v, inputs, packed = _packed_case(attn)
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
 
 
@@ -229,12 +300,124 @@ def test_compiled_calls_equal_eager_with_the_sinks_gradient(rows, fresh_dynamo):
 
 
 @CPU_CALLS
+def test_compiled_packed_and_cache_calls_equal_eager(fresh_dynamo):
+    attn = attngen.build(PACKED)
+    q, k, v, inputs, packed = _packed_case(attn)
+
+    def loss(q, k, v, bias):
+        out, lse = attn(q, k, v, return_lse=True, bias=bias, **packed)
+        return out.square().sum() + lse.sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, inputs["bias"])]
+        grads.append(torch.autograd.grad(fn(*leaves), leaves))
+    assert all(torch.equal(a, b) for a, b in zip(*grads)) and grads[0][3].abs().sum() > 0
+    q, k, v = testing.random_qkv(2, 4, 2, 3, 20, 16, 16, torch.float32)
+    inputs = testing.random_inputs(attn.spec, 2, 4, 2, 3, 20)
+    kv_len = torch.tensor([20, 11], dtype=torch.int32)
+
+    def step(q, k, v, bias):
+        return attn(q, k, v, kv_len=kv_len, return_lse=True, bias=bias)
+
+    with torch.no_grad():
+        for got, want in zip(torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, inputs["bias"]),
+                             step(q, k, v, inputs["bias"])):
+            assert torch.equal(got, want)
+
+
+@CPU_CALLS
+def test_opcheck_of_the_operators_with_a_sink(rows):
+    # The fakes of the forward, cache and packed operators given the sink's rows, and of the sink rows'
+    # gradient, announce what they return.
+    q, k, v, inputs = _rows_case(rows, N=12, M=12)
+    runtime = rows.module.ATTENTION
+    _, forward_op, _, cache_op, packed_op, _, sink_grad_op = rows.module.OPERATORS
+    tensors = [inputs[i.name] for i in rows.spec.inputs]
+    sink = runtime._sink_rows(q, k, inputs)
+    torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink]), test_utils=("test_schema", "test_faketensor"))
+    out, lse = forward_op(q, k, v, tensors, [], [sink])
+    do = torch.randn(2, 4, 16, 12).transpose(2, 3)  # dO in another layout than O's
+    for dlse in ([], [torch.randn_like(lse)]):
+        torch.library.opcheck(sink_grad_op, (out, do, dlse, lse, sink))
+    kv_len = torch.tensor([12, 7], dtype=torch.int32)
+    cached = runtime._sink_rows(q[:, :, :2], k, inputs, cache=(kv_len, kv_len - 2, False))
+    torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], kv_len - 2, [], [cached]),
+                          test_utils=("test_schema", "test_faketensor"))
+    attn = attngen.build(PACKED)
+    q, k, v, inputs, packed = _packed_case(attn)
+    tensors = [inputs["bias"]]
+    sink = attn.module.ATTENTION._sink_rows(q, k, inputs, packed=(packed["cu_seqlens_q"], packed["cu_seqlens_k"]))
+    assert sink.shape == (4, q.shape[0])
+    torch.library.opcheck(attn.module.OPERATORS[4], (q, k, v, tensors, *packed.values(), [sink]),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@CPU_CALLS
 @pytest.mark.slow
 def test_compiled_sinks_take_dynamic_lengths_without_a_recompile(rows, fresh_dynamo):
     loss, compiled = _compiled_loss(rows, dynamic=True)
     for n in (17, 24):
         _assert_compiled_equals_eager(rows, loss, compiled, n)
         torch.compiler.set_stance("fail_on_recompile")  # a second length that recompiles raises
+
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# Sinks the Hopper family's forward starts its rows at: gpt-oss's (a window of 128, a sink per head), one
+# on causal attention, and one of -inf on every other row beside rows without keys (k > q + 2).
+HOPPER_SINKS = {
+    "gpt_oss_sinks": "specs/gpt_oss_sinks.attn",
+    "causal_sink": "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
+    "minus_inf_rows": "attention minus_inf_rows\ninput sinks: f32[H] learnable\nmask: k > q + 2\n"
+                      "sink: where(q % 2 == 0, -inf, sinks[h] + 0.01 * q)\n",
+}
+
+
+def _hopper_sink_inputs(H):
+    # Sinks from well below to well above a row's LSE (about log of its keys), so some rows' weight goes
+    # mostly to the sink and the test sees it.
+    return {"sinks": torch.linspace(-4.0, 9.0, H, device="cuda")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(HOPPER_SINKS))
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 4, 257, 700)], ids=lambda s: "x".join(map(str, s)))
+def test_sinks_through_the_hopper_family_on_gpu(name, dtype, shape):
+    """The Hopper forward starts each row at its sink; its backward recomputes P from the LSE that holds it:
+    out, LSE, dq, dk, dv and the learnable sink's gradient against the float64 reference."""
+    B, H, HKV, Q_LEN, KV_LEN = shape
+    attn = attngen.build(HOPPER_SINKS[name])
+    q, k, v = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, 128, 128, dtype, device="cuda")
+    inputs = _hopper_sink_inputs(H)
+    assert attn.forward_family(q, k, v, **inputs) == "hopper" and attn.backward_family(q, k, v, **inputs) == "hopper"
+    out = attn(q, k, v, **inputs)
+    assert not out.isnan().any()
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["gpt_oss_sinks", "packed"])
+def test_packed_calls_with_a_sink_through_the_hopper_family_on_gpu(name, dtype):
+    # Sequences empty, single, ragged and several tiles long; the packed spec's sink reads q and the lengths.
+    attn = attngen.build(HOPPER_SINKS["gpt_oss_sinks"] if name == "gpt_oss_sinks" else PACKED)
+    lengths = [300, 1, 0, 700, 77, 129]
+    H, HKV, D = 8, 2, 128
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths), H, D, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(sum(lengths), HKV, D, generator=g).to("cuda", dtype) for _ in range(2))
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    if name == "gpt_oss_sinks":
+        inputs = _hopper_sink_inputs(H)
+    else:
+        inputs = testing.random_inputs(attn.spec, len(lengths), H, HKV, max(lengths), max(lengths), device="cuda")
+    assert attn.forward_family(q, k, v, **packed, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **packed, **inputs) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32"}
 FLOATS = {"sm_scale", "qk_scale", "scale"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -82,8 +82,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
-            launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16),
-                             (0, 0, 4, 1)))
+            launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16,
+                                                     HAS_SINK=module.FACTS.sink is not None), (0, 0, 4, 1)))
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
                               PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
@@ -101,7 +101,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
             launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
                                                      HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
-                                                     HEAD_DIM_PAD=head_dim, ZERO_DQ=True), (0, 0, 4, 1)))
+                                                     HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
+                             (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):

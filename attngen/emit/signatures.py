@@ -85,6 +85,9 @@ PACKED = ("CuSeqlensQ", "CuSeqlensK", "TOTAL_Q")
 # sequence's first query and key rows (off_b, 0 and 0 in an unpacked call; 0 and cu_seqlens[b] in a
 # packed one, whose descriptors see (1, heads, TOTAL, D) views).
 SEQUENCE = ("tma_b", "q_start", "k_start")
+# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
+# ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
+SINK = ("Sink",)
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -116,6 +119,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
     """Every kernel and inner loop of every family, for this spec's inputs and tile table."""
     inputs, grads = input_params(spec), grad_params(spec)
     table = table_params() if tile_table else ()
+    sink = SINK if spec.sink is not None else ()
 
     def sig(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
         return Signature(name, params + constants, frozenset(constants))
@@ -129,8 +133,8 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", "Lse", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
-            *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
+            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
+            *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
              *PAGING, "VARLEN")),
@@ -167,7 +171,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", "work_counter",
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_counter",
             "sm_scale", "qk_scale", *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
              "VARLEN")),
@@ -182,7 +186,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
+            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
             *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
              "NUM_CONSUMERS", "VARLEN")),
@@ -223,9 +227,10 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
              "dv_layout")),
+        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
-                                                  "H", "Q_LEN", "n_rows", "SPLITS"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R")),
+                                                  *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
                                 ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
            for rows in ("by_query", "by_key")},

@@ -101,8 +101,8 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
         e = getattr(spec, item)
         lines.append(f"  {item}: {ir_tree(e) if e is not None else '(none)'}")
     if spec.sink is not None:  # shown only where a spec has one: the others' explanations read as before
-        lines.append(f"  sink: {ir_tree(spec.sink)} (one per query row, evaluated on the host and merged into O "
-                     f"and LSE: attngen.runtime.sinks)")
+        lines.append(f"  sink: {ir_tree(spec.sink)} (one per query row, evaluated on the host (attngen.runtime.sinks); "
+                     f"the forward kernels start each row's softmax at it)")
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
               f"  kernel families: {', '.join(kernel_plan.families)} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]

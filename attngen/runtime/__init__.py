@@ -5,9 +5,9 @@ A generated module holds only what its spec decides (its kernels and its facts) 
 one job a module: checks (call checks), plans (call plans), tables (tile tables), portable (the
 portable family's launches), dispatch (the family a call runs), operators (autograd and the
 torch.compile operators), packed and kvcache (packed and cache calls), sinks (a spec's
-`sink:` logit of every row, merged into O and LSE), hopper and decode (those
-families' host side, imported when a plan names them), launch (launches bound once per
-specialization), helpers (the @triton.jit helpers every kernel calls) and shared (the facts the
+`sink:` logit of every row, at which the forward kernels start its softmax), hopper
+and decode (those families' host side, imported when a plan names them), launch (launches bound once
+per specialization), helpers (the @triton.jit helpers every kernel calls) and shared (the facts the
 planner shares). Imports inside the package are relative, so `attngen compile` can bundle it into a
 standalone module under a private name (attngen.emit.bundle).
 """

@@ -12,7 +12,7 @@ from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv, _packed_view
-from .sinks import sink_rows, with_sink
+from .sinks import sink_rows
 from .tables import Tables
 
 
@@ -83,10 +83,10 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
             out, lse = self._packed_attention(q, k, v, inputs, *packed)
-            return self._returned(out, lse, return_lse, q, k, inputs, packed=packed)
+            return (out, lse) if return_lse else out
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
-            return self._returned(out, lse, return_lse, q, k, inputs, cache=(kv_len, q_offset, True))
+            return (out, lse) if return_lse else out
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
@@ -95,31 +95,30 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
-            return self._returned(out, lse, return_lse, q, k, inputs, cache=(kv_len, q_offset, False))
+            return (out, lse) if return_lse else out
         self._check_learnable(inputs)
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
         if known:
             plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
+        sink = self._sink_rows(q, k, inputs)
         if torch.compiler.is_compiling():
-            out, lse = self._compiled_attention(q, k, v, tensors, known)
+            out, lse = self._compiled_attention(q, k, v, tensors, known, sink)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-            out, lse = _Attention.apply(self, q, k, v, known, plan, *tensors)
+            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
-                                            plan)
-        return self._returned(out, lse, return_lse, q, k, inputs)
-
-    def _returned(self, out, lse, return_lse, q, k, inputs, cache=None, packed=None):
-        """What attn returns: out, or (out, lse), with the spec's sink (if any) merged into both (sinks.py).
-        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
-        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-        if self.facts.sink is not None:
-            out, lse = with_sink(out, lse, self._sink_rows(q, k, inputs, cache, packed))
+                                            plan, sink)
         return (out, lse) if return_lse else out
 
-    def _sink_rows(self, q, k, inputs, cache, packed):
-        """The sink of every query row of a call: (B, H, Q_LEN), or a packed call's (H, TOTAL_Q)."""
+    def _sink_rows(self, q, k, inputs, cache=None, packed=None):
+        """The sink of every query row of a checked call, which the forward kernels start each row's softmax
+        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), laid out as LSE; None for a spec without a
+        sink. Computed by torch from the inputs, so autograd carries its gradient (the kernels' autograd
+        nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
+        cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k, ...)."""
+        if self.facts.sink is None:
+            return None
         inputs = {name: inputs[name] for name in self.facts.inputs}
         if packed is not None:
             cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()
@@ -152,9 +151,11 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
             self._check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, q.shape[0])
+            sink = self._sink_rows(q, k, inputs, packed=packed)
             q, k, v = map(_packed_view, (q, k, v))
         else:
             self._check(q, k, v, inputs)
+            sink = self._sink_rows(q, k, inputs)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         B, H, _, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
 
@@ -167,7 +168,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         counts = {"fwd": counters(0, True), "dkdv": counters(1, False), "dq": counters(2, True)}
         tables = self._resolve(range(3), q, v, {}, self._builder(_sizes(q, k), q.device, tensors)) if packed is None else [()] * 3
         with torch.no_grad():
-            out, lse = self._portable_forward(q, k, v, tensors, tables[0], visits=counts["fwd"], packed=packed)
+            out, lse = self._portable_forward(q, k, v, tensors, tables[0], visits=counts["fwd"], packed=packed, sink=sink)
             self._portable_backward(q, k, v, out, lse, torch.ones_like(out), None, tensors, tables[1:],
                                visits={"dkdv": counts["dkdv"], "dq": counts["dq"]}, packed=packed)
         return counts

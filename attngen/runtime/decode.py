@@ -87,11 +87,12 @@ class DecodeFamily:
     def _decode_block_n(self, q, v):
         return self.rt._family_tiles(q, v, "decode")[1]
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None):
         """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
         tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
         (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
-        cache). Returns out and the natural-log LSE, as the portable forward does."""
+        cache), `sink` the spec's sink of every row, which the merge takes as one more split.
+        Returns out and the natural-log LSE, as the portable forward does."""
         B, H, Q_LEN, D = q.shape
         DV = v.shape[3]
         HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
@@ -116,7 +117,7 @@ class DecodeFamily:
         lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
         n_rows = B * H * Q_LEN
         block_r = 16
-        _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse, H, Q_LEN, n_rows,
-                splits, HEAD_DIM_V=DV,
-                HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, num_warps=4, bind=_plan_site(plan, "combine"))
+        _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
+                sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
+                BLOCK_R=block_r, HAS_SINK=sink is not None, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse

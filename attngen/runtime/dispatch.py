@@ -11,14 +11,16 @@ from .shared import _packed_view
 class Dispatch:
     """The family dispatch of an Attention (a mixin)."""
 
-    def _forward(self, q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None):
+    def _forward(self, q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None,
+                 sink=None):
         """Runs the forward pass with the first family whose per-call rule admits this call
         (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
         (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
         `cache` is a cache call's (kv_len, q_offset), either None; `page_table` a paged cache's;
         `family` the call's (name, launch) when the caller has it already (_forward_family); `plan` the
-        call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables).
-        Counting visits (visit_counts) follows the portable tiles."""
+        call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables); `sink`
+        the sink of every query row of a spec with one (_sink_rows), which every family's forward folds into
+        its softmax. Counting visits (visit_counts) follows the portable tiles."""
         cached = cache is not None or page_table is not None
         if visits is not None:
             family = ("portable", None)
@@ -26,8 +28,8 @@ class Dispatch:
             family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)
         name, launch = family
         if launch is not None:
-            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan)
-        return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan)
+            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink)
+        return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink)
 
     def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False):
         """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
@@ -40,15 +42,15 @@ class Dispatch:
                      if (not packed or name in self.facts.packed_families) and serves(q, k, v, HKV, KV_LEN, cached)),
                     ("portable", None))
 
-    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None):
+    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None):
         """A training or inference call's forward (no cache), with the tile table of the family that runs
         it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
         decides which table to build and which kernel follows it; a call's _CallPlan has it, and binds the
-        launches."""
+        launches. `sink` as for _forward."""
         family = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False)
         kernels = self._forward_tables(family[0])
         return self._forward(q, k, v, tensors, dict(zip(kernels, self._resolve(kernels, q, v, known, build))), family=family,
-                        plan=plan)
+                        plan=plan, sink=sink)
 
     def _forward_tables(self, name):
         """The kernels whose tile tables a forward call run by the family `name` needs built: the portable

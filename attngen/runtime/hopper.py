@@ -187,13 +187,13 @@ class HopperFamily:
         return self.serves(q, k, v, k.shape[1], k.shape[2], False)
 
     def prepare(self, q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
-                        packed=None):
+                        packed=None, sink=None):
         """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
         lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
         the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
         plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
-        TOTAL, D) views (_packed_view), or None."""
+        TOTAL, D) views (_packed_view), or None; `sink` the spec's sink of every row (Dispatch._forward)."""
         D, DV = q.shape[3], v.shape[3]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         d_pad, dv_pad = self.rt._widths(D, DV)
@@ -212,7 +212,8 @@ class HopperFamily:
         packed_args, packed_flags = _packed_launch(packed, lse)
 
         def run():
-            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse, work_counter,
+            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse,
+                    *self.rt._sink_args(sink), work_counter,
                     sm_scale, sm_scale * LOG2E.value, *self.rt._input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
                     BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
@@ -222,13 +223,14 @@ class HopperFamily:
 
         return run
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None, sink=None):
         """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
         tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-        call's _CallPlan; `packed` a packed call's, as for _hopper_prepare. Returns out and the natural-log
-        LSE, as the portable forward does."""
+        call's _CallPlan; `packed` and `sink` as for prepare. Returns out and the natural-log LSE, as the
+        portable forward does."""
         block_m, block_n, _, stages, q_buffers = self.rt._family_tiles(q, v, "hopper")
-        return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed)()
+        return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
+                            sink=sink)()
 
     def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
         """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
@@ -245,7 +247,7 @@ class HopperFamily:
         # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
         dq_sum = _empty_in_layout(q, D, torch.float32)
         # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-        delta, lse2 = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
+        delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
         if packed is not None:
             columns = _hopper_sequence_columns(packed, block_m)
             delta, lse2 = _hopper_sequence_rows(delta, columns, 0.0), _hopper_sequence_rows(lse2, columns, float("inf"))

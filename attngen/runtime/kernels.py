@@ -8,16 +8,18 @@ from .helpers import LOG2E
 
 
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh, stride_om, stride_ok,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, stride_oz, stride_oh, stride_om, stride_ok,
                     stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr):
+                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr):
     # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
     # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
     # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
     # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
     # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
+    # SINK_GRAD: also the gradient DSink of a spec's sink rows Sink (B * H * Q_LEN, laid out as LSE), the
+    # first term of each row's softmax: -exp(sink - LSE) * delta.
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -36,6 +38,14 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, stride_oz, stride_oh
     if BASE2_LSE:
         tl.store(Lse2 + off_bh.to(tl.int64) * Q_ROWS + offs_m, _base2_lse(Lse, off_bh.to(tl.int64) * Q_LEN, offs_m,
                                                                           Q_LEN), mask=offs_m < Q_ROWS)
+    if SINK_GRAD:
+        rows = off_bh.to(tl.int64) * Q_LEN + offs_m
+        lse = tl.load(Lse + rows, mask=offs_m < Q_LEN, other=float("-inf"))
+        sink = tl.load(Sink + rows, mask=offs_m < Q_LEN, other=float("-inf"))
+        # A row with neither a key nor a sink (LSE = -inf, and so sink = -inf) weighs its sink exp(-inf - 0) = 0,
+        # never exp(-inf - -inf).
+        weight = tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse))
+        tl.store(DSink + rows, -weight * delta, mask=offs_m < Q_LEN)
     if ZERO_DQ:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -51,16 +61,23 @@ def _base2_lse(Lse, row, offs, n):
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, H, Q_LEN, n_rows, SPLITS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, H, Q_LEN, n_rows, SPLITS,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                    HAS_SINK: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
-    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides.
+    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
+    # of the spec's sink (B, H, Q_LEN), if it has one (HAS_SINK): a part with no value (O = 0, LSE = sink),
+    # the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the first part
+    # rescales its 1 by exp(-inf) = 0).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if HAS_SINK:
+        m = tl.load(Sink + rows, mask=row_ok, other=float("-inf"))
+        total += 1.0
     acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
     for s in range(SPLITS):
         part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr

@@ -65,9 +65,11 @@ class Cache:
                 CHECKED_VALUES.add(values, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         pages = [page_table.contiguous()] if page_table is not None else []
+        sink = self._sink_rows(q, k, inputs, cache=(kv_len, q_offset, page_table is not None))
         if torch.compiler.is_compiling():
-            return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages)
-        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages)
+            return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages,
+                                     [sink] if sink is not None else [])
+        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink)
 
     def _check_cache_values(self, q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
         """A cache call's values: every flag computed on the device, read in one sync; the message,
@@ -94,7 +96,8 @@ class Cache:
             self._fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
                   f"values in [{int(named.min())}, {int(named.max())}]")
 
-    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages):
+    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink):
         """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
-        FORWARD_FAMILIES picks, with no tile table."""
-        return self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None)
+        FORWARD_FAMILIES picks, with no tile table; `sink` as for _forward."""
+        return self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None,
+                             sink=sink)

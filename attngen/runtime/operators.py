@@ -12,25 +12,28 @@ class _Attention(torch.autograd.Function):
     """Eager calls: the kernels behind one autograd node, reached without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, rt, q, k, v, known, plan, *tensors):
-        # rt: the Attention whose call this is (its kernels, tables and families)
+    def forward(ctx, rt, q, k, v, known, plan, sink, *tensors):
+        # rt: the Attention whose call this is (its kernels, tables and families); sink: its sink of every
+        # row (_sink_rows), None without one
         ctx.set_materialize_grads(False)  # an unused LSE gets no gradient pass of its own
         ctx.rt, ctx.plan = rt, plan
         ctx.build = rt._builder(_sizes(q, k), q.device, tensors, plan)
-        out, lse = rt._forward_with_tables(q, k, v, tensors, known, ctx.build, plan)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        out, lse = rt._forward_with_tables(q, k, v, tensors, known, ctx.build, plan, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, *tensors)
         ctx.known = known  # the user's tables, or the forward's, which serves dQ when their tiles agree
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         ctx.rt._no_double_backward()
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, sink, *tensors = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(out)
         dq, dk, dv, input_grads = ctx.rt._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known,
                                                                ctx.build, ctx.plan)
-        return (None, dq, dk, dv, None, None, *input_grads)
+        # The sink rows' gradient by the row-terms kernel: one pass over O and dO.
+        dsink = ctx.rt._row_terms(out, do, dlse, sink=(sink, lse))[2] if ctx.needs_input_grad[6] else None
+        return (None, dq, dk, dv, None, None, dsink, *input_grads)
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -39,22 +42,26 @@ class _PackedAttention(torch.autograd.Function):
     against a dense call of the same tokens)."""
 
     @staticmethod
-    def forward(ctx, rt, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, *tensors):
-        # plan: the call's _CallPlan (packed.py's _packed_plan)
+    def forward(ctx, rt, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink, *tensors):
+        # plan: the call's _CallPlan (packed.py's _packed_plan); sink: as _Attention's
         ctx.rt, ctx.max_seqlens, ctx.plan = rt, (max_seqlen_q, max_seqlen_k), plan
         out, lse = rt._packed_forward(q, k, v, list(tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      plan)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors)
+                                      sink, plan)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink, *tensors)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         ctx.rt._no_double_backward()
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink, *tensors = ctx.saved_tensors
         dq, dk, dv, input_grads = ctx.rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
                                                           cu_seqlens_k, *ctx.max_seqlens,
                                                           _backward_plan(ctx.plan, do, dlse))
-        return (None, dq, dk, dv, None, None, None, None, None, *input_grads)
+        dsink = None
+        if ctx.needs_input_grad[9]:  # as _Attention's, of the (1, H, TOTAL_Q) views
+            dsink = ctx.rt._row_terms(_packed_view(out), _packed_view(do), dlse[None] if dlse is not None else None,
+                                      sink=(sink, lse))[2]
+        return (None, dq, dk, dv, None, None, None, None, None, dsink, *input_grads)
 
 
 # Under torch.compile the kernels run as opaque custom operators (torch.library.custom_op: table,
@@ -80,7 +87,8 @@ class Operators:
         grads = iter(grads)
         return [next(grads) if learnable else None for (_, (_, _, learnable)) in self.facts.inputs.items()]
 
-    def _define_operators(self, table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name):
+    def _define_operators(self, table_name, forward_name, backward_name, cache_name, packed_name, packed_backward_name,
+                          sink_grad_name=None):
         @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
         def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
                      block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +98,34 @@ class Operators:
         def _(q, k, tensors, by_query, block_m, block_n):
             return self._empty_table((by_query, block_m, block_n), _sizes(q, k), q.device)
 
+        if sink_grad_name is not None:
+            # The gradient of a spec's sink rows, -exp(sink - LSE) * (rowsum(dO * O) - dLSE), by the row-terms
+            # kernel that eager calls run too, so a compiled call's gradients equal an eager one's. `out` and
+            # `do` are (B, H, Q_LEN, DV) (a packed call's (1, H, TOTAL_Q, DV) views), `lse` and `sink` dense alike.
+            @torch.library.custom_op(f"attngen::{sink_grad_name}", mutates_args=())
+            def sink_grad_op(out: torch.Tensor, do: torch.Tensor, dlse: list[torch.Tensor], lse: torch.Tensor,
+                             sink: torch.Tensor) -> torch.Tensor:
+                return self._row_terms(out, do, dlse[0] if dlse else None, sink=(sink, lse))[2]
+
+            @sink_grad_op.register_fake
+            def _(out, do, dlse, lse, sink):
+                return torch.empty_like(sink)
+
+        # `sink` (here and in the cache and packed forwards): [] or [the sink of every row] (_sink_rows), whose
+        # gradient the autograd formulas take from sink_grad_op, beside the backward operators.
         @torch.library.custom_op(f"attngen::{forward_name}", mutates_args=())
         def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                       tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       tables: list[torch.Tensor], sink: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             # The user's tables, if any, else the table of the family that runs, built here (at run time,
             # where the family is known without guarding the compiled graph on the shapes).
             known = dict(zip(self._table_kernels(True), _pairs(tables)))
-            return self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors))
+            return self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors),
+                                             sink=sink[0] if sink else None)
 
         # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
         # torch.compile plans with are the ones the kernels write.
         @forward_op.register_fake
-        def _(q, k, v, tensors, tables):
+        def _(q, k, v, tensors, tables, sink):
             B, H, Q_LEN, _ = q.shape
             return _empty_in_layout(q, v.shape[3]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
@@ -121,29 +145,31 @@ class Operators:
                     self._learnable_grads_like(tensors))
 
         def setup_context(ctx, inputs, output):
-            q, k, v, tensors, tables = inputs
-            ctx.save_for_backward(q, k, v, *output, *tensors, *tables)
-            ctx.counts = len(tensors), len(tables)
+            q, k, v, tensors, tables, sink = inputs
+            ctx.save_for_backward(q, k, v, *output, *sink, *tensors, *tables)
+            ctx.counts = len(sink), len(tensors), len(tables)
 
         def backward(ctx, do, dlse):
             self._no_double_backward()
             q, k, v, out, lse, *rest = ctx.saved_tensors
-            n_tensors, n_tables = ctx.counts
-            tensors, flat = rest[:n_tensors], rest[n_tensors:]
+            n_sink, n_tensors, n_tables = ctx.counts
+            sink, tensors, flat = rest[:n_sink], rest[n_sink:n_sink + n_tensors], rest[n_sink + n_tensors:]
             dq, dk, dv, grads = backward_op(q, k, v, out, lse, do, dlse, list(tensors), list(flat))
-            return dq, dk, dv, self._per_input(grads), [None] * n_tables
+            return (dq, dk, dv, self._per_input(grads), [None] * n_tables,
+                    [sink_grad_op(out, do, [dlse] if dlse is not None else [], lse, s) for s in sink])
 
         forward_op.register_autograd(backward, setup_context=setup_context)
 
         @torch.library.custom_op(f"attngen::{cache_name}", mutates_args=())
         def cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                     kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor],
+                     sink: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             # kv_len, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
-            return self._cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages)
+            return self._cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages,
+                                       sink[0] if sink else None)
 
         @cache_op.register_fake
-        def _(q, k, v, tensors, kv_len, q_offset, pages):
+        def _(q, k, v, tensors, kv_len, q_offset, pages, sink):
             B, H, Q_LEN, _ = q.shape
             return _empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Q_LEN), dtype=torch.float32)
 
@@ -151,12 +177,13 @@ class Operators:
         # LSE (H, TOTAL_Q); max_seqlen_q/k size the grid.
         @torch.library.custom_op(f"attngen::{packed_name}", mutates_args=())
         def packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                      sink: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        sink[0] if sink else None)
 
         @packed_op.register_fake
-        def _(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        def _(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink):
             return (_unpacked(_empty_in_layout(_packed_view(q), v.shape[-1])),
                     q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -175,30 +202,35 @@ class Operators:
                     self._learnable_grads_like(tensors))
 
         def packed_setup_context(ctx, inputs, output):
-            q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
-            ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *tensors)
-            ctx.max_seqlens = max_seqlen_q, max_seqlen_k
+            q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink = inputs
+            ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *sink, *tensors)
+            ctx.max_seqlens, ctx.n_sink = (max_seqlen_q, max_seqlen_k), len(sink)
 
         def packed_backward(ctx, do, dlse):
             self._no_double_backward()
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *tensors = ctx.saved_tensors
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rest = ctx.saved_tensors
+            sink, tensors = rest[:ctx.n_sink], rest[ctx.n_sink:]
             dq, dk, dv, grads = packed_backward_op(q, k, v, out, lse, do, dlse, list(tensors), cu_seqlens_q,
                                                    cu_seqlens_k, *ctx.max_seqlens)
-            return dq, dk, dv, self._per_input(grads), None, None, None, None
+            return (dq, dk, dv, self._per_input(grads), None, None, None, None,
+                    [sink_grad_op(_packed_view(out), _packed_view(do), [dlse[None]] if dlse is not None else [], lse, s)
+                     for s in sink])
 
         packed_op.register_autograd(packed_backward, setup_context=packed_setup_context)
 
-    def _packed_forward(self, q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan=None):
+    def _packed_forward(self, q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+                        plan=None):
         """A checked packed call's (out (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)), by the family that serves it;
-        `plan` the call's _CallPlan, which has the family and binds the launches (None under torch.compile)."""
+        `sink` as for _forward, (H, TOTAL_Q); `plan` the call's _CallPlan, which has the family and binds the
+        launches (None under torch.compile)."""
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
         q, k, v = map(_packed_view, (q, k, v))
         _, launch = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False,
                                                                               packed=True)
         if launch is not None:
-            out, lse = launch(q, k, v, tensors, (), packed=packed, plan=plan)
+            out, lse = launch(q, k, v, tensors, (), packed=packed, plan=plan, sink=sink)
         else:
-            out, lse = self._portable_forward(q, k, v, tensors, (), packed=packed, plan=plan)
+            out, lse = self._portable_forward(q, k, v, tensors, (), packed=packed, plan=plan, sink=sink)
         return _unpacked(out), lse[0]
 
     def _packed_backward(self, q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -218,9 +250,10 @@ class Operators:
 
     def _operators(self):
         """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of
-        this module's kernels."""
-        names = [f"{self.facts.name}_{self.facts.digest}_{part}"
-                 for part in ("table", "forward", "backward", "cache", "packed", "packed_backward")]
+        this module's kernels, and a spec with a sink's seventh, its sink rows' gradient."""
+        parts = ("table", "forward", "backward", "cache", "packed", "packed_backward",
+                 *(("sink_grad",) if self.facts.sink is not None else ()))
+        names = [f"{self.facts.name}_{self.facts.digest}_{part}" for part in parts]
         if not all(hasattr(torch.ops.attngen, name) for name in names):
             self._define_operators(*names)
         return tuple(getattr(torch.ops.attngen, name).default for name in names)
@@ -229,9 +262,10 @@ class Operators:
         """build(key) for _resolve under torch.compile: the table operator."""
         return lambda key: tuple(self.operators[0](q, k, list(tensors), *key)) if self.facts.tile_table else ()
 
-    def _compiled_attention(self, q, k, v, tensors, known):
+    def _compiled_attention(self, q, k, v, tensors, known, sink):
         # The user's tables travel whole (the backward follows them too); else none: the forward operator
         # picks the family at run time and builds its table (asking which here would guard the graph on the
         # shapes, a recompile where dynamic lengths cross a family's rule), and the backward builds its own.
         tables = self._resolve(self._table_kernels(True), q, v, known, self._operator_builder(q, k, tensors)) if known else []
-        return self.operators[1](q, k, v, tensors, [t for table in tables for t in table])
+        return self.operators[1](q, k, v, tensors, [t for table in tables for t in table],
+                                 [sink] if sink is not None else [])

@@ -44,11 +44,14 @@ class Packed:
                 self._check_packed_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
                 CHECKED_VALUES.add(offsets, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
+        sink = self._sink_rows(q, k, inputs, packed=(cu_seqlens_q, cu_seqlens_k))
         if torch.compiler.is_compiling():
-            return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     [sink] if sink is not None else [])
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))):
-            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan)
-        return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan,
+            return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+                                        plan)
+        return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink,
                                       *tensors)
 
     def _packed_plan(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

@@ -123,11 +123,18 @@ class Portable:
         (FAMILY_TILES; int() as in _tiles)."""
         return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 
-    def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None):
+    def _sink_args(self, sink):
+        """A forward kernel's Sink argument: a spec with a sink passes the sink of every row (_sink_rows, laid
+        out as LSE); a spec without one has no such parameter (emit.signatures.SINK)."""
+        assert (sink is None) == (self.facts.sink is None), "every forward of a spec with a sink takes its rows, no other"
+        return [sink] if sink is not None else []
+
+    def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
+                          sink=None):
         """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-        `cache`, `page_table` and `plan` as for _forward; `packed` a packed call's (cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views (_packed_view);
-        its LSE is (1, H, TOTAL_Q)."""
+        `cache`, `page_table`, `plan` and `sink` as for _forward; `packed` a packed call's (cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views
+        (_packed_view); its LSE is (1, H, TOTAL_Q)."""
         _, H, Q_ROWS, D = q.shape
         DV = v.shape[3]
         sm_scale = self.facts.softmax_scale(D)
@@ -145,7 +152,7 @@ class Portable:
         packed_args, packed_flags = _packed_launch(packed, lse)
         table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
         _launch(
-            self.kernels.forward, grid, q, k, v, out, lse, sm_scale, sm_scale * LOG2E.value,
+            self.kernels.forward, grid, q, k, v, out, lse, *self._sink_args(sink), sm_scale, sm_scale * LOG2E.value,
             *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
             *self._input_args(tensors), *table_args,
             B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
@@ -155,27 +162,32 @@ class Portable:
             **packed_flags, bind=_plan_site(plan, "forward", bool(table)))
         return out, lse
 
-    def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None):
-        """(delta, lse2): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H, q_rows)
-        (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the same
-        rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE comes
-        in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array. `dq_sum`, an
-        fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is zeroed in the
-        same pass. `plan`: the backward's (_backward_plan)."""
+    def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None, sink=None):
+        """(delta, lse2, dsink): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B, H,
+        q_rows) (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the
+        same rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE
+        comes in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array.
+        `dq_sum`, an fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is
+        zeroed in the same pass. `plan`: the backward's (_backward_plan). `sink`: a spec's (sink rows, LSE),
+        both dense (B, H, Q_LEN); dsink is then the sink rows' gradient, -exp(sink - LSE) * delta, else None."""
         B, H, Q_LEN, DV = out.shape
         D = dq_sum.shape[-1] if dq_sum is not None else DV
         dlse = dlse.contiguous() if dlse is not None else None
         q_rows = q_rows or Q_LEN
         delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
         lse2 = torch.empty_like(delta) if lse is not None else None
+        dsink = torch.empty_like(sink[0]) if sink is not None else None
+        # The kernel reads one LSE: for lse2 (BASE2_LSE) or for the sink's gradient (SINK_GRAD).
+        lse_in = lse if lse is not None else sink[1] if sink is not None else delta
         pre_m = 64
         _launch(
             self.kernels.bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
-            lse if lse is not None else delta, delta, lse2 if lse2 is not None else delta,
-            dq_sum if dq_sum is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV,
-            HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
-            HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, bind=_plan_site(plan, "row terms"))
-        return delta, lse2
+            lse_in, delta, lse2 if lse2 is not None else delta, dq_sum if dq_sum is not None else delta,
+            sink[0] if sink is not None else delta, dsink if dsink is not None else delta, *out.stride(),
+            *do.stride(), H, Q_LEN, q_rows, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m,
+            HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None, HEAD_DIM=D, HEAD_DIM_PAD=_pad(D),
+            ZERO_DQ=dq_sum is not None, SINK_GRAD=sink is not None, bind=_plan_site(plan, "row terms"))
+        return delta, lse2, dsink
 
     def _input_grads(self, tensors, device):
         """An fp32 gradient of zeros per learnable input, None for the others: the kernels add into them."""
@@ -194,7 +206,7 @@ class Portable:
         # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
         # dense). contiguous() copies only when needed (an expansion is not contiguous).
         do = do.contiguous() if do.stride(-1) != 1 else do
-        delta, _ = self._row_terms(out, do, dlse, plan=plan)
+        delta = self._row_terms(out, do, dlse, plan=plan)[0]
         tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
         dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self._input_grads(tensors, q.device)

@@ -1,6 +1,4 @@
-"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch, and its merge into a call's O and LSE."""
-
-import math
+"""Attention sinks on the host: a spec's `sink:` logit of every query row, evaluated in torch for the forward kernels."""
 
 import torch
 
@@ -39,6 +37,15 @@ def _evaluate(node, values, inputs, device):
     if kind == "load":
         _, name, type_, index = node
         x = inputs[name]
+        if _whole_dims(index, x.shape, values.whole):
+            # Each index runs once over the whole of its dim, along an axis of the rows of its own (`sinks[h]` of
+            # an (H,) input): the load is the input itself laid along those axes, with no bounds to check and
+            # no gather (launches are most of a sink's cost).
+            axes = [values.whole[i[1]][0] for i in index]
+            shape = [1] * 4
+            for axis, size in zip(axes, x.shape):
+                shape[axis] = size
+            return x.permute(sorted(range(len(axes)), key=axes.__getitem__)).reshape(shape).to(_INPUT_DTYPES[type_])
         indices = [_evaluate(i, values, inputs, device) for i in index]
         if indices:
             # Out-of-range indices read 0, as the kernels' masked loads do (never another entry).
@@ -77,8 +84,8 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
     gives `b` and `q` itself, (TOTAL_Q,) ints (each token's sequence and its position in it), and
     Q_LEN and KV_LEN as (TOTAL_Q,) tensors of that sequence's lengths: the result is then (H, TOTAL_Q).
     """
-    # Only the names the sink reads are made, each a device tensor made by a kernel (torch.full, arange),
-    # never copied from the host: a call stays capturable in a CUDA graph and costs few launches.
+    # Only the names the sink reads are made (_Values), each a device tensor made by a kernel (torch.full,
+    # arange), never copied from the host: a call stays capturable in a CUDA graph and costs few launches.
     def scalar(n):
         return torch.full((), n, dtype=torch.int64, device=device)
 
@@ -94,6 +101,7 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
         makers = {"b": lambda: token(b), "q": lambda: token(q), "Q_OFFSET": lambda: scalar(0),
                   "Q_LEN": lambda: token(Q_LEN), "KV_LEN": lambda: token(KV_LEN)}
         shape = (1, H, b.shape[0])
+        whole = {"h": (1, H)}
     else:
         def offset():
             return per_row(q_offset) if q_offset is not None else scalar(0)
@@ -102,38 +110,29 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
                   "Q_OFFSET": offset, "Q_LEN": lambda: scalar(Q_LEN),
                   "KV_LEN": lambda: per_row(kv_len) if kv_len is not None else scalar(KV_LEN)}
         shape = (B, H, Q_LEN)
+        whole = {"b": (0, B), "h": (1, H)} | ({"q": (2, Q_LEN)} if q_offset is None else {})
     makers |= {"h": heads, "hkv": lambda: heads() // (H // HKV), "B": lambda: scalar(B), "H": lambda: scalar(H),
                "HKV": lambda: scalar(HKV), "D": lambda: scalar(D)}
-    values = {name: makers[name]() for name in _names(tree)}
-    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor).
-    sink = torch.zeros((*shape, 1), dtype=torch.float32, device=device) + _float(_evaluate(tree, values, inputs, device))
-    return sink[0, ..., 0] if b is not None else sink[..., 0]
+    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor), dense as the kernels read it.
+    sink = _float(_evaluate(tree, _Values(makers, whole), inputs, device)).expand(*shape, 1)[..., 0]
+    return (sink[0] if b is not None else sink).contiguous()
 
 
-def _names(node):
-    """The index variables and sizes a literal tree reads."""
-    if node[0] in ("var", "size"):
-        return {node[1]}
-    children = {"load": node[3] if node[0] == "load" else (), "unary": node[3:], "binary": node[3:],
-                "call": node[3] if node[0] == "call" else ()}.get(node[0], ())
-    return set().union(*(_names(child) for child in children)) if children else set()
+class _Values(dict):
+    """The index variables and sizes of a call's rows, each made on its first use by `makers`; `whole`, those
+    that are aranges over a whole axis of the rows: name -> (axis, extent)."""
+
+    def __init__(self, makers, whole):
+        super().__init__()
+        self.makers, self.whole = makers, whole
+
+    def __missing__(self, name):
+        value = self[name] = self.makers[name]()
+        return value
 
 
-def with_sink(out, lse, sink):
-    """(O, LSE) of the softmax with one more logit, `sink`, which has no value, from the kernels' (O, LSE)
-    without it: LSE' = log(exp(LSE) + exp(sink)) and O' = O * exp(LSE - LSE'). Exact, and differentiable
-    by torch: the kernels' backward sees the gradients of their own O and LSE, and the sink's is
-    -exp(sink - LSE') * (rowsum(dO' * O') - dLSE'). A row with no allowed key (LSE = -inf) gets O' = 0
-    and LSE' = sink. `out` has its rows along dim -2 of lse's shape ((.., H, Q_LEN, DV) against
-    (.., H, Q_LEN)) or is a packed call's (TOTAL_Q, H, DV) against (H, TOTAL_Q) (`packed`)."""
-    # A row with no allowed key whose sink is -inf keeps LSE = -inf and O = 0: its logaddexp is taken of
-    # zeros instead, so no gradient meets exp(-inf - -inf) (NaN), and the row's gradients are 0.
-    empty = (lse == -math.inf) & (sink == -math.inf)
-    lse_safe, sink_safe = torch.where(empty, 0.0, lse), torch.where(empty, 0.0, sink)
-    total = torch.logaddexp(lse_safe, sink_safe)
-    factor = torch.where(empty, 0.0, torch.exp(lse_safe - total))
-    total = torch.where(empty, -math.inf, total)
-    if out.dim() == 3 and lse.dim() == 2:  # packed: out (TOTAL_Q, H, DV), lse (H, TOTAL_Q)
-        factor = factor.transpose(0, 1)
-    # bf16 or fp16 times fp32 is computed in fp32 (type promotion) in one pass, then rounded once.
-    return (out * factor[..., None]).to(out.dtype), total
+def _whole_dims(index, shape, whole):
+    """Whether every index of a load is a distinct variable of `whole` whose extent is its dim's size."""
+    return (bool(index) and len({i[1] for i in index if i[0] == "var"}) == len(index)
+            and all(i[0] == "var" and i[1] in whole and whole[i[1]][1] == size for i, size in zip(index, shape)))
+

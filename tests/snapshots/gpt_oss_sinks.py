@@ -27,7 +27,7 @@ import triton.language as tl
 
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
-from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit  # the kernels call them
+from attngen.runtime.helpers import LOG2E, LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse, _decode_combine  # the same in every spec
 from attngen.runtime.hopper import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # the Hopper kernels call them
 
@@ -95,10 +95,10 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
-                stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
-                stride_oh, stride_om, stride_ok, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN,
-                KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK,
+def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk,
+                stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk,
+                stride_oz, stride_oh, stride_om, stride_ok, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
+                Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK,
                 TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
@@ -154,8 +154,11 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # The sink is the softmax's first term, one with no value: the running max starts at it (base 2) and
+    # the running sum at its exp2(0) = 1, so O and LSE below include it. A sink of -inf is no sink: the
+    # first tile rescales that 1 by exp2(-inf) = 0, and a row that visits no tile keeps LSE = -inf, O = 0.
+    m_i = tl.load(Sink + lse_row + offs_m, mask=offs_m < Q_LEN, other=float("-inf")) * LOG2E
+    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     q_first = start_m * BLOCK_M + q_off
     q_last = tl.minimum(start_m * BLOCK_M + BLOCK_M, Q_LEN) - 1 + q_off
@@ -757,7 +760,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work, n_m, sm_scale,
+                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids, n_work, n_m, sm_scale,
                      qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
                      CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                      HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -795,8 +798,14 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         # Query positions: the family takes no cache calls, so query i sits at position i.
         pos_m = offs_m
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1.
+        # Its rows lie as LSE's.
+        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
+            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
+        else:
+            lse_row = off_bh.to(gl.int64) * Q_LEN
+        m_i = gl.load(Sink + lse_row + offs_m, mask=offs_m < seq_q_len, other=float("-inf")) * LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
         n_masked = masked_hi - masked_lo
         if n_tiles > 0:
@@ -870,10 +879,6 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
         mbarrier.arrive(q_empty.index(slot), count=1)
-        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
-            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
-        else:
-            lse_row = off_bh.to(gl.int64) * Q_LEN
         gl.store(Lse + lse_row + offs_m, lse, mask=offs_m < seq_q_len)
         done += 1
         # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
@@ -883,13 +888,13 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
-                       sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN,
-                       CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
-                       VARLEN: tl.constexpr):
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink,
+                       work_counter, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
+                       Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                       Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -934,15 +939,15 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     if PINGPONG:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
-                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
+                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
+                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
                                  HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
                                  DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
-                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
+                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
+                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
                                  HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
                                  DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
@@ -953,9 +958,9 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
-                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
+                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
+                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
                                  HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
                                  DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
@@ -1413,7 +1418,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "93765decf6d23132"
+MODULE_DIGEST = "d5561f4ad4325091"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",
