@@ -273,9 +273,10 @@ _COMPILE = textwrap.dedent('''
                      DOT_PRECISION="tf32", FOLLOW_TABLE=False, KV_LEN=1,  # an int argument equal to 1 is a constexpr
                      HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16,  # cache calls, paged
                      n_rows=1, BLOCK_R=16,  # one row to merge (found by attngen check on an H200)
-                     VARLEN=False)  # packed calls' launches: tools/compile_sm90.py compiles them
+                     VARLEN=False,  # packed calls' launches: tools/compile_sm90.py compiles them
+                     HAS_SINK=True)  # the decode merge's part for a sink (fp32 rows)
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
-            "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
+            "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32"}
     SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q")
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, module._decode_combine):
         signature = {}
