@@ -65,17 +65,13 @@ class Packed:
             facts = ("packed", type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, *offsets, *facts)
         else:
             facts = None
-        plan = self.call_plans.get(facts) if facts is not None else None
-        if plan is None:
+
+        def make():
             sizes = self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-            q, k, v = map(_packed_view, (q, k, v))
-            plan = _CallPlan(sizes, self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True),
-                             self._backward_family(q, k, v, packed=True))
-            if facts is not None:
-                if len(self.call_plans) >= self.call_plan_keys:
-                    self.call_plans.clear()
-                self.call_plans[facts] = plan
-        return plan
+            views = [_packed_view(t) for t in (q, k, v)]
+            return _CallPlan(sizes, self._forward_family(*views, *views[1].shape[1:3], False, packed=True),
+                             self._backward_family(*views, packed=True))
+        return self._planned(facts, make)
 
     def _check_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
         """A packed call's tensors, offsets' tensors and sizes; returns (B, H, HKV, max_seqlen_q, max_seqlen_k,

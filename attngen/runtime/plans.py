@@ -66,12 +66,18 @@ class CallPlans:
     def _call_plan(self, q, k, v, inputs):
         """The _CallPlan of a call of these tensors: a new one after _check passes, unless a call with the
         same facts made one already."""
-        facts = _call_facts(q, k, v, inputs)
-        plan = self.call_plans.get(facts) if facts is not None else None
-        if plan is None:
+        def make():
             sizes = self._check(q, k, v, inputs)
             # Both families once per facts, whether the call then runs a backward (or is a cache call) or not.
-            plan = _CallPlan(sizes, self._forward_family(q, k, v, sizes[2], sizes[4], False), self._backward_family(q, k, v))
+            return _CallPlan(sizes, self._forward_family(q, k, v, sizes[2], sizes[4], False), self._backward_family(q, k, v))
+        return self._planned(_call_facts(q, k, v, inputs), make)
+
+    def _planned(self, facts, make):
+        """The plan kept for these facts, else make()'s, kept for them (facts None: a call checked in full
+        every time, whose plan is not kept); past call_plan_keys the plans are dropped and start over."""
+        plan = self.call_plans.get(facts) if facts is not None else None
+        if plan is None:
+            plan = make()
             if facts is not None:
                 if len(self.call_plans) >= self.call_plan_keys:
                     self.call_plans.clear()
