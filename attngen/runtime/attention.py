@@ -11,7 +11,7 @@ from .operators import Operators, _Attention
 from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .portable import Portable, _call_sizes, _sizes
-from .shared import _cdiv, _packed_view
+from .shared import _cdiv, _packed_view, _token_sequences
 from .sinks import sink_rows
 from .tables import Tables
 
@@ -122,8 +122,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         inputs = {name: inputs[name] for name in self.facts.inputs}
         if packed is not None:
             cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()
-            tokens = torch.arange(q.shape[0], device=q.device)
-            b = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
+            b, tokens = _token_sequences(cu_seqlens_q, q.shape[0])
             lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
             return sink_rows(self.facts.sink, inputs, B=cu_seqlens_q.shape[0] - 1, H=q.shape[1], HKV=k.shape[1],
                              Q_LEN=lengths_q[b], KV_LEN=lengths_k[b], D=q.shape[-1], device=q.device,

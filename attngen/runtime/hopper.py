@@ -16,7 +16,7 @@ from .helpers import LOG2E, _tile_start
 from .launch import _launch
 from .plans import _plan_site
 from .portable import _call_sizes, _in_input_dtypes, _packed_launch, _sizes, _sm_count
-from .shared import _cdiv, _empty_in_layout
+from .shared import _cdiv, _empty_in_layout, _token_sequences
 
 
 # The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
@@ -122,19 +122,17 @@ def _hopper_sequence_columns(packed, block_m):
     """Where a packed call's row terms go for the backward kernel: each token's column, sequence b's rows
     from column 4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the kernel's row_start),
     and the width of the moved rows, padded to whole query tiles. Made on the device without a sync
-    (searchsorted: repeat_interleave reads its repeats on the host), once per offsets tensor while it is
-    unchanged (every layer of a model's step passes the same one), except while a CUDA graph is captured."""
+    (_token_sequences), once per offsets tensor while it is unchanged (every layer of a model's step
+    passes the same one), except while a CUDA graph is captured."""
     cu, TOTAL_Q = packed[0], packed[4]
     capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
     facts = ("hopper sequence columns", TOTAL_Q, block_m)
     known = None if capturing else CHECKED_VALUES.value((cu,), facts)
     if known is not None:
         return known
-    starts = cu.long()
-    tokens = torch.arange(TOTAL_Q, device=cu.device)
-    sequence = torch.searchsorted(starts[1:], tokens, right=True)
+    sequence, tokens = _token_sequences(cu, TOTAL_Q)
     # 4 * (start // 4 + b) + (token - start), with start = cu[b]
-    columns = tokens + 4 * sequence - starts[:-1][sequence] % 4
+    columns = tokens + 4 * sequence - cu[:-1].long()[sequence] % 4
     known = columns, _cdiv(TOTAL_Q + 4 * (cu.shape[0] - 1), block_m) * block_m
     if not capturing:
         CHECKED_VALUES.keep((cu,), facts, known)

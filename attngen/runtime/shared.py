@@ -74,3 +74,11 @@ def _packed_view(t):
 def _unpacked(t):
     """_packed_view's inverse: (1, heads, TOTAL, D) back to (TOTAL, heads, D)."""
     return t.squeeze(0).transpose(0, 1)
+
+
+def _token_sequences(cu_seqlens, total):
+    """(sequence, tokens): which sequence of a packed call each of its `total` tokens belongs to, and the
+    tokens' indices, both (total,) int64, made on the device without a sync (searchsorted; repeat_interleave
+    would read the lengths on the host). Sequences of length 0 hold no token."""
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True), tokens
