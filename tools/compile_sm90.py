@@ -140,7 +140,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
 
 
 def _hopper_runtime(module):
-    """The Hopper family's runtime module of a generated module (the bundle's own copy of attngen.runtime.hopper)."""
+    """The Hopper family's runtime module of a generated module (the bundle's own copy of attngen.families.hopper.runtime)."""
     return sys.modules[type(module.ATTENTION.families["hopper"]).__module__]
 
 

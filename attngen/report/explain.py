@@ -15,7 +15,7 @@ from attngen.analysis import spans
 from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
 from attngen.frontend.printer import expr_to_source, to_source
-from attngen.plan import ELEMENT_BYTES, Plan
+from attngen.plan import ELEMENT_BYTES, Plan, families
 from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                                     tile_map)
 
@@ -58,7 +58,7 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
-def _gathers(facts: Analysis) -> list[str]:
+def _gathers(facts: Analysis, kernel_plan: Plan) -> list[str]:
     """The score's inputs read at both q and k, and whether the kernels take one entry a tile where
     the index is constant over it (docs/language.md, "Inputs read at both q and k")."""
     if not facts.score_gathers:
@@ -75,7 +75,9 @@ def _gathers(facts: Analysis) -> list[str]:
             how = ("gathered on every tile: its index holds an op the interval bounds do not follow (%, a "
                    "product of two indices, float math, a load)")
         lines.append(f"  {expr_to_source(load)}: {how}")
-    lines.append("  (in the Hopper and portable kernels; the decode kernel gathers on every tile)")
+    every = [f.name for f in families.FAMILIES if f.name in kernel_plan.families and f.gathers_every_tile]
+    if every:
+        lines.append(f"  (the {' and '.join(every)} kernels gather on every tile)")
     return lines
 
 
@@ -111,7 +113,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
-    lines += _gathers(facts)
+    lines += _gathers(facts, kernel_plan)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
             "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}

@@ -2,6 +2,8 @@
 
 import torch
 
+from ..families.portable.runtime import Portable
+from .arguments import _call_sizes, _sizes
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
 from .facts import Kernels, SpecFacts
@@ -10,7 +12,6 @@ from .kvcache import Cache
 from .operators import Operators, _Attention
 from .packed import Packed, _is_packed
 from .plans import CallPlans
-from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv, _packed_view, _token_sequences
 from .sinks import sink_rows
 from .tables import Tables

@@ -4,7 +4,7 @@
 from .checks import _autocast
 from .packed import _is_packed
 from .plans import _backward_plan
-from .portable import _kv_layout
+from .arguments import _kv_layout
 from .shared import _packed_view
 
 

@@ -3,7 +3,7 @@
 import torch
 
 from .plans import _backward_plan
-from .portable import _sizes
+from .arguments import _sizes
 from .shared import _empty_in_layout, _packed_view, _unpacked
 from .tables import _pairs
 

@@ -29,7 +29,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LOG2E, LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse, _decode_combine  # the same in every spec
-from attngen.runtime.hopper import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # the Hopper kernels call them
+from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -532,9 +532,6 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_
                             VARLEN)
 
 
-# No tile tables (TILE_TABLE is off): the host never launches their kernels.
-_table_by_query_classify = _table_by_key_classify = _table_compact = None
-
 
 # --- hopper forward (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization) --------------
 # A producer warp streams K/V tiles by TMA into a ring of shared-memory stages guarded by mbarriers;
@@ -542,7 +539,7 @@ _table_by_query_classify = _table_by_key_classify = _table_compact = None
 # overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
 # spec's score and mask run on each S accumulator tile in the wgmma layout: the same elementwise code
 # as the portable forward's (hooks.HOPPER_SCORE / HOPPER_MASK), and the same tile ranges and tables.
-# The Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
+# The Gluon API is triton 3.6's (its family entry, families/hopper/family.py, checks the version); tools/hopper/NOTES.md pins it.
 from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -1410,6 +1407,9 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
 # _decode_combine, which merges the shares, is the same for every spec: attngen/runtime/kernels.py.
 
 
+# No tile tables (TILE_TABLE is off): the host never launches their kernels.
+_table_by_query_classify = _table_by_key_classify = _table_compact = None
+
 
 # ---- the declaration: this spec's facts and kernels, handed to the runtime ----
 def softmax_scale(D):
@@ -1418,7 +1418,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "d5561f4ad4325091"
+MODULE_DIGEST = "059a2499dd13861a"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",

@@ -11,12 +11,12 @@ from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import CHECKED_VALUES
-from .helpers import LOG2E, _tile_start
-from .launch import _launch
-from .plans import _plan_site
-from .portable import _call_sizes, _in_input_dtypes, _packed_launch, _sizes, _sm_count
-from .shared import _cdiv, _empty_in_layout, _token_sequences
+from ...runtime.arguments import _call_sizes, _in_input_dtypes, _packed_launch, _sizes, _sm_count
+from ...runtime.checks import CHECKED_VALUES
+from ...runtime.helpers import LOG2E, _tile_start
+from ...runtime.launch import _launch
+from ...runtime.plans import _plan_site
+from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
 
 
 # The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
@@ -161,7 +161,7 @@ HOPPER_DQ_FINISH_BLOCK = 2048
 
 
 class HopperFamily:
-    """The Hopper family (plan.families.HOPPER) serving the Attention `rt`: its Gluon forward, its backward
+    """The Hopper family (families/hopper/family.py) serving the Attention `rt`: its Gluon forward, its backward
     and dQ's finishing pass; plain_score is the emitter's word that the score is the plain scaled dot
     product (the forward may then scale once per tile: DEFER_SCALE)."""
 
@@ -171,7 +171,7 @@ class HopperFamily:
         self.dq_finish_kernel, self.plain_score = dq_finish_kernel, plain_score
 
     def serves(self, q, k, v, HKV, KV_LEN, cached):
-        """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
+        """Whether this forward call goes to the Hopper family (its family entry's per_call): not a
         cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
         addresses (_hopper_addressable: any strides of 16-byte multiples), lengths int32-addressable."""
         B, H, Q_LEN, D = q.shape
@@ -180,7 +180,7 @@ class HopperFamily:
                 and all(_hopper_addressable(t) for t in (q, k, v)))
 
     def backward_serves(self, q, k, v):
-        """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
+        """Whether this call's backward goes to the Hopper family (its family entry's per_call): a call
         whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config)."""
         return self.serves(q, k, v, k.shape[1], k.shape[2], False)
 
@@ -273,9 +273,12 @@ class HopperFamily:
         return dq, dk, dv, _in_input_dtypes(grads, tensors)
 
 
+# The class the runtime serves a spec's Attention with (runtime.families).
+FAMILY = HopperFamily
+
 
 # --- device helpers the Hopper kernels call (no spec expression in them; every module of this family
-# imports them: emit.module.SHARED_KERNEL_NAMES) -------------------------------------------------
+# imports them: its emit side's DEVICE_HELPERS) -------------------------------------------------
 @gluon.jit
 def _hopper_round_pairs(x, dtype: gl.constexpr):
     # fp32 to dtype, two neighbours (the pair one wgmma A-operand register holds) in one packed cvt. With

@@ -2,11 +2,11 @@
 
 import torch
 
-from .helpers import LOG2E
-from .launch import _launch
-from .plans import _plan_site
-from .portable import _cache_launch, _dot_precision, _kv_layout, _sm_count
-from .shared import _cdiv, _empty_in_layout, _next_power_of_2
+from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sm_count
+from ...runtime.helpers import LOG2E
+from ...runtime.launch import _launch
+from ...runtime.plans import _plan_site
+from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2
 
 
 # Each program should still stream a few key tiles, so a share is at least this many tiles long; and
@@ -39,7 +39,7 @@ def _decode_splits(n_tiles, programs, device):
 
 
 class DecodeFamily:
-    """The decode family (plan.families.DECODE) serving the Attention `rt`: its split-KV forward and the
+    """The decode family (families/decode/family.py) serving the Attention `rt`: its split-KV forward and the
     merge of its splits; max_rows, the most rows (query heads of a key/value head times queries) one tile
     of it holds."""
 
@@ -49,7 +49,7 @@ class DecodeFamily:
 
     def serves(self, q, k, v, HKV, KV_LEN, cached):
         """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
-        contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+        contiguous or paged) goes to the decode family (its family entry's per_call): all queries of
         the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
         split kernel is predicted faster than the portable forward, which would run it otherwise."""
         if (q.shape[1] // HKV) * q.shape[2] <= self.max_rows:
@@ -121,3 +121,7 @@ class DecodeFamily:
                 sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
                 BLOCK_R=block_r, HAS_SINK=sink is not None, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
+
+
+# The class the runtime serves a spec's Attention with (runtime.families).
+FAMILY = DecodeFamily
