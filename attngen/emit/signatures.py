@@ -88,6 +88,10 @@ SEQUENCE = ("tma_b", "q_start", "k_start")
 # A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
 # ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
 SINK = ("Sink",)
+# A softmax spec's forward kernels write each row's LSE, and its backward kernels read it and the row term
+# delta = rowsum(dO * O); a sigmoid spec has neither (each key's weight is its own sigmoid(score'), and
+# dS = P * (1 - P) * dP), so its kernels have no such parameters.
+ROW_TERMS = ("Lse", "Delta")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -120,6 +124,14 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
     inputs, grads = input_params(spec), grad_params(spec)
     table = table_params() if tile_table else ()
     sink = SINK if spec.sink is not None else ()
+    softmax = not spec.sigmoid
+    lse, rows = ROW_TERMS[:1] if softmax else (), ROW_TERMS if softmax else ()
+    # The same, as the inner loops and the Hopper backward's partitions hold them.
+    row_values = ("lse", "delta") if softmax else ()
+    row_descriptors = ("lse_desc", "delta_desc") if softmax else ()
+    row_buffers = ("lse_bufs", "delta_bufs") if softmax else ()
+    lse_part = ("LsePart",) if softmax else ()  # the decode family's shares' LSE
+    row_offset = ("row",) if softmax else ()  # where a head's rows begin in LSE and delta
 
     def sig(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
         return Signature(name, params + constants, frozenset(constants))
@@ -133,31 +145,31 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
+            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
              *PAGING, "VARLEN")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
-            "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
+            "dk", "dv", "k", "v", "Q_head", "DO_head", *rows, *row_offset, "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
             "qk_scale", *POSITIONS, *SIZES, *inputs), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dkdv_program": sig("_bwd_dkdv_program", (
-            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
+            "start_n", "off_bhkv", "Q", "K", "V", "DO", *rows, "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
             (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "dq_inner": sig("_bwd_dq_inner", (
-            "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
+            "dq", "q", "do", *row_values, "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
             *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dq_program": sig("_bwd_dq_program", (
-            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
+            "start_m", "off_bh", "Q", "K", "V", "DO", *rows, "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
             (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "bwd_kernel": sig("_bwd_kernel", (
-            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
+            "Q", "K", "V", "DO", *rows, "DQ", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
@@ -165,13 +177,14 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
              "FOLLOW_TABLE", "VARLEN")),
         "decode_fwd": sig("_decode_fwd_kernel", (
-            "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
+            "Q", "K", "V", "OutPart", *lse_part, "sm_scale", "qk_scale", *_strides("q", "m"),
+            *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_counter",
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
             "sm_scale", "qk_scale", *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
              "VARLEN")),
@@ -186,7 +199,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
+            "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
             *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
              "NUM_CONSUMERS", "VARLEN")),
@@ -203,34 +216,35 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
             *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
             *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "q_bufs", "do_bufs", "lse_bufs",
-            "delta_bufs", "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "q_bufs", "do_bufs", *row_buffers,
+            "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
             "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
-            "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
+            "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
             "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
             "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
                                        "VARLEN")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
-            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
+            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
             "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
             "qk_scale",
             *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
              "dv_layout")),
-        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
+        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part;
+        # a sigmoid spec's parts add (ADD_PARTS).
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
                                                   *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK")),
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS")),
         **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
                                 ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
            for rows in ("by_query", "by_key")},
