@@ -342,5 +342,112 @@ def test_merge_adds_sigmoid_parts_over_disjoint_keys():
 
 
 def test_to_flex_refuses_sigmoid_attention():
-    with pytest.raises(ArgumentError, match="must be softmax attention to run as FlexAttention, got 'normalize: sigmoid'"):
+    with pytest.raises(ArgumentError, match="must be softmax attention to run as FlexAttention, got 'normalize: "
+                                            "sigmoid'"):
         attngen.to_flex(SIGMOID_ALIBI)
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# Through the Hopper family: ALiBi with the -log(n) bias, a plain score (the scale applied in exp2's argument,
+# DEFER_SCALE), a learnable table with rows without keys, tile tables, and scores that saturate the sigmoid.
+HOPPER_SPECS = {
+    "sigmoid_alibi": SIGMOID_ALIBI,
+    "plain_causal": "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
+    "rows": ROWS,
+    "document": DOCUMENT,
+    "steep": "attention sigmoid_steep\nnormalize: sigmoid\nscale: 1.5\nmask: causal\n",
+}
+
+
+def _gpu_inputs(attn, B, H, HKV, N, M):
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device="cuda")
+    if "slopes" in inputs:  # ALiBi's own slopes, 2^(-8 (h + 1) / H): positive, as a model uses them
+        inputs["slopes"] = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+    return inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(HOPPER_SPECS))
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 257, 700, 64), (1, 4, 2, 17, 300, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sigmoid_through_the_hopper_family_on_gpu(name, dtype, shape):
+    """The Hopper forward's sigmoid weights (no row max, sum or rescaling) and its backward without row terms:
+    out, dq, dk, dv and the learnable inputs' gradients against the float64 reference; a 17-query call puts
+    rows past Q_LEN in every query tile, a head dim of 256 splits the backward's warpgroups."""
+    B, H, HKV, N, M, D = shape
+    attn = attngen.build(HOPPER_SPECS[name])
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype, device="cuda")
+    inputs = _gpu_inputs(attn, B, H, HKV, N, M)
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    if N > 64:  # the shortest calls' forward is the decode family's
+        assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    out = attn(q, k, v, **inputs)
+    assert not out.isnan().any()
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["sigmoid_alibi", "rows", "document"])
+def test_sigmoid_through_the_portable_and_decode_families_on_gpu(name, dtype):
+    # D = 48, which the Hopper family does not take: the portable forward and backward (bf16 dots, which the
+    # interpreter cannot check); then a decoding step and a chunk of prefill over the cache, by the decode family.
+    attn = attngen.build(HOPPER_SPECS[name])
+    B, H, HKV, N, D = 2, 8, 2, 300, 48
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
+    inputs = _gpu_inputs(attn, B, H, HKV, N, N)
+    assert attn.forward_family(q, k, v, **inputs) == "portable" and attn.backward_family(q, k, v, **inputs) == "portable"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
+    for n in (1, 4):
+        family = attn.forward_family(q[:, :, :n], k, v, kv_len=kv_len, **inputs)
+        assert family == ("decode" if "decode" in attn.plan.families else "portable")
+        testing.check_against_reference(attn.spec, attn, q[:, :, :n], k, v, inputs, grads=False,
+                                        cache={"kv_len": kv_len})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["sigmoid_alibi", "rows"])
+def test_packed_sigmoid_calls_through_the_hopper_family_on_gpu(name, dtype):
+    # Sequences empty, single, ragged and several tiles long: rows past a sequence's end are the next one's,
+    # which only the mask's bounds check keeps out of P (there is no LSE to pad with +inf).
+    attn = attngen.build(HOPPER_SPECS[name])
+    lengths = [300, 1, 0, 700, 77, 129]
+    H, HKV, D = 8, 2, 128
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths), H, D, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(sum(lengths), HKV, D, generator=g).to("cuda", dtype) for _ in range(2))
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    inputs = _gpu_inputs(attn, len(lengths), H, HKV, max(lengths), max(lengths))
+    assert attn.forward_family(q, k, v, **packed, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **packed, **inputs) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_sigmoid_under_inductor_on_gpu(layout, fresh_dynamo):
+    # The custom operators of a sigmoid spec (no LSE written, no row terms) under Inductor, which checks every
+    # output's strides against the fakes': the compiled step gives the eager step's numbers.
+    attn = attngen.build(SIGMOID_ALIBI)
+    q, k, v = testing.random_qkv(2, 8, 8, 512, 512, 128, 128, torch.bfloat16, device="cuda", layout=layout)
+    inputs = _gpu_inputs(attn, 2, 8, 8, 512, 512)
+
+    def step(q, k, v):
+        return attn(q, k, v, **inputs).float().square().sum()
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(step(*leaves), leaves)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
+    for a, b in zip(got, want):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
