@@ -177,6 +177,10 @@ def test_tile_table_masks_match_the_reference_and_skip_the_tiles_softmax_skips(d
     assert document.module.FACTS.tile_table
     testing.check_against_reference(document.spec, document, q, k, v, inputs)
     softmax = attngen.build(DOCUMENT.replace("normalize: sigmoid\n", "").replace("sigmoid_document", "softmax_doc"))
+    # Tables built once and passed give the same call.
+    tables = document.tile_tables(q, k, v, **inputs)
+    with torch.no_grad():
+        assert torch.equal(document(q, k, v, tile_tables=tables, **inputs), document(q, k, v, **inputs))
     counts, softmax_counts = document.visit_counts(q, k, v, **inputs), softmax.visit_counts(q, k, v, **inputs)
     assert counts.keys() == softmax_counts.keys()
     for kernel, visits in counts.items():
