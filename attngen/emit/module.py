@@ -29,9 +29,9 @@ HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv
 # checks the list is whole).
 SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
 # The Hopper family's device helpers, which its modules import from attngen/runtime/hopper.py.
-HOPPER_HELPER_NAMES = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
-                       "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
-                       "_hopper_bwd_sequence")
+HOPPER_HELPER_NAMES = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box",
+                       "_hopper_take_turn", "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add",
+                       "_hopper_dq_finish", "_hopper_bwd_sequence")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 

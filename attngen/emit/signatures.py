@@ -177,8 +177,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
              "FOLLOW_TABLE", "VARLEN")),
         "decode_fwd": sig("_decode_fwd_kernel", (
-            "Q", "K", "V", "OutPart", *lse_part, "sm_scale", "qk_scale", *_strides("q", "m"),
-            *_strides("k", "n"),
+            "Q", "K", "V", "OutPart", *lse_part, "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their

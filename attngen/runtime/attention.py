@@ -53,7 +53,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
 
         Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
         LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key; the row's sink with a
-        `sink:`; a sigmoid spec has no LSE and refuses return_lse=True). Differentiable in q, k, v and the learnable inputs, if any (once: no double backward).
+        `sink:`; a sigmoid spec has no LSE and refuses return_lse=True). Differentiable in q, k, v and the
+        learnable inputs, if any (once: no double backward).
         A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
         ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
         first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
