@@ -118,9 +118,9 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
              kv_len: Tensor | None = None, q_offset: Tensor | None = None,
-             row: PackedRow | None = None) -> tuple[Tensor, Tensor]:
+             row: PackedRow | None = None) -> tuple[Tensor, Tensor | None]:
     """(O, LSE) of the spec, exactly as DSL.md defines them (a sink included); differentiable in q, k, v and
-    the inputs.
+    the inputs. A sigmoid spec (`normalize: sigmoid`) has no LSE: (O, None).
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
@@ -132,15 +132,16 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
     """
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
-    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))
+    p, lse = _weights(spec, modified_scores(spec, q, k, v, inputs, **where),
+                      sink_logits(spec, q, k, v, inputs, **where))
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
 
 def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int) -> tuple[Tensor, Tensor]:
-    """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
+                    max_seqlen_k: int) -> tuple[Tensor, Tensor | None]:
+    """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q), None for a sigmoid spec) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
     k (TOTAL_K, HKV, D), v (TOTAL_K, HKV, DV); sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     of q (and by cu_seqlens_k of k and v), evaluated on its own as a batch row: positions from 0, `b` its
     index, Q_LEN and KV_LEN its lengths; inputs are the call's (a dim declared Q_LEN or KV_LEN is
@@ -153,15 +154,17 @@ def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
                 ((q, starts_q[b], starts_q[b + 1]), (k, starts_k[b], starts_k[b + 1]), (v, starts_k[b], starts_k[b + 1]))]
         out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k))
         outs.append(out[0].transpose(0, 1))
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+        if lse is not None:
+            lses.append(lse[0])
+    return torch.cat(outs), (torch.cat(lses, dim=1) if lses else None)
 
 
 def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                   kv_len: Tensor | None = None, q_offset: Tensor | None = None, row: PackedRow | None = None) -> Tensor:
-    """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
+    """P (B, H, Q_LEN, KV_LEN): the weights `evaluate` multiplies V by, softmax or sigmoid (0 on masked keys)."""
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
-    return _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))[0]
+    return _weights(spec, modified_scores(spec, q, k, v, inputs, **where),
+                    sink_logits(spec, q, k, v, inputs, **where))[0]
 
 
 def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
@@ -216,6 +219,15 @@ def _call_env(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, 
         q_offset = kv_len.long() - Q_LEN
     return make_env(spec, B=B, H=H, HKV=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D, inputs=inputs,
                     float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset, row=row)
+
+
+def _weights(spec: Spec, score: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(P, LSE) of the modified scores (-inf on masked keys): the softmax over each row, or with
+    `normalize: sigmoid` sigmoid(score') of each key on its own and no LSE. sigmoid(-inf) = 0, and its
+    gradient there, P * (1 - P) = 0, is never NaN: a row with no allowed key has O = 0 and zero gradients."""
+    if spec.sigmoid:
+        return torch.sigmoid(score), None
+    return _softmax(score, sink)
 
 
 def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:

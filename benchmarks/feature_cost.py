@@ -1,10 +1,11 @@
 """What a feature costs: a spec with it against the same spec without it, timed side by side on the GPU
-(issue 34's targets: a sink <= 1.05x the time without it).
+(the targets: a sink <= 1.05x the time without it; sigmoid attention <= 1.0x the same spec with softmax).
 
-    python benchmarks/feature_cost.py [--shape B,H,N,D] [--json FILE]
+    python benchmarks/feature_cost.py [--shape B,H,N,D ...] [--only WORD] [--json FILE]
 
 Each row: forward (no_grad) and forward+backward median ms (triton.testing.do_bench), bf16, the same
-q, k, v for both specs; the ratio is the feature's time over the time without it.
+q, k, v for both specs; the ratio is the feature's time over the time without it. `--only sigmoid` runs
+the rows whose feature names that word; several shapes run one after another.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ CASES = [
     ("sink on causal attention",
      "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
      "specs/causal.attn"),
+    # Sigmoid against softmax of the very same scores (the -log(KV_LEN) bias changes no softmax, but costs the
+    # same), and against the catalog's ALiBi, which lacks that term.
+    ("sigmoid (sigmoid_alibi against the same spec with softmax)",
+     "specs/sigmoid_alibi.attn",
+     "attention softmax_alibi_log\ninput slopes: f32[H]\nmask: causal\n"
+     "score: score + slopes[h] * (k - q) - log(KV_LEN)\n"),
+    ("sigmoid (sigmoid_alibi against alibi_causal)", "specs/sigmoid_alibi.attn", "specs/alibi_causal.attn"),
+    # No score expression: the scale applied in exp2's argument (DEFER_SCALE) on both sides.
+    ("sigmoid on plain causal attention", "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
+     "specs/causal.attn"),
 ]
 
 
@@ -40,14 +51,26 @@ def _time(attn, q, k, v, inputs, dout, backward):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="2,16,8192,128", help="B,H,N,D")
+    parser.add_argument("--shape", nargs="+", default=["2,16,8192,128"], help="B,H,N,D (one or more)")
+    parser.add_argument("--only", help="only the rows whose feature names this word (e.g. sigmoid, sink)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    B, H, N, D = (int(x) for x in args.shape.split(","))
+    cases = [case for case in CASES if args.only is None or args.only in case[0]]
+    rows = []
+    for shape in args.shape:
+        rows += _rows(cases, *(int(x) for x in shape.split(",")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+                       "rows": rows}, f, indent=1)
+
+
+def _rows(cases, B, H, N, D):
+    """Each case's row at one shape, printed as it is measured."""
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without in CASES:
+    for feature, with_it, without in cases:
         row = {"feature": feature, "shape": [B, H, N, D]}
         for name, spec in (("with", with_it), ("without", without)):
             attn = attngen.build(spec)
@@ -65,10 +88,7 @@ def main() -> None:
         for part in ("fwd", "fwd+bwd"):
             print(f"  {part:8s} with {row[f'with {part} ms']:.3f} ms, without {row[f'without {part} ms']:.3f} ms: "
                   f"{row[f'{part} ratio']:.3f}x", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
-                       "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

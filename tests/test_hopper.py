@@ -154,16 +154,16 @@ def _compile_sm90(specs, head_dim):
 
 
 # Compiling is slow (two Gluon kernels a spec): the default run compiles specs that between them reach
-# each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink), the
-# slow tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a plain mask,
-# a learnable table and a softcap.
-SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks"]
+# each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink, sigmoid
+# attention), the slow tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a
+# plain mask, a learnable table, a softcap and sigmoid.
+SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks", "sigmoid_alibi"]
 
 
 @pytest.mark.parametrize("specs, wide", [
     pytest.param(SM90_DEFAULT, ["learned_rel_bias"], id="default"),
-    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT], ["causal", "gemma2_local"], id="rest",
-                 marks=pytest.mark.slow)])
+    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT], ["causal", "gemma2_local", "sigmoid_alibi"],
+                 id="rest", marks=pytest.mark.slow)])
 def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
     # The PTX must hold what the family exists for.
     for spec, kernels in _compile_sm90(specs, 128).items():
@@ -179,6 +179,10 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             shared = kernels[kernel]["shared"]
             assert shared <= SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
+        # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
+        sigmoid = "normalize: sigmoid" in (SPECS / f"{spec}.attn").read_text()
+        for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
+            assert kernels[kernel]["rcp_approx"] == sigmoid, f"{spec}: {kernel}'s rcp.approx"
     for spec, kernels in _compile_sm90(wide, 256).items():
         for instruction in ("wgmma", "tma", "setmaxnreg"):
             assert kernels["_hopper_bwd_kernel"][instruction], f"{spec}: no {instruction} in the D=256 backward"

@@ -83,7 +83,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
             launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16,
-                                                     HAS_SINK=module.FACTS.sink is not None), (0, 0, 4, 1)))
+                                                     HAS_SINK=module.FACTS.sink is not None,
+                                                     ADD_PARTS=module.FACTS.normalize == "sigmoid"), (0, 0, 4, 1)))
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
                               PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
@@ -98,11 +99,13 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles)]
-            # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
-            launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
-                                                     HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
-                                                     HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
-                             (0, 0, 4, 1)))
+            # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
+            # scales and rounds it.
+            if module.FACTS.normalize != "sigmoid":
+                launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
+                                                         HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
+                                                         HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
+                                 (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
@@ -134,6 +137,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
                                                         "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
+                                                        "rcp_approx": "rcp.approx" in ptx,
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
@@ -167,8 +171,10 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
     else:
         boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "do_desc": box(block_m, dv)}
+        rows = {"lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
+        # (A sigmoid spec's backward reads no row terms: it has no such parameters.)
         signature = {**signature, "dq_desc": descriptor(box(block_m, d), "fp32"),
-                     "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
+                     **{name: value for name, value in rows.items() if name in signature}}
         num_warps, maxnreg, _ = _hopper_runtime(module)._hopper_backward_config(block_n, tiles[2])
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,

@@ -232,6 +232,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
+        sigmoid=spec.sigmoid,
         **kernel_context(facts, plan.families),
     )
     text = _environment().get_template("emit/module.py.jinja").render(**context)

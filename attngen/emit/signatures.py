@@ -90,6 +90,10 @@ SEQUENCE = ("tma_b", "q_start", "k_start")
 # A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
 # ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
 SINK = ("Sink",)
+# A softmax spec's forward kernels write each row's LSE, and its backward kernels read it and the row term
+# delta = rowsum(dO * O); a sigmoid spec has neither (each key's weight is its own sigmoid(score'), and
+# dS = P * (1 - P) * dP), so its kernels have no such parameters.
+ROW_TERMS = ("Lse", "Delta")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -117,17 +121,18 @@ def table_params(prefix: str = "") -> tuple[str, ...]:
 class SpecParams:
     """The parameters a spec adds to its kernels: per input its pointer, strides and sizes (`inputs`), the
     learnable ones' gradients (`grads`), a tile table's (`table`, empty without one) and the sink's rows
-    (`sink`, empty without a sink)."""
+    (`sink`, empty without a sink); `softmax`: whether its kernels have the row terms (ROW_TERMS)."""
     inputs: tuple[str, ...]
     grads: tuple[str, ...]
     table: tuple[str, ...]
     sink: tuple[str, ...]
     tile_table: bool
+    softmax: bool
 
 
 def spec_params(spec: ir.Spec, tile_table: bool) -> SpecParams:
     return SpecParams(input_params(spec), grad_params(spec), table_params() if tile_table else (),
-                      SINK if spec.sink is not None else (), tile_table)
+                      SINK if spec.sink is not None else (), tile_table, not spec.sigmoid)
 
 
 def signature(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:

@@ -105,6 +105,9 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
     if spec.sink is not None:  # shown only where a spec has one: the others' explanations read as before
         lines.append(f"  sink: {ir_tree(spec.sink)} (one per query row, evaluated on the host (attngen.runtime.sinks); "
                      f"the forward kernels start each row's softmax at it)")
+    if spec.sigmoid:  # likewise only where a spec is not softmax attention
+        lines.append("  normalize: sigmoid (each allowed key weighs sigmoid(score') on its own: no sum over the row, "
+                     "no LSE, no row terms in the backward)")
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
               f"  kernel families: {', '.join(kernel_plan.families)} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]

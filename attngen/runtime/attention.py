@@ -50,11 +50,12 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
-        sink, if it has one), times V.
+        sink, if it has one), times V; with `normalize: sigmoid`, sigmoid of each allowed key's score times V.
 
         Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
         LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key; the row's sink with a
-        `sink:`). Differentiable in q, k, v and the learnable inputs, if any (once: no double backward).
+        `sink:`; a sigmoid spec has no LSE and refuses return_lse=True). Differentiable in q, k, v and the
+        learnable inputs, if any (once: no double backward).
         A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
         ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
         first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
@@ -73,6 +74,9 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
         """
+        if return_lse and self.facts.sigmoid:
+            self._fail("return_lse=True needs a softmax spec, got one with normalize: sigmoid, which has no LSE (each "
+                       "key's weight is sigmoid(score') on its own, with no sum over the row); call without return_lse")
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -39,7 +39,8 @@ class SpecFacts:
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
     packed_families and packed_backward_families those that serve packed calls; sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
-    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`.
+    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
+    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms).
     """
     name: str
     fingerprint: str
@@ -65,6 +66,11 @@ class SpecFacts:
     packed_backward_families: tuple = ()
     sink: tuple | None = None
     reductions: tuple = ()
+    normalize: str = "softmax"
+
+    @property
+    def sigmoid(self):
+        return self.normalize == "sigmoid"
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,15 @@ def context(facts: Analysis) -> dict:
 def signatures(p: SpecParams) -> dict[str, Signature]:
     """Its kernels' signatures, for a spec's parameters."""
     sig, inputs = signature, p.inputs
+    lse_part = ("LsePart",) if p.softmax else ()  # the shares' LSE
     return {
         "decode_fwd": sig("_decode_fwd_kernel", (
-            "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
+            "Q", "K", "V", "OutPart", *lse_part, "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
-        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
+        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part;
+        # a sigmoid spec's parts add (ADD_PARTS).
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
                                                   *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK")),
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS")),
     }

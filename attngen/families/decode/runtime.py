@@ -92,7 +92,8 @@ class DecodeFamily:
         tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
         (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
         cache), `sink` the spec's sink of every row, which the merge takes as one more split.
-        Returns out and the natural-log LSE, as the portable forward does."""
+        Returns out and the natural-log LSE, as the portable forward does (a sigmoid spec's shares are sums over
+        disjoint keys that the merge adds, and its LSE is never written)."""
         B, H, Q_LEN, D = q.shape
         DV = v.shape[3]
         HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
@@ -107,7 +108,8 @@ class DecodeFamily:
         part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
         cache_args, cache_flags = _cache_launch(cache, part_lse)
         _launch(
-            self.forward_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
+            self.forward_kernel, (splits, B * HKV, row_blocks), q, k, v, part, *self.rt._row_args(part_lse), sm_scale,
+            sm_scale * LOG2E.value,
             *q.stride(), *k_strides, *v_strides, *self.rt._input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
             *page_args,
             HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -119,7 +121,8 @@ class DecodeFamily:
         block_r = 16
         _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
                 sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
-                BLOCK_R=block_r, HAS_SINK=sink is not None, num_warps=4, bind=_plan_site(plan, "combine"))
+                BLOCK_R=block_r, HAS_SINK=sink is not None, ADD_PARTS=self.rt.facts.sigmoid, num_warps=4,
+                bind=_plan_site(plan, "combine"))
         return out, lse
 
 

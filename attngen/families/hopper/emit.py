@@ -8,15 +8,15 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (HEAD_DIMS, PACKED, POSITIONS, SEQUENCE, SIZES, TILE_RANGE, Signature, SpecParams,
-                                     _strides, signature)
+from attngen.emit.signatures import (HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES, TILE_RANGE, Signature,
+                                     SpecParams, _strides, signature)
 from attngen.analysis.gathers import NO_OFFSET
 
 # What the module hands to the family's runtime (families/hopper/runtime.py), by keyword.
 DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, "
                "dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE")
 # The device helpers its kernels import from its runtime side: the ones no spec changes.
-DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
+DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
                   "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
                   "_hopper_bwd_sequence")
 # What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
@@ -81,11 +81,14 @@ def context(facts: Analysis) -> dict:
 def signatures(p: SpecParams) -> dict[str, Signature]:
     """Its kernels' signatures, for a spec's parameters."""
     sig, inputs, grads, table, sink = signature, p.inputs, p.grads, p.table, p.sink
+    lse = ROW_TERMS[:1] if p.softmax else ()
+    # The row terms as the backward's producer and consumers hold them: TMA descriptors, shared buffers.
+    row_descriptors, row_buffers = (("lse_desc", "delta_desc"), ("lse_bufs", "delta_bufs")) if p.softmax else ((), ())
     return {
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_counter",
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
             "sm_scale", "qk_scale", *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
              "VARLEN")),
@@ -100,7 +103,7 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
+            "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
             *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
              "NUM_CONSUMERS", "VARLEN")),
@@ -117,25 +120,25 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
             *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
             *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "q_bufs", "do_bufs", "lse_bufs",
-            "delta_bufs", "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "q_bufs", "do_bufs", *row_buffers,
+            "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
             "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
-            "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
+            "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
             "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
             "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
                                        "VARLEN")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
-            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
+            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
             "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
             "qk_scale",
             *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),

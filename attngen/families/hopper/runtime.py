@@ -210,8 +210,8 @@ class HopperFamily:
         packed_args, packed_flags = _packed_launch(packed, lse)
 
         def run():
-            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse,
-                    *self.rt._sink_args(sink), work_counter,
+            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3],
+                    *self.rt._row_args(lse), *self.rt._sink_args(sink), work_counter,
                     sm_scale, sm_scale * LOG2E.value, *self.rt._input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
                     BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
@@ -244,22 +244,29 @@ class HopperFamily:
         # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
         # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
         dq_sum = _empty_in_layout(q, D, torch.float32)
-        # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-        delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
-        if packed is not None:
-            columns = _hopper_sequence_columns(packed, block_m)
-            delta, lse2 = _hopper_sequence_rows(delta, columns, 0.0), _hopper_sequence_rows(lse2, columns, float("inf"))
+        if self.rt.facts.sigmoid:
+            # No row terms (dS = P * (1 - P) * dP), so no pass over O and dO: dQ's sum is zeroed on its own.
+            dq_sum.zero_()
+            rows = ()
+        else:
+            # Both padded to whole query tiles, so a TMA box never reads another head's rows.
+            delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum,
+                                                plan=plan)
+            if packed is not None:
+                columns = _hopper_sequence_columns(packed, block_m)
+                delta, lse2 = (_hopper_sequence_rows(delta, columns, 0.0),
+                               _hopper_sequence_rows(lse2, columns, float("inf")))
+            rows = (_hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m))
         d_pad, dv_pad = self.rt._widths(D, DV)
         sm_scale = self.rt.facts.softmax_scale(D)
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self.rt._input_grads(tensors, q.device)
         num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
         descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
-                       _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
-                       _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
+                       _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad), *rows,
                        _hopper_descriptor(dq_sum, block_m, d_pad))
         table_args = self.rt._table_args(self.rt._table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
-        packed_args, packed_flags = _packed_launch(packed, delta)
+        packed_args, packed_flags = _packed_launch(packed, dq_sum)
         _launch(
             self.backward_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
@@ -292,6 +299,17 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
     else:
         return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.float16,
                                          is_pure=True, pack=2)
+
+
+@gluon.jit
+def _hopper_sigmoid2(s2):
+    # sigmoid(score') of a base-2 score s2 = score' * log2(e): 1 / (1 + 2^-s2) in two MUFU ops, ex2 and rcp
+    # (relative error of a few ulps; Triton's division would add a range check and a rescale to each element,
+    # which the argument 1 + 2^-s2 >= 1 never needs). 2^-s2 = inf (s2 = -inf on a masked key, or a very
+    # negative score) gives rcp(inf) = 0. The tanh form, one MUFU op, cancels catastrophically for the small
+    # weights sigmoid attention's -log(n) bias makes common.
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + gl.exp2(-s2)], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit

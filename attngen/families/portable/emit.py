@@ -10,8 +10,8 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, ROW_MAJOR, TRANSPOSED, Hook, _dscore_hook, _emitter, _learnable_hook,
                                 _mask_hook, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (CACHE, CACHE_FLAGS, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING, POSITIONS, SIZES, TABLE,
-                                     TILE_LOOP, Signature, SpecParams, _strides, signature, table_params)
+from attngen.emit.signatures import (CACHE, CACHE_FLAGS, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING, POSITIONS, ROW_TERMS, SIZES,
+                                     TABLE, TILE_LOOP, Signature, SpecParams, _strides, signature, table_params)
 
 # Its kernels are the Attention's own (runtime.facts.Kernels, in the module's declaration): nothing to hand
 # over by keyword, and its device helpers are the shared ones (runtime/helpers.py).
@@ -57,6 +57,9 @@ def context(facts: Analysis) -> dict:
 def signatures(p: SpecParams) -> dict[str, Signature]:
     """Its kernels' signatures, for a spec's parameters."""
     sig, inputs, grads, table, sink, tile_table = signature, p.inputs, p.grads, p.table, p.sink, p.tile_table
+    lse, rows = ROW_TERMS[:1] if p.softmax else (), ROW_TERMS if p.softmax else ()
+    # The same, as the inner loops hold them, and where a head's rows begin in LSE and delta.
+    row_values, row_offset = (("lse", "delta"), ("row",)) if p.softmax else ((), ())
     return {
         # FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a
         # table does not describe) and in every call of a spec without tables.
@@ -66,31 +69,31 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
+            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
              *PAGING, "VARLEN")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
-            "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
+            "dk", "dv", "k", "v", "Q_head", "DO_head", *rows, *row_offset, "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
             "qk_scale", *POSITIONS, *SIZES, *inputs), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dkdv_program": sig("_bwd_dkdv_program", (
-            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
+            "start_n", "off_bhkv", "Q", "K", "V", "DO", *rows, "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
             (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "dq_inner": sig("_bwd_dq_inner", (
-            "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
+            "dq", "q", "do", *row_values, "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
             *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
         "dq_program": sig("_bwd_dq_program", (
-            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
+            "start_m", "off_bh", "Q", "K", "V", "DO", *rows, "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
             (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
         "bwd_kernel": sig("_bwd_kernel", (
-            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
+            "Q", "K", "V", "DO", *rows, "DQ", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",

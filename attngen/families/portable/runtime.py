@@ -39,6 +39,12 @@ class Portable:
         (FAMILY_TILES; int() as in _tiles)."""
         return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 
+    def _row_args(self, *rows):
+        """A kernel's row-term arguments (the forward's LSE; the backward's LSE and delta) for a softmax spec; a
+        sigmoid spec's kernels have no such parameters (emit.signatures.ROW_TERMS), and its calls carry an LSE
+        buffer that no kernel writes or reads, only so that every path has one shape."""
+        return [] if self.facts.sigmoid else list(rows)
+
     def _sink_args(self, sink):
         """A forward kernel's Sink argument: a spec with a sink passes the sink of every row (_sink_rows, laid
         out as LSE); a spec without one has no such parameter (emit.signatures.SINK)."""
@@ -68,7 +74,8 @@ class Portable:
         packed_args, packed_flags = _packed_launch(packed, lse)
         table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
         _launch(
-            self.kernels.forward, grid, q, k, v, out, lse, *self._sink_args(sink), sm_scale, sm_scale * LOG2E.value,
+            self.kernels.forward, grid, q, k, v, out, *self._row_args(lse), *self._sink_args(sink), sm_scale,
+            sm_scale * LOG2E.value,
             *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
             *self._input_args(tensors), *table_args,
             B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
@@ -122,7 +129,9 @@ class Portable:
         # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
         # dense). contiguous() copies only when needed (an expansion is not contiguous).
         do = do.contiguous() if do.stride(-1) != 1 else do
-        delta = self._row_terms(out, do, dlse, plan=plan)[0]
+        # A sigmoid spec's backward needs no row terms (dS = P * (1 - P) * dP): no pass over O and dO, and LSE
+        # (never read) stands in for delta as the placeholder of absent pointers.
+        delta = lse if self.facts.sigmoid else self._row_terms(out, do, dlse, plan=plan)[0]
         tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
         dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self._input_grads(tensors, q.device)
@@ -134,7 +143,7 @@ class Portable:
         table_args = [self._table_args(self._table_key(q, v, kernel), table, sizes, placeholder=delta)
                       for kernel, table in zip((1, 2), tables)]
         packed_args, packed_flags = _packed_launch(packed, delta)
-        args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        args = (q, k, v, do, *self._row_args(lse, delta), dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
                 *[stride for t in (q, k, v, do, dq, dk, dv) for stride in _batch_strides(t, packed)],
                 *self._input_args(tensors), *grad_args, *table_args[0], *table_args[1],
                 B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta), *packed_args)
