@@ -1,4 +1,5 @@
-"""Soundness of the mask analysis (attngen.analysis.region) against the reference mask on small grids."""
+"""Soundness of the mask analysis (attngen.analysis.region) against the reference mask on small grids, and
+exactness where it claims it: the tiles the kernels would visit are those with an allowed element."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from attngen.analysis.spans import Region, Span, region
 from attngen.api import parse_spec, with_params
 from attngen.reference import evaluate_expr, make_env
 from attngen.analysis.bounds import bound_value, uniform_env
+from attngen.report.tilemap import tile_ranges
 
 B, H = 2, 2
 MAX_LEN = 20
@@ -60,6 +62,20 @@ MASKS = [
     "(q + 1) // 3 == (k + prefix[b]) // 3 and causal",
     "k // 3 >= q // 5 - 1",
     "q // 3 <= k // 3 or k < 2",
+    "q // 4 == k // 4 and q - k >= 2",
+    "k >= q // 2 and k <= q",
+    "q + k < 20",
+    "q >= 3 and k >= q - 2 * w",
+    "k - q <= w and q < prefix[b] + 2",
+    "q >= 3 and q <= 10 and k < 5",
+    "q >= 10 and q <= 5 and k < 3",
+    "not (q >= 3 and q < prefix[b] + w)",
+    "(k < prefix[b] or causal) and q >= 3",
+    "(k < prefix[b] or causal) and q - k < w",
+    "q < 3 or causal",
+    "q >= 3 or causal",
+    "causal and q - k < 0",
+    "abs(q - k) <= w or q < 3 or k < 3",
     "h < 1 or causal",
     "k < prefix[b]",
     "q < prefix[b] and k < 7",
@@ -150,6 +166,57 @@ def test_region_is_sound(mask, problem):
         check_tile(reg, loop, allowed, env, start, start + block - 1)
     if mask in NON_AFFINE:
         assert reg.full is None, "a mask part the analysis cannot bound must stay partial"
+
+
+def check_exact(reg: Region, loop: str, allowed, env, block_rows: int, block_cols: int) -> None:
+    """On a tiling of the grid (rows along the other index), the tiles the kernels visit are those with an
+    allowed element, and those they run without mask code are those allowed everywhere."""
+    other = "q" if loop == "k" else "k"
+    grid = allowed if loop == "k" else allowed.transpose(-1, -2)
+    n_rows, n = grid.shape[-2:]
+    for b in range(B):
+        for h in range(H):
+            for r0 in range(0, n_rows, block_rows):
+                tile = {f"{other}0": r0, f"{other}1": min(r0 + block_rows, n_rows) - 1}
+                span = span_range(reg.visit, tile, env(b, h), n) if reg.visit is not None else range(0)
+                full = span_range(reg.full, tile, env(b, h), n) if reg.full is not None else range(0)
+                t0, t1, t2, t3 = tile_ranges(span.start, span.stop, full.start, full.stop, block_cols)
+                rows = grid[b, h, r0:r0 + block_rows]
+                for t in range(-(-n // block_cols)):
+                    cols = rows[:, t * block_cols:(t + 1) * block_cols]
+                    where = f"b={b} h={h} rows {tile} looping {loop}, tile {t} of {block_cols}"
+                    assert (t0 <= t < t3) == bool(cols.any()), f"{where}: visited {t0 <= t < t3}"
+                    every = bool(cols.all()) and (t + 1) * block_cols <= n
+                    assert (t1 <= t < t2) == every, f"{where}: unmasked {t1 <= t < t2}, full {every}"
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@settings(derandomize=True, max_examples=25, deadline=None)
+@given(problem=problems(), blocks=st.tuples(st.integers(1, 9), st.integers(1, 9)))
+def test_region_is_exact_where_it_says_so(mask, problem, blocks):
+    q_len, kv_len, w, prefix, loop, _, _ = problem
+    spec = with_params(parse_spec(f"{HEADER}mask: {mask}\n"), {"w": w})
+    reg = region(spec.mask, loop, spec.param_values)
+    if reg.exact:
+        env, allowed = allowed_grid(spec, q_len, kv_len, prefix)
+        check_exact(reg, loop, allowed, env, *blocks)
+
+
+@pytest.mark.parametrize("mask, exact", [
+    ("causal", True), ("causal_bottom_right", True), ("causal and q - k < w", True),  # unit bounds
+    ("q // 4 == k // 4 and causal", True), ("k >= q // 2 and k <= q", True),  # on the diagonal
+    ("k < prefix[b] or causal", True), ("2*q >= k", True), ("q + k < 20", True),  # one-sided
+    ("q >= 3 and k >= q - 2 * w", True),  # a plain gate: the bound it implies is added
+    ("(k < prefix[b] or causal) and q >= 3", True), ("q >= 3 or causal", True),
+    ("q >= 10 and q <= 5 and k < 3", False),  # two gates a tile straddles
+    ("q // 4 == k // 4 and q - k >= 2", False), ("q < 3 or causal", False),
+    ("causal and q - k < 0", False),  # a band of no diagonal, which a tall tile would still visit
+    ("(q - k >= 0 and q - k < 3) or (k - q >= 5 and k - q < 7)", False),  # disjoint bands
+    ("abs(q - k) <= w or q < 3 or k < 3", False), ("q - k < w and q * k < 20", False),
+])
+def test_exactness_is_claimed_for_the_proven_families_only(mask, exact):
+    spec = parse_spec(f"{HEADER}mask: {mask}\n")
+    assert all(region(spec.mask, loop, spec.param_values).exact for loop in "kq") is exact
 
 
 # --- precision on the catalog's masks: the bounds are the tight ones -----------------------------

@@ -32,6 +32,7 @@ from attngen.intervals import TileBox, TileClass, classify
 from attngen.frontend.printer import to_source
 from attngen.reference import evaluate_expr, make_env
 from attngen.analysis.bounds import bound_value, uniform_env
+from attngen.report.tilemap import tile_ranges
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ("f32", "f16", "bf16") if DEVICE == "cuda" else ("f32", "f16")  # the interpreter's bf16 dot is wrong
@@ -92,6 +93,39 @@ def test_loop_bounds_are_sound(text, case, data):
             full = range(*_clamped(reg.full, tile, env, n))
             every = rows[b, h].all(0)
             assert all(bool(every[j]) for j in full), f"b={b} h={h}: {full} not all allowed\n{text}"
+
+
+@settings(max_examples=max(20, BASE // 5))
+@given(text=strategies.spec_texts(with_mask=True), case=strategies.cases(max_len=40),
+       blocks=st.tuples(st.integers(1, 17), st.integers(1, 17)), loop=st.sampled_from("kq"))
+def test_loop_bounds_are_exact_where_the_analysis_says_so(text, case, blocks, loop):
+    """Where `region` calls its spans exact (the kernels then follow no tile table), they are: on a tiling
+    of the grid, the tiles they visit are those with an allowed element, and those they run without mask
+    code are the fully allowed ones, for every batch and head of drawn inputs."""
+    spec = parse_spec(text)
+    reg = spans.region(spec.mask, loop, spec.param_values)
+    assume(reg.exact)
+    sizes = {"B": case.B, "H": case.H, "HKV": case.HKV, "Q_LEN": case.Q_LEN, "KV_LEN": case.KV_LEN, "D": case.D}
+    _, _, _, inputs = strategies.case_data(spec, case)
+    allowed = evaluate_expr(spec.mask, make_env(spec, **sizes, inputs=inputs)).expand(
+        case.B, case.H, case.Q_LEN, case.KV_LEN)
+    grid = allowed if loop == "k" else allowed.transpose(-1, -2)
+    other, (rows_block, cols_block) = ("q" if loop == "k" else "k"), blocks
+    n_rows, n = grid.shape[-2:]
+    for b in range(case.B):
+        for h in range(case.H):
+            env = uniform_env(spec, sizes, b, h, inputs)
+            for r0 in range(0, n_rows, rows_block):
+                tile = {f"{other}0": r0, f"{other}1": min(r0 + rows_block, n_rows) - 1}
+                lo, hi = _clamped(reg.visit, tile, env, n)
+                full_lo, full_hi = _clamped(reg.full, tile, env, n)
+                t0, t1, t2, t3 = tile_ranges(lo, hi, full_lo, full_hi, cols_block)
+                rows = grid[b, h, r0:r0 + rows_block]
+                for t in range(-(-n // cols_block)):
+                    cols = rows[:, t * cols_block:(t + 1) * cols_block]
+                    every = bool(cols.all()) and (t + 1) * cols_block <= n
+                    assert (t0 <= t < t3) == bool(cols.any()) and (t1 <= t < t2) == every, \
+                        f"b={b} h={h} rows {tile}, tile {t} of {cols_block} looping {loop}\n{text}"
 
 
 def _clamped(span, tile, env, n):

@@ -6,9 +6,10 @@ bounds the looped index arithmetically from the other index's tile bounds. The k
 loop only over the `visit` span and run mask code only outside the `full` span, so
 masked-out tiles cost nothing and no mask object exists at run time. An atom that does
 not vary along the loop (`k < prefix[b]` while looping over queries) gates the whole
-loop on or off for the tile. Anything not understood here stays exact: it is visited and
-masked element by element; `needs_tile_table` then hands the mask to a tile table built
-at call time, which is exact.
+loop on or off for the tile. Anything not understood here stays correct: it is visited and
+masked element by element. The spans are exact (no empty tile visited, no full one masked)
+for the families the exactness section below proves; `needs_tile_table` hands every other
+mask to a tile table, which is exact by construction.
 """
 
 from __future__ import annotations
@@ -292,42 +293,305 @@ def _union_inside(a: Span, b: Span) -> Span:
     return a
 
 
-def _hull_is_union(a: Span | None, b: Span | None) -> bool:
-    """Whether the hull of two visit spans adds nothing: one is empty, everything or all-or-nothing,
-    or both are unbounded on the same side (so they overlap)."""
-    if a is None or b is None or a == EVERYTHING or b == EVERYTHING:
-        return True
-    if _all_or_nothing(a) or _all_or_nothing(b):
-        return True
-    return (a.lo is None and b.lo is None) or (a.hi is None and b.hi is None)
+def _all_everything(r: Region) -> bool:
+    return r.visit == EVERYTHING and r.full == EVERYTHING
 
 
-def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> Region:
-    """Which indices along `loop` a tile of the other index visits, and which are full."""
+# --- exactness ---------------------------------------------------------------------------------
+#
+# The kernels visit, for a tile of rows y0..y1 (tiles of the other index), the looped tiles that meet
+# the span `visit` evaluated for that tile, and run those inside `full` without mask code. `region`
+# builds both from the mask's atoms: a bound is evaluated at the tile end where it is extreme
+# (`_atom_region`), `and` takes the max of lower bounds and the min of upper ones, `or` the hull. The
+# spans are always sound. They are *exact* (for every tile size, every length and every value of what
+# the bounds read, the visited tiles are those with an allowed element and the unmasked ones those
+# fully allowed) when, for the per-row allowed sets I(y) of the looped index x:
+#
+#   (E) the union of I(y) over any run of rows is what `visit` computes, and their intersection what
+#       `full` computes; clipping to [0, LEN) commutes with both, so only the unclipped sets matter.
+#
+# `_region` works out a `_Shape` of each sub-mask and proves (E) for three families, conservatively
+# (anything else goes to a tile table):
+#
+# One-sided (`side` upper or lower): I(y) = (-inf, R(y)] (or [L(y), inf)), each bound of the
+# conjunction moving with y the same way (`orient`, the sign of the other index's coefficients; a gate
+# on y, an atom in y alone, is R jumping from -inf to inf the same way). Then the intervals are nested,
+# their union is the one at the end where R is largest and their intersection the one at the other
+# end, which is where `_atom_region` evaluates each bound; the min (max) of bounds that move the same
+# way moves that way too. Any slope, chunk or staircase qualifies: `2 * q >= k`, `q >> 2 >= k >> 2`.
+#
+# Unit (`_unit_exact`): a conjunction of bounds on x that are constant (C: `k < prefix[b]`) or of unit
+# slope (U: x >= y + a, x <= y + b, from `q - k < w`, `causal`), and gates on y (G: `q >= 3`). Without
+# gates L = max of the lower bounds and R = min of the upper ones have integer steps of 0 or 1 (L
+# convex, R concave), so a row's set touches the next one's: L(y + 1) <= L(y) + 1 <= R(y) + 1. R - L is
+# concave, so the non-empty rows are one run [cs, ce]; a step into it raises R - L, which only a step
+# of R with L flat does, and L being convex was flat before too: L is constant up to cs (and R from ce
+# on). So over a tile the union is [L(y0), R(y1)] and the intersection [L(y1), R(y0)], exactly what the
+# spans compute, and when no row of the tile allows anything, [L(y0), R(y1)] = I(y1) or I(y0) is empty
+# too. A pair of unit bounds must leave a band, b - a >= 0, provably (else with b < a every row is
+# empty while a tall tile's [y0 + a, y1 + b] is not). A gate y >= g empties the rows below g, where a
+# unit lower bound y + a keeps falling: the spans would start at y0 + a, not g + a. So each gate with a
+# unit bound on the same side must be a plain `y >= g` (or `y <= g`), and `region` adds the bound it
+# implies, x >= g + a: then L(y0) = L(max(y0, g)) and the argument above holds on the gated rows. A
+# gate below and one above need g_lo <= g_hi provably (else a tile straddling both opens both).
+#
+# Diagonal (`_diagonal_exact`): every atom reads q and k with coefficients of opposite signs (so each
+# bound is non-decreasing in the other index) and holds on the diagonal q = k at every position
+# (`q // c == k // c`, `causal`, `q - k < w`, `(q + 1) // c >= k // c`, `k >= q // 2`). Then L and R do
+# not decrease and every row holds its own index: L(y + 1) <= y + 1 <= R(y) + 1, so rows touch and
+# the union over a tile is [L(y0), R(y1)], the intersection [L(y1), R(y0)].
+#
+# `or` keeps (E) when both sides are one-sided the same way with no gate at the unbounded end (the
+# union of nested families is nested: `k < prefix[b] or causal`), or when one side is a single gate
+# and the other one-sided with the gate's orientation (rows past the gate get everything:
+# `k < prefix[b] or causal` looping over queries), or a uniform condition (`h < 1 or ...`). `and` of
+# such parts keeps it when all are one-sided the same way. Masks outside these (a band or a column,
+# `%`, bit tests, inputs read at q or k) get a tile table, which is exact by construction.
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What `_region` knows of a sub-mask's rows, looping over one index: `exact`, whether the spans are
+    (see above); `side` 'upper' (only upper bounds on the looped index), 'lower', 'rows' (every row all or
+    nothing: gates) or None (both sides); `orient` the common sign of the other index's coefficients (0:
+    none read it), None if mixed; `gate`, one gate atom (its spans are gates on both sides); `atoms`, the
+    atoms of a conjunction of comparisons; `parts`, the flat conjuncts of a nested `and`."""
+    exact: bool
+    side: str | None = None
+    orient: int | None = None
+    gate: bool = False
+    atoms: tuple[Affine, ...] | None = None
+    parts: tuple = ()
+
+
+_INEXACT = _Shape(False)
+_ALL = _Shape(True, "rows", 0, atoms=())
+
+
+def _oriented(atom: Affine, loop: str) -> tuple[int, int, Term, Term]:
+    """(coefficient of the looped index, of the other one, their Terms) of an atom."""
+    return (atom.ck, atom.cq, atom.tk, atom.tq) if loop == "k" else (atom.cq, atom.ck, atom.tq, atom.tk)
+
+
+def _sign(n: int) -> int:
+    return (n > 0) - (n < 0)
+
+
+def _atoms_shape(atoms: tuple[Affine, ...], loop: str, params) -> _Shape:
+    loops = {_sign(_oriented(a, loop)[0]) for a in atoms} - {0}
+    others = {_sign(_oriented(a, loop)[1]) for a in atoms} - {0}
+    side = "rows" if not loops else "upper" if loops == {-1} else "lower" if loops == {1} else None
+    orient = (next(iter(others)) if len(others) == 1 else None) if others else 0
+    exact = (side is not None and orient is not None) or _unit_exact(atoms, loop, params) \
+        or _diagonal_exact(atoms, params)
+    return _Shape(exact, side, orient, gate=len(atoms) == 1 and side == "rows", atoms=atoms)
+
+
+def _is_plain_gate(atom: Affine, loop: str) -> bool:
+    """Whether an atom is a gate `y >= g` or `y <= g` on the other index itself (coefficient +-1)."""
+    c_loop, c_other, _, t_other = _oriented(atom, loop)
+    return c_loop == 0 and abs(c_other) == 1 and t_other == Term(t_other.var)
+
+
+def _threshold(gate: Affine, loop: str) -> ir.Expr | None:
+    """g of a plain gate y >= g (y + c >= 0) or y <= g (c - y >= 0), as an int expression (None for 0)."""
+    return _const_scale(gate.const, -1) if _oriented(gate, loop)[1] > 0 else gate.const
+
+
+def _unit_bounds(atoms, loop: str):
+    """The unit-slope atoms (x - y or y - x with bare indices) split into lower and upper bounds of the
+    looped index x, and the gates on y split likewise; None if an atom is none of C, U, G."""
+    lowers, uppers, lower_gates, upper_gates = [], [], [], []
+    for atom in atoms:
+        c_loop, c_other, t_loop, t_other = _oriented(atom, loop)
+        if c_other == 0:
+            continue  # constant over the tile's rows (C), or uniform
+        if c_loop == 0:
+            (lower_gates if c_other > 0 else upper_gates).append(atom)
+            continue
+        if c_loop != -c_other or t_loop != Term(t_loop.var) or t_other != Term(t_other.var):
+            return None
+        (lowers if c_loop > 0 else uppers).append(atom)
+    return lowers, uppers, lower_gates, upper_gates
+
+
+def _unit_offset(atom: Affine, loop: str, params) -> int | None:
+    """a of x >= y + a (a lower unit bound) or b of x <= y + b (an upper one), when it is known."""
+    c_loop = _oriented(atom, loop)[0]
+    c = _constant(atom.const, params)
+    if c is None:
+        return None
+    return -(c // c_loop) if c_loop > 0 else c // -c_loop  # ceil(-c / s), floor(c / s)
+
+
+def _band_is_open(lower: Affine, upper: Affine, loop: str, params) -> bool:
+    """Whether b - a >= 0 is proven for a lower bound y + a and an upper bound y + b."""
+    a, b = _unit_offset(lower, loop, params), _unit_offset(upper, loop, params)
+    if a is not None and b is not None:
+        return b - a >= 0
+    if abs(_oriented(lower, loop)[0]) == 1 and abs(_oriented(upper, loop)[0]) == 1:
+        gap = _constant(_const_add(lower.const, upper.const), params)  # b - a = c_upper + c_lower
+        return gap is not None and gap >= 0
+    return False
+
+
+def _unit_exact(atoms, loop: str, params) -> bool:
+    split = _unit_bounds(atoms, loop)
+    if split is None:
+        return False
+    lowers, uppers, lower_gates, upper_gates = split
+    if not all(_band_is_open(lo, hi, loop, params) for lo in lowers for hi in uppers):
+        return False
+    if (lowers and not all(_is_plain_gate(g, loop) for g in lower_gates)) or \
+            (uppers and not all(_is_plain_gate(g, loop) for g in upper_gates)):
+        return False
+    for g_lo in lower_gates:
+        for g_hi in upper_gates:
+            if not (_is_plain_gate(g_lo, loop) and _is_plain_gate(g_hi, loop)):
+                return False
+            gap = _constant(_const_add(_threshold(g_hi, loop), _threshold(g_lo, loop), -1), params)
+            if gap is None or gap < 0:
+                return False
+    return True
+
+
+def _implied_bounds(atoms, loop: str) -> list[Affine]:
+    """For each plain gate y >= g (y <= g) and unit bound x >= y + a (x <= y + b) on the same side, the
+    bound x >= g + a (x <= g + b) it implies: substituting g for y, which the gate makes the extreme row.
+    With them the spans of a tile that straddles the gate start at the gated rows' bound (_unit_exact)."""
+    split = _unit_bounds(atoms, loop)
+    if split is None:
+        return []
+    lowers, uppers, lower_gates, upper_gates = split
+    implied = []
+    for bounds, gates in ((lowers, lower_gates), (uppers, upper_gates)):
+        for gate in gates:
+            if not _is_plain_gate(gate, loop):
+                continue
+            g = _threshold(gate, loop)
+            for atom in bounds:
+                c_loop, c_other, t_loop, _ = _oriented(atom, loop)
+                const = _const_add(atom.const, _const_scale(g, c_other))
+                implied.append(Affine(0, c_loop, const, tk=t_loop) if loop == "k" else Affine(c_loop, 0, const, tq=t_loop))
+    return implied
+
+
+# The longest period `_diagonal_exact` checks position by position.
+_DIAGONAL_PERIOD = 1 << 12
+
+
+def _diagonal_exact(atoms, params) -> bool:
+    """Whether every atom bounds each index by a non-decreasing function of the other (q and k with
+    coefficients of opposite signs) and holds on the diagonal q = k at every position y >= 0 (uniform
+    atoms aside). On the diagonal an atom is f(y) = cq * floor((y + oq) / dq) + ck * floor((y + ok) / dk)
+    + c, with known ints: f(y + P) = f(y) + P * (cq / dq + ck / dk) for the period P = lcm(dq, dk), so f
+    stays >= 0 for every y >= 0 exactly when that trend is >= 0 and f >= 0 on the first period."""
+    for atom in atoms:
+        if atom.cq == 0 and atom.ck == 0:
+            continue
+        if atom.cq * atom.ck >= 0:
+            return False
+        known = [_constant(e, params) for e in (atom.const, atom.tq.offset, atom.tk.offset)]
+        if None in known:
+            return False
+        c, oq, ok = known
+        dq, dk = atom.tq.div, atom.tk.div
+        period = math.lcm(dq, dk)
+        if period > _DIAGONAL_PERIOD or atom.cq * dk + atom.ck * dq < 0:  # the trend's sign
+            return False
+        if any(atom.cq * ((y + oq) // dq) + atom.ck * ((y + ok) // dk) + c < 0 for y in range(period)):
+            return False
+    return True
+
+
+def _conjunction_shape(parts: tuple[_Shape, ...], loop: str, params) -> _Shape:
+    """The shape of the conjunction of `parts` (flat: none is an `and`)."""
+    if all(p.atoms is not None for p in parts):
+        return _atoms_shape(tuple(a for p in parts for a in p.atoms), loop, params)
+    if not all(p.exact for p in parts):
+        return _INEXACT
+    sides = {p.side for p in parts} - {"rows"}
+    orients = {p.orient for p in parts} - {0}
+    if None in sides or len(sides) > 1 or None in orients or len(orients) > 1:
+        return _INEXACT
+    return _Shape(True, next(iter(sides)) if sides else "rows", next(iter(orients)) if orients else 0)
+
+
+def _free(r: Region, side: str) -> bool:
+    """Whether the spans are unbounded at the end opposite `side` (where `_union_inside` takes the hull)."""
+    end = "lo" if side == "upper" else "hi"
+    return r.full is not None and getattr(r.visit, end) is None and getattr(r.full, end) is None
+
+
+def _or_shape(a: Region, sa: _Shape, b: Region, sb: _Shape) -> _Shape:
+    if a.visit is None:
+        return sb
+    if b.visit is None:
+        return sa
+    if (_all_everything(a) and sa.exact) or (_all_everything(b) and sb.exact):
+        return _ALL
+    if not (sa.exact and sb.exact):
+        return _INEXACT
+    for gate, other in ((sa, sb), (sb, sa)):
+        if gate.gate:
+            if gate.orient == 0:
+                return _Shape(True, other.side, other.orient)
+            if other.gate:  # gates the same way nest; opposite ones can cover a tile's rows together
+                return _Shape(True) if other.orient == gate.orient else _INEXACT
+            if other.side in ("upper", "lower") and other.orient in (gate.orient, 0):
+                return _Shape(True, other.side, gate.orient)
+            return _INEXACT
+    if sa.side == sb.side and sa.side in ("upper", "lower") and _free(a, sa.side) and _free(b, sb.side):
+        orients = {sa.orient, sb.orient} - {0}
+        if len(orients) <= 1:
+            return _Shape(True, sa.side, next(iter(orients)) if orients else 0)
+    return _INEXACT
+
+
+def _region(mask: ir.Expr | None, loop: str, params, inner: bool = False) -> tuple[Region, _Shape]:
+    """`region` and the shape of `mask`; `inner`: an `and` below another `and`, whose shape the outermost
+    one works out from all their conjuncts at once (so its implied bounds are added once, there)."""
     if mask is None:
-        return Region(EVERYTHING, EVERYTHING)
+        return Region(EVERYTHING, EVERYTHING), _ALL
     if isinstance(mask, ir.Const):
-        return Region(EVERYTHING, EVERYTHING) if mask.value else Region(None, None)
+        return (Region(EVERYTHING, EVERYTHING), _ALL) if mask.value else (Region(None, None), _Shape(True, atoms=()))
     if isinstance(mask, ir.Binary) and mask.op == "and":
-        a, b = region(mask.left, loop, params), region(mask.right, loop, params)
-        return Region(_intersect(a.visit, b.visit), _intersect(a.full, b.full), a.exact and b.exact)
+        (a, sa), (b, sb) = _region(mask.left, loop, params, True), _region(mask.right, loop, params, True)
+        visit, full = _intersect(a.visit, b.visit), _intersect(a.full, b.full)
+        parts = (sa.parts or (sa,)) + (sb.parts or (sb,))
+        if inner:
+            return Region(visit, full), _Shape(False, parts=parts)
+        shape = _conjunction_shape(parts, loop, params)
+        if shape.atoms is not None:
+            for atom in _implied_bounds(shape.atoms, loop):
+                r = _atom_region(atom, loop)
+                visit, full = _intersect(visit, r.visit), _intersect(full, r.full)
+        return Region(visit, full, shape.exact or visit is None), shape
     if isinstance(mask, ir.Binary) and mask.op == "or":
-        a, b = region(mask.left, loop, params), region(mask.right, loop, params)
+        (a, sa), (b, sb) = _region(mask.left, loop, params), _region(mask.right, loop, params)
         full = a.full if b.full is None else b.full if a.full is None else _union_inside(a.full, b.full)
-        exact = a.exact and b.exact and _hull_is_union(a.visit, b.visit) and (
-            a.full is None or b.full is None or _hull_is_union(a.full, b.full))
-        return Region(_hull(a.visit, b.visit), full, exact)
+        shape = _or_shape(a, sa, b, sb)
+        return Region(_hull(a.visit, b.visit), full, shape.exact), shape
     if isinstance(mask, ir.Unary) and mask.op == "not":
         pushed = _negate(mask.operand)
-        return region(pushed, loop, params) if pushed is not None else Region(EVERYTHING, None, False)
+        if pushed is not None:
+            return _region(pushed, loop, params, inner)
+        return Region(EVERYTHING, None, False), _INEXACT
     atoms = atoms_ge_zero(mask, params)
     if atoms is None:
-        return Region(EVERYTHING, None, False)
+        return Region(EVERYTHING, None, False), _INEXACT
     result = Region(EVERYTHING, EVERYTHING)
     for atom in atoms:
         r = _atom_region(atom, loop)
         result = Region(_intersect(result.visit, r.visit), _intersect(result.full, r.full))
-    return result
+    shape = _atoms_shape(tuple(atoms), loop, params)
+    return Region(result.visit, result.full, shape.exact), shape
+
+
+def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> Region:
+    """Which indices along `loop` a tile of the other index visits, and which are full; `exact` when the
+    spans are provably the allowed tiles' (the section above)."""
+    return _region(mask, loop, params)[0]
 
 
 def mask_inputs(spec: ir.Spec) -> tuple[str, ...]:
@@ -342,10 +606,10 @@ def regions(mask: ir.Expr | None, params: dict[str, int | float]) -> dict[str, R
 
 def needs_tile_table(mask: ir.Expr | None, params: dict[str, int | float],
                      known: Mapping[str, Region] | None = None) -> bool:
-    """Whether the kernels should follow a tile table built at call time rather than the closed-form
-    spans: the mask has a part that varies over a tile in a way `region` cannot bound exactly (it
-    reads an input at q or k, as documents and block layouts do; it is not affine, like
-    `q % 2 == 0`; or it is the `or` of two disjoint bands, whose hull would visit the gap).
+    """Whether the kernels should follow a tile table rather than the closed-form spans: the spans are
+    not proven exact for some loop (the exactness section: the mask reads an input at q or k, as
+    documents and block layouts do; it is not affine, like `q % 2 == 0`; it is the `or` of a band and a
+    column, or of two disjoint bands, whose hull would visit the gap).
     `known`: the mask's `regions`, when the caller has them."""
     return not all(r.exact for r in (known or regions(mask, params)).values())
 
