@@ -17,11 +17,12 @@ from attngen import testing
 from attngen.runtime import arguments
 
 B, H, HKV, D = 1, 2, 1, 16
-SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable input, an input
+SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable input, an input, kept tables
     "causal": ("specs/causal.attn", {}),
     "document_causal": ("specs/document_causal.attn", {}),
     "learned_rel_bias": ("specs/learned_rel_bias.attn", {}),
     "alibi_causal": ("specs/alibi_causal.attn", {}),
+    "global_band": ("benchmarks/published/global_band.attn", {"w": 5, "g": 7}),
 }
 
 
@@ -109,6 +110,26 @@ def test_passed_tile_tables_under_compile():
     assert attn.module.TABLE_STATS["built"] == built  # every kernel followed the passed tables
 
 
+def test_static_tables_under_compile():
+    """A compiled call of a mask that reads no input follows the tables an eager call kept (it builds none),
+    and a compiled call of new lengths builds and keeps its own, which eager calls then reuse."""
+    attn, q, k, v, inputs = _case("global_band", 40)
+    loss = _loss(attn)
+    leaves = _leaves(attn, q, k, v, inputs)
+    want = torch.autograd.grad(loss(q, k, v, inputs), leaves)
+    built = attn.module.TABLE_STATS["built"]
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v, inputs), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert attn.module.TABLE_STATS["built"] == built
+    _, q, k, v, _ = _case("global_band", 56)
+    leaves = _leaves(attn, q, k, v, inputs)
+    got = torch.autograd.grad(compiled(q, k, v, inputs), leaves)
+    assert attn.module.TABLE_STATS["built"] == built + 2  # the new length's by-query and by-key tables
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(loss(q, k, v, inputs), leaves)))
+    assert attn.module.TABLE_STATS["built"] == built + 2
+
+
 def test_tile_tables_built_inside_a_compiled_function():
     """tile_tables under torch.compile builds through the table operator, with no graph break; the
     compiled call follows those tables (it builds none of its own), and they come out of the compiled
@@ -177,7 +198,7 @@ def test_autocast_casts_q_k_v_as_sdpa_does():
         attn(*leaves, **inputs)
 
 
-@pytest.mark.parametrize("name", ["document_causal", "learned_rel_bias"])
+@pytest.mark.parametrize("name", ["document_causal", "learned_rel_bias", "global_band"])
 def test_opcheck(name):
     attn, q, k, v, inputs = _case(name, 24)
     table_op, forward_op, backward_op = attn.module.OPERATORS[:3]

@@ -469,3 +469,21 @@ def test_transposed_views_run_the_hopper_kernels_on_gpu(name, shape):
         out, lse = attn(*args, **kwargs)
         return _GradInTransposedLayout.apply(out), lse
     testing.check_against_reference(attn.spec, transposed_do, q, k, v, inputs, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["global_band", "natten_2d", "block_diffusion", "sliding_tiles_text"])
+def test_published_masks_follow_kept_tables_in_the_hopper_kernels_on_gpu(name):
+    """The published masks the benchmarks time (benchmarks/published, at their N = 4096 sizes) read no input:
+    the Hopper forward and backward follow tables of their own tiles, built on the first call and kept, and
+    match the float64 reference."""
+    attn = attngen.build(Path(__file__).parent.parent / "benchmarks" / "published" / f"{name}.attn")
+    assert attn.module.FACTS.static_tables is not None
+    q, k, v = testing.random_qkv(1, 2, 2, 4096, 4096, 128, 128, torch.bfloat16, device="cuda")
+    assert attn.forward_family(q, k, v) == "hopper" and attn.backward_family(q, k, v) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, {})
+    built = attn.module.TABLE_STATS["built"]
+    assert built == 2  # the family's forward and backward tilings
+    testing.check_against_reference(attn.spec, attn, q, k, v, {})
+    assert attn.module.TABLE_STATS["built"] == built

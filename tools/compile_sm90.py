@@ -2,7 +2,7 @@
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
     python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--head-dim 64] [--ptx DIR]
-                                 [--json]
+                                 [--json] [--folder benchmarks/published]
 
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--family", nargs="*", help="only these families' kernels (e.g. hopper)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
     parser.add_argument("--head-dim", type=int, default=128, help="D = DV of the launches (a power of two)")
+    parser.add_argument("--folder", default=str(ROOT / "specs"), help="the folder of the .attn specs (default specs/)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -199,7 +200,7 @@ def main() -> None:
     failed = 0
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for path in sorted((ROOT / "specs").glob("*.attn")):
+        for path in sorted(Path(args.folder).glob("*.attn")):
             if args.only and path.stem not in args.only:
                 continue
             module = Path(folder) / f"{path.stem}.py"

@@ -25,9 +25,13 @@ class Analysis:
     and fully allowed elements (spans.region). loop_bounds: the same spans as the kernels compute
     them, in int64 that provably cannot wrap (integers.exact_span), which the emitted loop bounds
     and the tile map follow.
-    tile_table: the kernels follow tile tables built at call time (spans.needs_tile_table),
-    from the inputs in `table_reads`, with one point per `block_steps` block; a table differs per
+    tile_table: the kernels follow tile tables (spans.needs_tile_table: the closed-form spans are not
+    proven exact), built from the inputs in `table_reads` (at call time; kept per sizes when there are
+    none: plan.visits), with one point per `block_steps` block; a table differs per
     batch (per head) only when the mask reads b (h or hkv): table_per_batch, table_per_head.
+    table_sizes: the call's sizes a tile table depends on: Q_LEN and KV_LEN (its grid), and of B, H and HKV
+    those the mask reads, itself or through b, h and hkv (a table for masks that read no inputs is kept per
+    these: runtime.tables).
     mask_reads_head: the mask reads the query head h (not only hkv), so its tile bounds may differ
     between the query heads of one key/value head.
     narrow: most visited tiles are partial, so the planner starts from smaller tiles.
@@ -52,6 +56,7 @@ class Analysis:
     table_reads: tuple[str, ...]
     table_per_batch: bool
     table_per_head: bool
+    table_sizes: tuple[str, ...]
     mask_reads_head: bool
     block_steps: Mapping[str, int | None]
     narrow: bool
@@ -69,6 +74,21 @@ def _warn_mask_allows_nothing(spec: ir.Spec) -> None:
     warnings.warn(SpecWarning(
         f"spec {spec.name!r}: the mask allows no key to any query, at every length"
         f"{' with ' + ', '.join(read) if read else ''}: every output row is 0 and its LSE -inf"), stacklevel=3)
+
+
+# The sizes each index variable stands for: a table of a mask reading hkv = h // (H // HKV) differs with H and HKV.
+_VAR_SIZES = {"b": ("B",), "h": ("H",), "hkv": ("H", "HKV")}
+
+
+def _table_sizes(mask: ir.Expr | None) -> tuple[str, ...]:
+    """The sizes a tile table of `mask` depends on, of the table kernels' (B, H, HKV, Q_LEN, KV_LEN)."""
+    read = {"Q_LEN", "KV_LEN"}
+    for node in ir.walk(mask) if mask is not None else ():
+        if isinstance(node, ir.Size):
+            read.add(node.name)
+        elif isinstance(node, ir.Var):
+            read.update(_VAR_SIZES.get(node.name, ()))
+    return tuple(n for n in ("B", "H", "HKV", "Q_LEN", "KV_LEN") if n in read)
 
 
 def analyze(spec: ir.Spec) -> Analysis:
@@ -98,6 +118,7 @@ def analyze(spec: ir.Spec) -> Analysis:
         table_reads=spans.mask_inputs(spec),
         table_per_batch="b" in mask_vars,
         table_per_head=bool(mask_vars & {"h", "hkv"}),
+        table_sizes=_table_sizes(spec.mask),
         mask_reads_head="h" in mask_vars,
         block_steps=MappingProxyType(steps),
         narrow=spans.is_narrow(spec.mask, params, regions, steps),

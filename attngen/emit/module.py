@@ -18,6 +18,7 @@ from attngen.errors import ArgumentError
 from attngen.emit.families import emit_side
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
+from attngen.plan.visits import STATIC
 from attngen.plan import Plan
 from attngen.plan import families as plan_families
 from attngen.version import __version__
@@ -225,6 +226,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         table_reads=_python_tuple(facts.table_reads),
         table_steps=repr(dict(facts.block_steps)),
         table_per_b=facts.table_per_batch, table_per_h=facts.table_per_head,
+        static_tables=_python_tuple(facts.table_sizes) if plan.visits == STATIC else None,
         max_length=facts.length_limit, max_length_reason=_length_reason(facts),
         max_batch_heads=intervals.MAX_BATCH_HEADS,
         runtime_imports=_RUNTIME_IMPORTS_LINE.rstrip("\n"), declaration_marker=DECLARATION_MARKER.rstrip("\n"),

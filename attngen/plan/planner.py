@@ -10,6 +10,7 @@ from attngen import ir
 from attngen import families as registry
 from attngen.analysis import Analysis
 from attngen.runtime import shared
+from attngen.plan import visits as tile_visits
 from attngen.plan.families import KERNELS, Family, choose_families
 from attngen.plan.targets import Target
 
@@ -84,6 +85,9 @@ class Plan(BaseModel):
     families: tuple[str, ...] = registry.FAMILIES[-1:]
     family_reason: str = ""
     narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
+    # How the kernels find the mask's tiles (plan.visits): closed form, a static table or a table per call.
+    visits: tile_visits.Visits = tile_visits.CLOSED
+    visits_reason: str = ""
     one_launch_backward: bool = True
     masked_width_floor: int = MIN_BLOCK
 
@@ -388,4 +392,6 @@ def plan_for(facts: Analysis, target: Target) -> Plan:
     blocks = dict(facts.block_steps) if facts.tile_table else None
     tiles = plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks,
                  families=families)
-    return tiles.model_copy(update={"families": tuple(f.name for f in families), "family_reason": why})
+    visits, visits_reason = tile_visits.choose(facts)
+    return tiles.model_copy(update={"families": tuple(f.name for f in families), "family_reason": why,
+                                    "visits": visits, "visits_reason": visits_reason})

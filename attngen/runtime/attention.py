@@ -42,6 +42,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         # as launch._LAUNCHES's keys are.
         self.call_plans, self.call_plan_keys = {}, 256
         self.table_stats = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
+        self.static_tables = {}  # a mask's tables that depend on no input, kept once built (tables.py)
         self.operators = self._operators()
 
     def __repr__(self):

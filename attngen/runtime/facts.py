@@ -26,11 +26,13 @@ class SpecFacts:
     Field by field: the spec's name and fingerprint; the digest of its module's code, which names its
     custom operators; inputs, name -> (dtype, dims, learnable), dims being B H HKV Q_LEN KV_LEN, ints or
     "*"; plan, (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> the tiles (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    of the forward, dK/dV and dQ kernels; tile_table, whether the kernels follow tile tables built at
-    call time (the mask reads inputs at q or k, or is not affine), table_reads the inputs the mask reads
+    of the forward, dK/dV and dQ kernels; tile_table, whether the kernels follow tile tables (the
+    analysis does not prove the closed-form tile ranges exact), table_reads the inputs the mask reads
     and table_per_b/h whether a table differs per batch and head; table_steps, per index q and k, the
     step the mask reads it by (q // step: one point per block decides a tile; 0: every element; None:
-    not read); one_launch_backward, whether dK/dV and dQ run as one launch; max_length and its reason,
+    not read); static_tables, for a mask that reads no input, the sizes its tables depend on (the runtime
+    builds each table once per tiling and those sizes, and keeps it), None for tables built in every call;
+    one_launch_backward, whether dK/dV and dQ run as one launch; max_length and its reason,
     the longest Q_LEN and KV_LEN at which the kernels' int arithmetic is exact; max_batch_heads, the
     launch grid's limit on B * H; masked_width_floor, the least tile width of a head dim that is not a
     power of two; family_tiles, (HEAD_DIM_PAD, HEAD_DIM_V_PAD, dtype) -> family -> (BLOCK_M, BLOCK_N,
@@ -67,6 +69,7 @@ class SpecFacts:
     sink: tuple | None = None
     reductions: tuple = ()
     normalize: str = "softmax"
+    static_tables: tuple | None = None
 
     @property
     def sigmoid(self):

@@ -92,7 +92,9 @@ class Operators:
         @torch.library.custom_op(f"attngen::{table_name}", mutates_args=())
         def table_op(q: torch.Tensor, k: torch.Tensor, tensors: list[torch.Tensor], by_query: bool,
                      block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._build_table((by_query, block_m, block_n), _sizes(q, k), q.device, tensors)
+            # A fresh table, never a kept one (keep=False builds it anew): a compiled graph owns an operator's
+            # outputs and may reuse their memory once they are dead.
+            return self._build_table((by_query, block_m, block_n), _sizes(q, k), q.device, tensors, keep=False)
 
         @table_op.register_fake
         def _(q, k, tensors, by_query, block_m, block_n):

@@ -44,10 +44,18 @@ def _table_sampling(step, block):
     return step, max(2, _next_power_of_2(-(-block // step) + 1))
 
 
-# Built on every call by default (two small kernels per table): a table cached against the input
-# tensors would go stale on writes that their version counter does not see (`.data`, numpy or
-# DLPack views) and could not key inference tensors at all. A caller whose mask inputs stay fixed
-# builds them once with tile_tables() and passes them in; rebuilding them is the caller's job.
+# A mask that reads inputs gets its tables built on every call by default (two small kernels per table): a
+# table cached against the input tensors would go stale on writes that their version counter does not see
+# (`.data`, numpy or DLPack views) and could not key inference tensors at all. A caller whose mask inputs
+# stay fixed builds them once with tile_tables() and passes them in; rebuilding them is the caller's job.
+# A mask that reads no input (SpecFacts.static_tables) has tables that depend only on the kernel's tiles,
+# the sizes it reads and the device: each is built on first use and kept, as a BlockMask built once. At
+# most STATIC_TABLES are kept, for the Attention's life (past that, tables of new keys are built per call
+# and not kept): a CUDA graph that captured a call reads the kept tensors, so none may be freed under it.
+# Nor is one kept from inside a graph capture, whose memory belongs to the graph.
+STATIC_TABLES = 64
+
+
 class Tables:
     """The tile tables of an Attention (a mixin: self is the Attention; self.table_stats counts the tables
     built, so tests can tell passed tables are reused)."""
@@ -125,11 +133,31 @@ class Tables:
                   f"got tables for {tables.built_for}")
         return dict(tables.tables)
 
-    def _build_table(self, key, sizes, device, tensors, plan=None):
+    def _static_key(self, key, sizes, device):
+        """The key of a kept table (SpecFacts.static_tables): the tiles, the sizes the mask reads, the device."""
+        named = dict(zip(("B", "H", "HKV", "Q_LEN", "KV_LEN"), sizes))
+        return key, tuple(named[name] for name in self.facts.static_tables), device
+
+    def _build_table(self, key, sizes, device, tensors, plan=None, keep=True):
         """(counts, indices) of the tile table `key` (_table_key) of these mask inputs; () when the
-        kernels follow no table. `plan`: the call's _CallPlan, which binds the two launches."""
+        kernels follow no table. `plan`: the call's _CallPlan, which binds the two launches. With `keep`, a
+        static table (SpecFacts.static_tables) comes from those kept, else is built and kept; without, it is
+        built anew."""
         if not self.facts.tile_table:
             return ()
+        if self.facts.static_tables is None or not keep:
+            return self._classified(key, sizes, device, tensors, plan)
+        static = self._static_key(key, sizes, device)
+        table = self.static_tables.get(static)
+        if table is None:
+            table = self._classified(key, sizes, device, tensors, plan)
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not capturing and len(self.static_tables) < STATIC_TABLES:
+                self.static_tables[static] = table
+        return table
+
+    def _classified(self, key, sizes, device, tensors, plan=None):
+        """(counts, indices) of the tile table `key`, built now by its two launches."""
         by_query, block_m, block_n = key
         B, H, HKV, Q_LEN, KV_LEN = sizes
         g_b, g_h, n_rows, n_cols = self._table_shape(*key, sizes)

@@ -2185,7 +2185,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "a8d45e08ffb1147e"
+MODULE_DIGEST = "518e1843e02801ff"
 FACTS = SpecFacts(
     name="natten_morton",
     fingerprint="3a754d4f657e9fcb",
@@ -2206,6 +2206,9 @@ FACTS = SpecFacts(
     table_per_b=False,
     table_per_h=False,
     table_steps={'q': 0, 'k': 0},
+    # The mask reads no input: its tile tables depend only on these sizes, so the runtime builds one per tiling
+    # and sizes on first use and keeps it (plan.visits).
+    static_tables=('Q_LEN', 'KV_LEN'),
     # backward: dK/dV and dQ as two launches on two streams, each with its own warp count (the
     # mask is narrow: small dK/dV tiles with 4 warps beat one launch of 8-warp tiles)
     one_launch_backward=False,
