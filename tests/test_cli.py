@@ -1,6 +1,7 @@
 """The command line, the standalone module it writes, the on-disk cache, the examples and the wheel."""
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -138,6 +139,30 @@ def test_explain_says_what_is_decided_at_run_time():
     assert "empty 56" in result.stdout  # the causal part is known statically: the upper triangle
     bad = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "causal.attn"), "--q-len", "0")
     assert bad.returncode == 2 and "--q-len must be at least 1, got 0" in bad.stderr
+
+
+def test_explain_says_which_tile_list_the_kernels_follow_and_why():
+    """The plan's choice of tile list: a table per call for a mask reading inputs, a kept table for one that
+    reads none (with what the closed-form hull would visit instead, at these lengths), the closed form where
+    it is exact."""
+    per_call = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "document_causal.attn"), "--q-len", "256")
+    assert "mask: tile table per call" in per_call.stdout and "it reads doc, whose values may change" in per_call.stdout
+    closed = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "causal.attn"), "--q-len", "256")
+    assert "mask: closed form" in closed.stdout and "proves the closed-form tile ranges exact" in closed.stdout
+    result = _run("-m", "attngen.cli", "explain", str(ROOT / "benchmarks" / "published" / "global_band.attn"),
+                  "--q-len", "1024", "--target", "h200")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "mask: static tile table" in text and "it reads no input: its tiles depend only on Q_LEN, KV_LEN" in text
+    assert "from the mask evaluated at these lengths (its static tile table: exact)" in text
+    # Forward tiles 64x64: 16 x 16 tiles. The table visits the band's and the global rows' and columns' tiles;
+    # the hull, which cannot bound abs(), visits all 256 and masks every full one but those of the first row and
+    # column of tiles (the 64 global tokens), 16 + 15 tiles it proves full.
+    mapped = re.search(r"forward  64x64 \(query x key\) tiles, 16 x 16 = 256: full (\d+), partial (\d+), empty (\d+)", text)
+    hull = re.search(r"forward  the closed-form hull would visit (\d+) tiles \((\d+) of them empty\) and mask (\d+) "
+                     r"full ones; the table visits (\d+)", text)
+    full, partial, empty = map(int, mapped.groups())
+    assert hull.groups() == tuple(str(n) for n in (256, empty, full - 31, full + partial))
 
 
 def test_check_fuzzes_a_spec_and_reruns_one_case():

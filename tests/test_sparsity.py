@@ -21,8 +21,10 @@ from hypothesis import example, given, settings
 
 import attngen
 from attngen import testing
-from attngen.testing import strategies
+from attngen.testing import strategies, visits
+from attngen.analysis import analyze
 from attngen.api import parse_spec
+from attngen.report.tilemap import FULL, tile_map
 from attngen.reference import evaluate_expr, make_env
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,22 +53,6 @@ EXTRA_MASKS = {
 }
 
 
-def _tile_truth(allowed: torch.Tensor, block_rows: int, block_cols: int, rows_len: int, cols_len: int):
-    """Per tile of a (B, H, rows, cols) boolean grid: whether any element is allowed, and whether the
-    tile is full (every in-range row allowed everywhere, and it does not run past the columns' end)."""
-    B, H = allowed.shape[:2]
-    n_r, n_c = -(-rows_len // block_rows), -(-cols_len // block_cols)
-    pad = torch.zeros(B, H, n_r * block_rows, n_c * block_cols, dtype=torch.bool)
-    pad[:, :, :rows_len, :cols_len] = allowed
-    tiles = pad.view(B, H, n_r, block_rows, n_c, block_cols).permute(0, 1, 2, 4, 3, 5)
-    some = tiles.flatten(-2).any(-1)
-    in_rows = torch.zeros(n_r * block_rows, dtype=torch.bool)
-    in_rows[:rows_len] = True
-    in_rows = in_rows.view(n_r, 1, block_rows, 1)
-    every = (tiles | ~in_rows).flatten(-2).all(-1)
-    return some, every
-
-
 def _check_counts(name: str, counts: torch.Tensor, some: torch.Tensor, every: torch.Tensor) -> None:
     """Sound: every allowed tile visited once, no mask code skipped on a tile that is not full.
     Exact, too: no empty tile visited and no full tile masked."""
@@ -85,16 +71,8 @@ def _check_visits(attn, q, k, v, inputs) -> None:
     """Each kernel's visit counts against the reference mask, tile by tile, at the kernel's own tiles
     (dK/dV's are transposed: key tiles along rows)."""
     counts = attn.visit_counts(q, k, v, **inputs)
-    (B, H, N, D), (HKV, M) = q.shape, k.shape[1:3]
-    env = make_env(attn.spec, B=B, H=H, HKV=HKV, Q_LEN=N, KV_LEN=M, D=D,
-                   inputs={name: t.cpu() for name, t in inputs.items()})
-    allowed = (evaluate_expr(attn.spec.mask, env) if attn.spec.mask is not None
-               else torch.ones((), dtype=torch.bool)).expand(B, H, N, M)
-    for i, kernel in enumerate(("fwd", "dkdv", "dq")):
-        bm, bn = attn.module._tiles(q, v, i)[:2]
-        truth = (_tile_truth(allowed.transpose(-1, -2), bn, bm, M, N) if kernel == "dkdv"
-                 else _tile_truth(allowed, bm, bn, N, M))
-        _check_counts(kernel, counts[kernel], *truth)
+    for kernel, (some, every) in visits.truths(attn, q, k, v, inputs).items():
+        _check_counts(kernel, counts[kernel], some.cpu(), every.cpu())
 
 
 def _cases():
@@ -181,6 +159,12 @@ def test_static_tables_are_built_once_per_sizes_and_kept():
     testing.check_against_reference(attn.spec, attn, *longer, {})
     assert stats["built"] == built + 4
     _check_visits(attn, q, k, v, {})  # the kept tables of the first length serve its visits exactly
+    # `attngen explain` maps a static table's tiles from the mask itself: the tiles the kernels visit.
+    counts = attn.visit_counts(q, k, v)["fwd"][0, 0].cpu()
+    block_m, block_n = attn.module._tiles(q, v, 0)[:2]
+    mapped = tile_map(analyze(attn.spec), {"B": 1, "H": 2, "HKV": 2, "Q_LEN": 80, "KV_LEN": 80, "D": 16},
+                      block_m, block_n)
+    assert mapped.exact and torch.equal(mapped.grid, torch.where(counts == 16, FULL, (counts == 1).to(torch.uint8)))
     tables = attn.tile_tables(q, k, v)  # and tile_tables() hands out the kept ones
     assert stats["built"] == built + 4
     assert torch.equal(attn(q, k, v, tile_tables=tables), attn(q, k, v))
@@ -234,7 +218,7 @@ def test_static_tables_are_kept_per_tiling_for_the_hopper_family_too():
     for name in ("hopper", "hopper_bwd"):
         by_query, block_m, block_n = keys[name]
         grid, rows, cols = (allowed, block_m, block_n) if by_query else (allowed.transpose(-1, -2), block_n, block_m)
-        some, every = _tile_truth(grid, rows, cols, 300, 300)
+        some, every = visits.tile_truth(grid, rows, cols, 300, 300)
         partial, full = _listed(tables[name], some.shape[2], some.shape[3])
         assert torch.equal(full, every[0, 0] & some[0, 0]) and torch.equal(partial, some[0, 0] & ~every[0, 0]), name
 

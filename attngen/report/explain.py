@@ -15,9 +15,9 @@ from attngen.analysis import spans
 from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
 from attngen.frontend.printer import expr_to_source, to_source
-from attngen.plan import ELEMENT_BYTES, Plan, families
-from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
-                                    tile_map)
+from attngen.plan import ELEMENT_BYTES, Plan, families, visits
+from attngen.report.tilemap import (EMPTY, FULL, PARTIAL, TileMap, closed_form_map, describe_bytes, describe_flops,
+                                    forward_costs, tile_map)
 
 # Each map is a dense uint8 grid (one byte a tile), filled a row of tiles at a time in Python.
 MAX_MAP_TILES = 1 << 26
@@ -42,20 +42,41 @@ def ir_tree(e: ir.Expr) -> str:
     return f"({e.fn}:{e.type} {' '.join(ir_tree(a) for a in e.args)})"
 
 
-def _mask_strategy(facts: Analysis) -> str:
+def _mask_strategy(facts: Analysis, kernel_plan: Plan) -> str:
     if facts.spec.mask is None:
         return "no mask: every tile is full, no mask code runs"
-    if not facts.tile_table:
+    if kernel_plan.visits == visits.CLOSED:
         reads = facts.table_reads
         if reads:
             return ("closed form: the kernels compute each tile's loop bounds arithmetically; the bounds "
                     f"read {', '.join(reads)} (one value per tile), so they are evaluated in the kernel at "
                     "run time; no tile table")
         return "closed form: the kernels compute each tile's loop bounds arithmetically; no tile table"
-    return ("tile table: the mask varies over a tile in a way the analysis cannot bound (it reads "
-            "inputs at q or k, or is not affine); generated kernels evaluate it on every tile (at one "
-            "point per block for block layouts) at call time and list each row's partial and full "
-            "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
+    how = ("generated kernels evaluate the mask on every tile (at one point per block for block layouts) and "
+           "list each row's partial and full tiles")
+    if kernel_plan.visits == visits.STATIC:
+        return (f"static tile table: {how}, once per tiling and {', '.join(facts.table_sizes)}; the runtime "
+                "keeps it, so later calls of those sizes build none")
+    return (f"tile table per call: {how} at call time; built on every call, or once by attn.tile_tables() for "
+            "inputs that stay fixed")
+
+
+def _hull_waste(facts: Analysis, kernel_plan: Plan, sizes: dict[str, int], maps: dict[str, TileMap],
+                kernels: dict[str, tuple[int, int, bool]]) -> list[str]:
+    """For a mask that follows a static table: what the closed-form hull would visit at these lengths,
+    against the table's tiles (the planner's reason for the table, in numbers)."""
+    if kernel_plan.visits != visits.STATIC:
+        return []
+    lines = []
+    for name, (block_m, block_n, by_query) in kernels.items():
+        table, hull = maps[name], closed_form_map(facts, sizes, block_m, block_n, by_query)
+        if hull is None or not table.exact:
+            return []
+        visited, needed = int((hull.grid != EMPTY).sum()), int((table.grid != EMPTY).sum())
+        masked_full = int(((hull.grid == PARTIAL) & (table.grid == FULL)).sum())
+        lines.append(f"  {name:<8} the closed-form hull would visit {visited} tiles ({visited - needed} of them empty) "
+                     f"and mask {masked_full} full ones; the table visits {needed}")
+    return ["closed-form hull against the table (batch 0, head 0)", *lines] if lines else []
 
 
 def _gathers(facts: Analysis, kernel_plan: Plan) -> list[str]:
@@ -115,7 +136,7 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
-    lines += ["", f"mask: {_mask_strategy(facts)}"]
+    lines += ["", f"mask: {_mask_strategy(facts, kernel_plan)}", f"  why: {kernel_plan.visits_reason}"]
     lines += _gathers(facts, kernel_plan)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
@@ -131,6 +152,10 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
                      f"({100 * c['empty'] / total:.1f}% skipped)")
     ways = {m.how for m in maps.values()}
     lines += [f"  from {how}" for how in sorted(ways)]
+    lines += _hull_waste(facts, kernel_plan, sizes, maps, {
+        "forward": (entry.fwd.block_m, entry.fwd.block_n, True),
+        "dK/dV": (entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
+        "dQ": (entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)})
     costs = forward_costs(maps["forward"], q_len, kv_len, head_dim, head_dim_v, ELEMENT_BYTES[dtype])
     scope = "if every undecided tile is visited" if not maps["forward"].exact else "exact"
     lines += ["", f"forward work per (batch, head) ({scope})",
