@@ -1,7 +1,9 @@
 """Variants nobody wrote by hand: random specs from attngen's own spec strategy, timed on the GPU against
 FlexAttention, and the distribution of the ratios.
 
-    python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--n 4096] [--json FILE]
+    python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--n 4096] [--json FILE] [--visits]
+    python benchmarks/random_variants.py --published [--visits] [--json FILE]
+    python benchmarks/random_variants.py --summarize FILE [FILE ...]
 
 The specs are `attngen.testing.strategies.spec_texts(with_mask=True, with_sink=False, with_sigmoid=False)`
 (Flex has neither sinks nor sigmoid): masks of every atom (windows, chunks, prefixes, documents, block layouts,
@@ -12,11 +14,21 @@ chunks keep their proportion to the sequence. A spec whose mask allows no pair a
 listed and left out of the ratios.
 
 Each spec runs as `attngen bench` runs one (attngen.bench): the same q, k, v and inputs for attngen
-(`attngen.build`, tile tables built in every call) and Flex (`to_flex(spec)` under
-`torch.compile(flex_attention)`, its BlockMask built outside the timed region); medians of
-`triton.testing.do_bench`, forward under no_grad, forward+backward with a fixed dO. Ratio: Flex's
-time over attngen's (above 1, attngen is faster). The target (issue 38): median >= 1.3x forward and
->= 1.2x forward+backward, none below 1.0x, over at least 50 specs at N >= 4k.
+(`attngen.build`, with whatever the planner chose for its tiles: closed-form ranges, tables kept after
+the first call for a mask that reads no input, or tables built in every call, whose prebuilt times are
+recorded too) and Flex (`to_flex(spec)` under `torch.compile(flex_attention)`, its BlockMask built
+outside the timed region); medians of `triton.testing.do_bench`, forward under no_grad, forward+backward
+with a fixed dO. Ratio: Flex's time over attngen's (above 1, attngen is faster). The target: median >=
+1.3x forward and >= 1.2x forward+backward, none below 1.0x, over at least 50 specs at N >= 4k.
+
+`--visits` also records, per spec, what the portable kernels visit at this N for one batch row and head
+(`visit_counts`, bf16 tiles) against the tiles the reference mask needs: visited, needed, wasted (empty
+tiles visited) and full tiles run with mask code, per kernel, so a slow spec can be told apart from one
+that visits too much. `--no-time` skips the timing (and the GPU: on a CPU the interpreter counts, at a
+small --n). `--published` runs the four published masks of benchmarks/published (2-D neighbourhood, block
+diffusion, sliding tiles with text, global tokens and a band; their params are written for N = 4096)
+instead of drawn specs. `--summarize` merges the rows of several --json files (a run split over device
+calls by --start/--count) and prints their summary.
 """
 
 from __future__ import annotations
@@ -25,12 +37,15 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from attngen import ir, testing, with_params
 from attngen.frontend import parse_spec
 from attngen.testing import strategies
+
+PUBLISHED = Path(__file__).resolve().parent / "published"
 
 # The params the strategy declares whose values are lengths (windows, chunks): scaled with N.
 LENGTH_PARAMS = ("w", "c")
@@ -83,6 +98,35 @@ def _summary(ratios: list[float]) -> dict:
             "p10": ordered[len(ordered) // 10], "max": ordered[-1], "below_1": sum(r < 1.0 for r in ordered)}
 
 
+def visit_row(spec: ir.Spec, n: int, head_dim: int, device: str) -> dict:
+    """What the portable kernels visit at Q_LEN = KV_LEN = n for one batch row and head, per kernel, against
+    the tiles the mask needs (attngen.testing.visits.visit_summary), and how the plan finds them."""
+    import attngen
+    from attngen.testing import visits
+
+    attn = attngen.build(spec)
+    q, k, v = testing.random_qkv(1, 1, 1, n, n, head_dim, head_dim, torch.bfloat16, device=device, seed=2)
+    inputs = testing.random_inputs(attn.spec, 1, 1, 1, n, n, device=device, seed=2)
+    return {"tile_list": attn.plan.visits, **visits.visit_summary(attn, q, k, v, inputs)}
+
+
+def _specs(args) -> list[tuple[int | str, str, ir.Spec]]:
+    """(index or name, text, spec) of what this run measures."""
+    if args.published:
+        return [(path.stem, path.read_text(), parse_spec(path.read_text())) for path in sorted(PUBLISHED.glob("*.attn"))]
+    texts = draw_specs(args.start + args.count, args.seed)[args.start:]
+    return [(index, text, scaled(text, args.n)) for index, text in enumerate(texts, start=args.start)]
+
+
+def _describe_visits(row: dict) -> str:
+    seen = row.get("visits")
+    if not seen:
+        return ""
+    parts = [f"{kernel} {s['visited']}/{s['needed']} visited/needed, {s['wasted']} wasted, {s['masked_full']} full masked"
+             for kernel, s in seen.items() if kernel != "tile_list"]
+    return f"\n    tiles ({seen['tile_list']}): " + "; ".join(parts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=50)
@@ -93,56 +137,87 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--json", help="write every row and the summary to this file")
+    parser.add_argument("--visits", action="store_true", help="also count each kernel's visited tiles against those needed")
+    parser.add_argument("--no-time", action="store_true", help="time nothing (with --visits: count only)")
+    parser.add_argument("--published", action="store_true", help="the published masks of benchmarks/published")
+    parser.add_argument("--summarize", nargs="+", metavar="FILE", help="merge these --json files' rows and summarize")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("error: random_variants.py times kernels on a CUDA GPU, and this machine has none", file=sys.stderr)
+    if args.summarize:
+        rows = [row for name in args.summarize for row in json.loads(Path(name).read_text())["rows"]]
+        print(json.dumps(_summaries(rows), indent=1))
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.no_time:
+        print("error: random_variants.py times kernels on a CUDA GPU, and this machine has none (--no-time --visits "
+              "counts tiles on the CPU)", file=sys.stderr)
         return 2
 
     from attngen import bench
 
-    texts = draw_specs(args.start + args.count, args.seed)[args.start:]
     problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
     rows: list[dict] = []
     summary: dict = {}
-    for index, text in enumerate(texts, start=args.start):
-        spec = scaled(text, args.n)
+    for index, text, spec in _specs(args):
         row: dict = {"index": index, "spec": text, "params": spec.param_values}
         try:
-            inputs = testing.random_inputs(spec, problem.B, problem.H, problem.HKV, args.n, args.n, device="cuda",
+            inputs = testing.random_inputs(spec, problem.B, problem.H, problem.HKV, args.n, args.n, device=device,
                                            seed=2)
-            counted = bench.count_flops(spec, problem, inputs, device="cuda")
+            counted = bench.count_flops(spec, problem, inputs, device=device)
             row["allowed"] = counted.pairs / counted.total_pairs
             if counted.pairs == 0:
                 row["note"] = "the mask allows no pair at these sizes"
             else:
-                _, timed, notes = bench.run(spec, None, problem, counted=counted)
-                by_name = {r["implementation"]: r for r in timed}
-                ours, flex = by_name.get(bench.ATTNGEN, {}), by_name.get(bench.FLEX, {})
-                row.update({"attngen_fwd_ms": ours.get("fwd_ms"), "attngen_fwdbwd_ms": ours.get("fwdbwd_ms"),
-                            "flex_fwd_ms": flex.get("fwd_ms"), "flex_fwdbwd_ms": flex.get("fwdbwd_ms"),
-                            "fwd_ratio": flex.get("fwd_ratio"), "fwdbwd_ratio": flex.get("fwdbwd_ratio"),
-                            "note": "; ".join(n for n in (ours.get("note"), flex.get("note")) if n)})
+                if args.visits:
+                    row["visits"] = visit_row(spec, args.n, args.head_dim, device)
+                if not args.no_time:
+                    row.update(_timed(bench, spec, problem, counted))
         except Exception as e:  # one spec's failure is its row's note; the run goes on
             row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
         fwd, fwdbwd = row.get("fwd_ratio"), row.get("fwdbwd_ratio")
         print(f"[{index}] allowed {row.get('allowed', float('nan')):.3f}  fwd "
               f"{'-' if fwd is None else f'{fwd:.2f}x'}  fwd+bwd {'-' if fwdbwd is None else f'{fwdbwd:.2f}x'}  "
-              f"{row.get('note', '')}\n    " + text.strip().replace("\n", "\n    "), flush=True)
+              f"{row.get('note', '')}{_describe_visits(row)}\n    " + text.strip().replace("\n", "\n    "), flush=True)
         summary = _write(args, rows)  # after every spec: a run cut short keeps what it measured
     print(json.dumps(summary, indent=1))
     return 0
 
 
+def _timed(bench, spec: ir.Spec, problem, counted) -> dict:
+    """One spec's times and ratios against Flex (attngen.bench.run), with the prebuilt tables' times where the
+    mask's tables are built in every call."""
+    _, timed, _ = bench.run(spec, None, problem, counted=counted)
+    by_name = {r["implementation"]: r for r in timed}
+    ours, flex = by_name.get(bench.ATTNGEN, {}), by_name.get(bench.FLEX, {})
+    prebuilt = by_name.get(bench.ATTNGEN_PREBUILT, {})
+    return {"attngen_fwd_ms": ours.get("fwd_ms"), "attngen_fwdbwd_ms": ours.get("fwdbwd_ms"),
+            "prebuilt_fwd_ms": prebuilt.get("fwd_ms"), "prebuilt_fwdbwd_ms": prebuilt.get("fwdbwd_ms"),
+            "flex_fwd_ms": flex.get("fwd_ms"), "flex_fwdbwd_ms": flex.get("fwdbwd_ms"),
+            "fwd_ratio": flex.get("fwd_ratio"), "fwdbwd_ratio": flex.get("fwdbwd_ratio"),
+            "note": "; ".join(n for n in (ours.get("note"), flex.get("note")) if n)}
+
+
+def _summaries(rows: list[dict]) -> dict:
+    """The ratios' summary of `rows`, forward and forward+backward, and the tiles wasted where counted."""
+    summary = {part: _summary([r[f"{part}_ratio"] for r in rows if r.get(f"{part}_ratio")]) for part in ("fwd", "fwdbwd")}
+    counted = [r["visits"] for r in rows if r.get("visits")]
+    if counted:
+        summary["visits"] = {"specs": len(counted),
+                             "with_wasted_tiles": sum(any(v[k]["wasted"] for k in ("fwd", "dkdv", "dq")) for v in counted),
+                             "with_masked_full_tiles": sum(any(v[k]["masked_full"] for k in ("fwd", "dkdv", "dq"))
+                                                           for v in counted)}
+    return summary
+
+
 def _write(args, rows: list[dict]) -> dict:
-    """The ratios' summary of `rows`, written with them to --json if given."""
+    """The summary of `rows` (_summaries), written with them to --json if given."""
     import triton
 
-    summary = {part: _summary([r[f"{part}_ratio"] for r in rows if r.get(f"{part}_ratio")])
-               for part in ("fwd", "fwdbwd")}
+    summary = _summaries(rows)
     if args.json:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            json.dump({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                        "args": vars(args), "summary": summary, "rows": rows}, f, indent=1)
     return summary
 

@@ -366,3 +366,27 @@ def test_random_variants_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["random_variants.py", "--count", "1"])
     assert rv.main() == 2
     assert "random_variants.py times kernels on a CUDA GPU" in capsys.readouterr().err
+
+
+def test_random_variants_count_visits_against_the_needed_tiles(monkeypatch, capsys, tmp_path):
+    """--visits --no-time on the CPU: each published mask's kernels (static tables) visit exactly the tiles
+    the mask needs; --summarize merges runs' rows."""
+    rv = _random_variants()
+    out = tmp_path / "published.json"
+    monkeypatch.setattr(sys, "argv", ["random_variants.py", "--published", "--n", "48", "--no-time", "--visits",
+                                      "--json", str(out)])
+    assert rv.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["index"] for row in rows] == ["block_diffusion", "global_band", "natten_2d", "sliding_tiles_text"]
+    for row in rows:
+        seen = row["visits"]
+        assert seen["tile_list"] == "static table", row
+        for kernel in ("fwd", "dkdv", "dq"):
+            assert seen[kernel]["visited"] == seen[kernel]["needed"] > 0 and seen[kernel]["missed"] == 0, row
+            assert seen[kernel]["wasted"] == seen[kernel]["masked_full"] == seen[kernel]["unmasked_partial"] == 0, row
+    assert "fwd 9/9 visited/needed, 0 wasted, 0 full masked" in capsys.readouterr().out  # global_band: 3 x 3 tiles
+    monkeypatch.setattr(sys, "argv", ["random_variants.py", "--summarize", str(out), str(out)])
+    assert rv.main() == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["visits"] == {"specs": 8, "with_wasted_tiles": 0, "with_masked_full_tiles": 0}
+    assert summary["fwd"] == {"count": 0}
