@@ -30,8 +30,9 @@ from attngen.analysis import Analysis
 
 CLOSED, STATIC, CALL = "closed form", "static table", "table per call"
 Visits = Literal["closed form", "static table", "table per call"]
-# The model's host costs, estimates in microseconds: a dictionary lookup in Python; one launch of a small
-# kernel through Triton's launcher (benchmarks/random_variants.py --visits times both kinds of table).
+# The model's host costs, estimates in microseconds, not measurements: a dictionary lookup in Python; one
+# launch of a small kernel through Triton's launcher. `attngen bench` measures a table per call: its
+# "attngen" row builds the tables, its "attngen, tile tables prebuilt" row does not.
 STATIC_LOOKUP_US = 1
 TABLE_LAUNCH_US = 5
 
