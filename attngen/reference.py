@@ -118,9 +118,10 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
              kv_len: Tensor | None = None, q_offset: Tensor | None = None,
-             row: PackedRow | None = None) -> tuple[Tensor, Tensor]:
-    """(O, LSE) of the spec, exactly as DSL.md defines them (a sink included); differentiable in q, k, v and
-    the inputs.
+             row: PackedRow | None = None, dropout_p: float = 0.0,
+             dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(O, LSE) of the spec, exactly as DSL.md defines them (a sink and dropout included); differentiable in
+    q, k, v and the inputs.
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
@@ -130,28 +131,61 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN, and
     `causal_bottom_right` lets row i see keys k <= i + kv_len[b] - Q_LEN (with the default offset, `causal`).
     `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
+    Dropout: `dropout_mask` (B, H, Q_LEN, KV_LEN) bool says which P a call keeps (a kernel call's, from
+    its `dropout_mask` method) and `dropout_p` the probability it drew them with; kept P are divided by
+    1 - dropout_p, the others are 0, after the softmax (LSE is unchanged).
     """
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
     p, lse = _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))
+    p = dropped(p, dropout_p, dropout_mask)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
 
+def dropped(p: Tensor, dropout_p: float = 0.0, dropout_mask: Tensor | None = None) -> Tensor:
+    """P after dropout (DSL.md): where `dropout_mask` (P's shape, bool) keeps it, P / (1 - dropout_p), else 0;
+    P itself without a mask. The scale is computed in float64 and applied in P's dtype."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ArgumentError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_mask is None:
+        if dropout_p:
+            raise ArgumentError(f"dropout_mask must be given with dropout_p={dropout_p} (the keep-mask of the call "
+                                f"to compare with: its dropout_mask method gives it)")
+        return p
+    if not (isinstance(dropout_mask, Tensor) and dropout_mask.dtype == torch.bool
+            and tuple(dropout_mask.shape) == tuple(p.shape)):
+        got = (f"{dropout_mask.dtype} {tuple(dropout_mask.shape)}" if isinstance(dropout_mask, Tensor)
+               else type(dropout_mask).__name__)
+        raise ArgumentError(f"dropout_mask must be a bool tensor of shape {tuple(p.shape)} (B, H, Q_LEN, KV_LEN), "
+                            f"got {got}")
+    return torch.where(dropout_mask.to(p.device), p * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
 def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+                    max_seqlen_k: int, dropout_p: float = 0.0,
+                    dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
     k (TOTAL_K, HKV, D), v (TOTAL_K, HKV, DV); sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     of q (and by cu_seqlens_k of k and v), evaluated on its own as a batch row: positions from 0, `b` its
     index, Q_LEN and KV_LEN its lengths; inputs are the call's (a dim declared Q_LEN or KV_LEN is
-    max_seqlen_q or max_seqlen_k long). Differentiable, as `evaluate`."""
+    max_seqlen_q or max_seqlen_k long). Differentiable, as `evaluate`. Dropout as in `evaluate`, the mask
+    (B, H, max_seqlen_q, max_seqlen_k): sequence b's is mask[b, :, :Q_LEN, :KV_LEN] of its lengths."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     B = len(starts_q) - 1
+    H = q.shape[1]
+    if dropout_mask is not None and tuple(dropout_mask.shape) != (B, H, max_seqlen_q, max_seqlen_k):
+        raise ArgumentError(f"dropout_mask must have shape (B, H, max_seqlen_q, max_seqlen_k) = "
+                            f"{(B, H, max_seqlen_q, max_seqlen_k)} in a packed call, got {tuple(dropout_mask.shape)}")
     outs, lses = [], []
     for b in range(B):
         rows = [t[s:e].transpose(0, 1).unsqueeze(0) for t, s, e in
                 ((q, starts_q[b], starts_q[b + 1]), (k, starts_k[b], starts_k[b + 1]), (v, starts_k[b], starts_k[b + 1]))]
-        out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k))
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[b:b + 1, :, :starts_q[b + 1] - starts_q[b], :starts_k[b + 1] - starts_k[b]]
+        out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k), dropout_p=dropout_p,
+                            dropout_mask=mask)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
