@@ -21,17 +21,28 @@ from attngen.runtime import shared
 @dataclass(frozen=True)
 class Attention:
     """A built attention variant: call it as attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None,
-    return_lse=False, tile_tables=None, **inputs)."""
+    return_lse=False, tile_tables=None, dropout_p=0.0, generator=None, **inputs)."""
     spec: ir.Spec
     plan: Plan
     module: ModuleType
     path: Path
 
     def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None, **inputs):
+                 max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None,
+                 dropout_p: float = 0.0, generator=None, **inputs):
         return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables, **inputs)
+                                max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables,
+                                dropout_p=dropout_p, generator=generator, **inputs)
+
+    def dropout_mask(self, q, k, v, *, dropout_p: float, generator=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                     max_seqlen_q=None, max_seqlen_k=None, **inputs):
+        """The keep-mask (B, H, Q_LEN, KV_LEN) bool that a call with these arguments, made with the generator
+        in its present state, applies (a packed call's (B, H, max_seqlen_q, max_seqlen_k)); it draws from
+        the generator as that call would. For tests at small shapes: attngen.reference.evaluate takes it."""
+        return self.module.dropout_mask(q, k, v, dropout_p=dropout_p, generator=generator, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, **inputs)
 
     def tile_tables(self, q, k, v, **inputs):
         """The tile tables of these mask inputs, to pass as attn(q, k, v, tile_tables=..., **inputs)
@@ -40,13 +51,15 @@ class Attention:
         return self.module.tile_tables(q, k, v, **inputs)
 
     def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs) -> str:
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
+                       **inputs) -> str:
         """The kernel family whose forward kernel a call with these arguments runs ("decode", "hopper"
         or "portable"): each family's rule on the call's shapes and device picks it (`attngen explain`
         lists them); a packed call runs the portable kernels."""
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **inputs)
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                                          **inputs)
 
     def backward_family(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                         max_seqlen_k=None, **inputs) -> str:

@@ -335,8 +335,8 @@ def test_opcheck_of_the_operators_with_a_sink(rows):
     _, forward_op, _, cache_op, packed_op, _, sink_grad_op = rows.module.OPERATORS
     tensors = [inputs[i.name] for i in rows.spec.inputs]
     sink = runtime._sink_rows(q, k, inputs)
-    torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink]), test_utils=("test_schema", "test_faketensor"))
-    out, lse = forward_op(q, k, v, tensors, [], [sink])
+    torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink], [], 0.0), test_utils=("test_schema", "test_faketensor"))
+    out, lse = forward_op(q, k, v, tensors, [], [sink], [], 0.0)
     do = torch.randn(2, 4, 16, 12).transpose(2, 3)  # dO in another layout than O's
     for dlse in ([], [torch.randn_like(lse)]):
         torch.library.opcheck(sink_grad_op, (out, do, dlse, lse, sink))
@@ -349,7 +349,7 @@ def test_opcheck_of_the_operators_with_a_sink(rows):
     tensors = [inputs["bias"]]
     sink = attn.module.ATTENTION._sink_rows(q, k, inputs, packed=(packed["cu_seqlens_q"], packed["cu_seqlens_k"]))
     assert sink.shape == (4, q.shape[0])
-    torch.library.opcheck(attn.module.OPERATORS[4], (q, k, v, tensors, *packed.values(), [sink]),
+    torch.library.opcheck(attn.module.OPERATORS[4], (q, k, v, tensors, *packed.values(), [sink], [], 0.0),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -56,8 +56,8 @@ def _fake_outputs(module, q, k, v):
     """The forward and backward operators' fakes on tensors of q, k and v's strides."""
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)) for t in (q, k, v))
-        out, lse = module.OPERATORS[1](fq, fk, fv, [], [], [])
-        dq, dk, dv, _ = module.OPERATORS[2](fq, fk, fv, out, lse, torch.empty_like(out), lse, [], [])
+        out, lse = module.OPERATORS[1](fq, fk, fv, [], [], [], [], 0.0)
+        dq, dk, dv, _ = module.OPERATORS[2](fq, fk, fv, out, lse, torch.empty_like(out), lse, [], [], [], 0.0)
     return out, lse, dq, dk, dv
 
 

@@ -29,8 +29,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32"}
-FLOATS = {"sm_scale", "qk_scale", "scale"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Rng": "*i64"}
+FLOATS = {"sm_scale", "qk_scale", "scale", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
 
@@ -65,19 +65,22 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     plan = module.FACTS.plan[(head_dim, head_dim, "bf16")]
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
                 COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
-                PAGE_SIZE=1, VARLEN=False)
+                PAGE_SIZE=1, VARLEN=False, DROPOUT=False)
     forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.FACTS.tile_table))
     # Also a cache call over pages of 16 keys (no tile table, per-row lengths and offsets) and a packed call.
     launches = [("_fwd_kernel", forward, plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
                                      PAGE_SIZE=16, LABEL="_paged"), plan[0]),
-                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0])]
+                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0]),
+                ("_fwd_kernel", dict(forward, DROPOUT=True, LABEL="_dropout"), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
                     FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     launches.append(("_bwd_kernel", dict(backward, PARTS=3, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                      max(plan[1], plan[2])))
+    for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
+        launches.append(("_bwd_kernel", dict(backward, PARTS=parts, DROPOUT=True, LABEL="_dropout"), tiles))
     for family, tiles in module.FACTS.family_tiles.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
@@ -90,14 +93,18 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
-                          tiles)]
+                          tiles),
+                         ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                               SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
             launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
-                          tiles)]
+                          tiles),
+                         ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
             # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
             launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
                                                      HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,

@@ -24,7 +24,8 @@ from attngen.version import __version__
 # constants its kernels call (attngen/runtime/helpers.py; tests/test_static.py checks the list is whole).
 HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh",
                 "_tanh_approx", "_tan", "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers",
-                "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
+                "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit",
+                "_dropout_state", "_dropout_keep", "_dropout_keep_tile", "_dropout_quarter")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
 SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
@@ -208,6 +209,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
     packed_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_forward)
     packed_backward_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_backward)
+    dropout_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.dropout)
     backward_families = _python_tuple((f.name, f.backward_name) for f in FAMILIES
                                       if f.name in others and f.backward_tiles is not None)
     families_table = ("{" + "".join(f"\n        {f!r}: dict({FAMILY_KERNELS[f]})," for f in others) + "\n    }"
@@ -232,6 +234,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         families=plan.families, family_tiles_table=family_tiles_table, families_table=families_table,
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
+        dropout_families=dropout_families,
         decode_max_rows=DECODE_MAX_ROWS,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
         **kernel_context(facts, plan.families),

@@ -88,6 +88,11 @@ SEQUENCE = ("tma_b", "q_start", "k_start")
 # A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
 # ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
 SINK = ("Sink",)
+# Dropout (DROPOUT, a call's dropout_p > 0): the call's Philox words (Rng, int64 [seed, offset]) and p, which
+# each kernel that forms P reads, and the state its programs derive from them once (runtime.helpers'
+# _dropout_state) for the loops that regenerate the keep-mask.
+DROPOUT = ("Rng", "dropout_p")
+DROPOUT_STATE = ("dropout_seed", "dropout_offset", "dropout_threshold", "dropout_scale")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -130,40 +135,40 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
             "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_off", "q_first", "offs_d", "offs_dv",
-            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
-            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES", *DROPOUT_STATE),
+            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING, "DROPOUT")),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
+            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *DROPOUT, *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
-             *PAGING, "VARLEN")),
+             *PAGING, "VARLEN", "DROPOUT")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *inputs), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            "qk_scale", *POSITIONS, *SIZES, *inputs, *DROPOUT_STATE), (*_INNER_CONSTANTS, "FOLLOW_TABLE", "DROPOUT")),
         "dkdv_program": sig("_bwd_dkdv_program", (
-            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale",
+            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            *POSITIONS, *SIZES, *inputs, *grads, *DROPOUT_STATE), (*_INNER_CONSTANTS, "FOLLOW_TABLE", "DROPOUT")),
         "dq_program": sig("_bwd_dq_program", (
-            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
+            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
         "bwd_kernel": sig("_bwd_kernel", (
-            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
+            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
-             "FOLLOW_TABLE", "VARLEN")),
+             "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
         "decode_fwd": sig("_decode_fwd_kernel", (
             "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
@@ -172,9 +177,9 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
             "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_counter",
-            "sm_scale", "qk_scale", *inputs, *table, *SIZES, *PACKED),
+            "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
-             "VARLEN")),
+             "VARLEN", "DROPOUT")),
         # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
         # _hopper_fwd_work says which tile and key tiles item `work` is.
         "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES, "CuSeqlensQ", "CuSeqlensK"),
@@ -187,26 +192,26 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
             "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
-            *inputs, *table, *SIZES, *PACKED),
+            *DROPOUT, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
-             "NUM_CONSUMERS", "VARLEN")),
+             "NUM_CONSUMERS", "VARLEN", "DROPOUT")),
         "hopper_loop": sig("_hopper_consumer_loop", (
             "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
             "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
-            *inputs),
+            *inputs, *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
-             "o_layout", "p_layout", "WG", "NUM_CONSUMERS")),
+             "o_layout", "p_layout", "WG", "NUM_CONSUMERS", "DROPOUT")),
         "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout")),
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
         # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
             "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
-            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
-            *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN")),
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *DROPOUT, *inputs, *grads,
+            *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
@@ -217,16 +222,16 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
             "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
+            "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
-                                       "VARLEN")),
+                                       "VARLEN", "DROPOUT")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
             "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
             "qk_scale",
-            *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),
+            *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads, *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
-             "dv_layout")),
+             "dv_layout", "DROPOUT")),
         # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
                                                   *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),

@@ -29,7 +29,8 @@ class Family:
     tiles); `follows_tables` says whether its forward follows the mask's tile tables (built for its
     tiles) or decides every element of the mask's hull; `packed_forward` and `packed_backward` whether its
     forward and backward kernels also serve packed calls (sequences in FlashAttention's varlen layout,
-    their grid following the sequences)."""
+    their grid following the sequences); `dropout` whether its kernels apply dropout (a call's dropout_p > 0,
+    regenerating the keep-mask in its backward; the others pass such calls on)."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
@@ -40,6 +41,7 @@ class Family:
     follows_tables: bool = False
     packed_forward: bool = False
     packed_backward: bool = False
+    dropout: bool = False
 
     @property
     def backward_name(self) -> str:
@@ -52,6 +54,7 @@ PORTABLE = Family(
     strength=("FlashAttention-2-style Triton kernels (tl.dot, software-pipelined loads): any CUDA GPU and "
               "Triton's interpreter"),
     problem=lambda facts, target: None,
+    dropout=True,
 )
 
 # Rows of one decode tile: the queries of all the query heads that share a key/value head.
@@ -173,6 +176,7 @@ HOPPER = Family(
     follows_tables=True,
     packed_forward=True,
     packed_backward=True,
+    dropout=True,
 )
 
 # In order of preference; the portable family comes last and serves what the others do not.

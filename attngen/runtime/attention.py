@@ -4,6 +4,7 @@ import torch
 
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
+from .dropout import Dropout
 from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
@@ -16,9 +17,9 @@ from .sinks import sink_rows
 from .tables import Tables
 
 
-class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable, Checks):
+class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, Portable, Checks):
     """One spec's attention: attn(q, k, v, ...) and its companions (tile_tables, forward_family,
-    backward_family, visit_counts) over the kernels a generated module hands over.
+    backward_family, visit_counts, dropout_mask) over the kernels a generated module hands over.
 
     `facts` are the spec's facts (SpecFacts), `kernels` its portable kernels (Kernels), `families` the
     kernels of each family beside the portable one that its plan names, by family name
@@ -47,7 +48,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         return f"Attention({self.facts.name}, families={list(self.families)})"
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
+             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, dropout_p=0.0, generator=None,
+             **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
         sink, if it has one), times V.
 
@@ -69,12 +71,21 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs without tile tables.
         tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
         inputs across calls (built for these inputs' current values; by default each call builds its own).
+        dropout_p: the probability of dropping each attention weight P after the softmax (LSE keeps them all);
+        the kept ones are divided by 1 - dropout_p. Applied whenever it is above 0, as by
+        scaled_dot_product_attention (pass 0 outside training); not in cache calls. Each call draws two
+        Philox words from `generator` (None: the default generator of q's device), so torch.manual_seed
+        repeats it; the backward regenerates the same mask. dropout_mask(q, k, v, ...) returns it.
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
         """
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        self._check_dropout(q, dropout_p, generator)
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if dropout_p and (kv_len is not None or q_offset is not None or page_table is not None):
+            self._fail(f"dropout_p must be 0 in a call with kv_len, q_offset or page_table, got {dropout_p}: cache calls "
+                       f"are inference, without a backward pass")
         if _is_packed(*packed):
             if kv_len is not None or q_offset is not None or page_table is not None:
                 self._fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
@@ -82,7 +93,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             if tile_tables is not None:
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
-            out, lse = self._packed_attention(q, k, v, inputs, *packed)
+            out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator)
             return (out, lse) if return_lse else out
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
@@ -90,7 +101,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
-            plan = self._call_plan(q, k, v, inputs)
+            plan = self._call_plan(q, k, v, inputs, dropout=dropout_p != 0)
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
@@ -102,13 +113,14 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         sink = self._sink_rows(q, k, inputs)
+        dropout = self._dropout(q, dropout_p, generator)
         if torch.compiler.is_compiling():
-            out, lse = self._compiled_attention(q, k, v, tensors, known, sink)
+            out, lse = self._compiled_attention(q, k, v, tensors, known, sink, dropout)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, *tensors)
+            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, dropout, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
-                                            plan, sink)
+                                            plan, sink, dropout)
         return (out, lse) if return_lse else out
 
     def _sink_rows(self, q, k, inputs, cache=None, packed=None):

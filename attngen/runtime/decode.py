@@ -87,12 +87,14 @@ class DecodeFamily:
     def _decode_block_n(self, q, v):
         return self.rt._family_tiles(q, v, "decode")[1]
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None, dropout=None):
         """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
         tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
         (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
         cache), `sink` the spec's sink of every row, which the merge takes as one more split.
-        Returns out and the natural-log LSE, as the portable forward does."""
+        Returns out and the natural-log LSE, as the portable forward does. Never a call with dropout (the
+        family is not one of DROPOUT_FAMILIES)."""
+        assert dropout is None, "the decode family takes no call with dropout"
         B, H, Q_LEN, D = q.shape
         DV = v.shape[3]
         HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)

@@ -193,3 +193,82 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
             tl.atomic_add(visits + start // BLOCK, 1, sem="relaxed")
         else:
             tl.atomic_add(visits + start // BLOCK, 16, sem="relaxed")
+
+
+# --- dropout ---------------------------------------------------------------------------------
+# Dropout keeps P[b, h, q, k] by one Philox4x32-10 draw (Triton's tl.philox, the generator of tl.rand) of
+# the call's two words (Rng: a seed and an offset the host drew from the torch generator) and (b, h, q, k)
+# alone, so every kernel and tile shape regenerates the same bit and the mask is never stored. One draw
+# serves four elements: (q, k) = (16A + 8a + x, 16C + 8c + y) with x, y < 8 takes word 2a + c of the draw
+# at counter (8C + y, 8A + x, b * H + h, offset) under key seed. The four lie in one thread of every MMA
+# accumulator layout (a thread holds rows r and r + 8 of a 16-row slab, and columns c and c + 8), in the
+# forward's (q, k) tiles and the backward's (k, q) ones alike. An element is kept when its word's top 31
+# bits are at least dropout_p * 2**31 (the keep probability is 1 - dropout_p to within 2**-24 of p).
+@triton.jit
+def _dropout_state(Rng, dropout_p, DROPOUT: tl.constexpr):
+    # A program's (seed, offset, threshold, scale): the call's words (Rng, int64 [seed, offset], the
+    # offset's low word a counter word), the threshold of the kept draws, and 1 / (1 - p), which the
+    # kept P are scaled by; placeholders when DROPOUT is off (then nothing reads them).
+    if DROPOUT:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1).to(tl.int32)
+        # The largest float32 below 2**31 bounds the threshold, so a p within 2**-25 of 1 cannot overflow it.
+        threshold = tl.minimum(dropout_p * 2147483648.0, 2147483520.0).to(tl.int32)
+        scale = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        offset = 0
+        threshold = 0
+        scale = 1.0
+    return seed, offset, threshold, scale
+
+
+@triton.jit
+def _dropout_keep(seed, offset, threshold, bh, q, k):
+    # Whether dropout keeps the elements at queries q and keys k (int32 index tensors that broadcast to
+    # the tile, in any layout) of batch x head bh = b * H + h: the definition above, element by element
+    # (every element runs its own draw: _dropout_keep_tile shares one among four).
+    q_pair = (q // 16) * 8 + q % 8
+    k_pair = (k // 16) * 8 + k % 8
+    w0, w1, w2, w3 = tl.philox(seed, k_pair + q_pair * 0, q_pair + k_pair * 0, bh, offset)
+    low_k = k % 16 < 8
+    word = tl.where(q % 16 < 8, tl.where(low_k, w0, w1), tl.where(low_k, w2, w3))
+    return (word >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_keep_tile(seed, offset, threshold, bh, q, k, KEYS_ALONG_ROWS: tl.constexpr):
+    # _dropout_keep of a tile, one draw for four elements: q and k are its query and key indices (int32,
+    # broadcasting to the tile; (rows, columns) = (queries, keys), or (keys, queries) with KEYS_ALONG_ROWS,
+    # the backward's transposed tiles), each axis consecutive from a multiple of 16. The tile is cut into
+    # its four quarters by the half bit (8) of each axis, which every MMA accumulator layout holds in
+    # registers, so the reshapes, splits and joins move no data: the draws run on one quarter's indices, and
+    # each word lands on its quarter.
+    q = q + k * 0
+    k = k + q * 0
+    ROWS: tl.constexpr = q.shape[0]
+    COLUMNS: tl.constexpr = q.shape[1]
+    q = _dropout_quarter(q, ROWS, COLUMNS)
+    k = _dropout_quarter(k, ROWS, COLUMNS)
+    w0, w1, w2, w3 = tl.philox(seed, (k // 16) * 8 + k % 8, (q // 16) * 8 + q % 8, bh, offset)
+    k0, k1 = (w0 >> 1).to(tl.int32) >= threshold, (w1 >> 1).to(tl.int32) >= threshold
+    k2, k3 = (w2 >> 1).to(tl.int32) >= threshold, (w3 >> 1).to(tl.int32) >= threshold
+    # Word 2a + c goes to the quarter of query half a and key half c: (row half, column half) is (a, c), or
+    # (c, a) on transposed tiles.
+    if KEYS_ALONG_ROWS:
+        keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+    else:
+        keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))
+    # (row pair, column pair, column half, row half) back to (rows, columns)
+    keep = tl.reshape(keep, [ROWS // 16, 8, COLUMNS // 16, 8, 2, 2])
+    return tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), [ROWS, COLUMNS])
+
+
+@triton.jit
+def _dropout_quarter(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    # The quarter of tile x of row half 0 and column half 0, (ROWS // 2, COLUMNS // 2): rows 16A + x of
+    # the tile at row 8A + x, columns alike.
+    x = tl.permute(tl.reshape(x, [ROWS // 16, 2, 8, COLUMNS // 16, 2, 8]), (0, 2, 3, 5, 1, 4))
+    x, _ = tl.split(tl.reshape(x, [ROWS // 2, COLUMNS // 2, 2, 2]))
+    x, _ = tl.split(x)
+    return x

@@ -185,13 +185,14 @@ class HopperFamily:
         return self.serves(q, k, v, k.shape[1], k.shape[2], False)
 
     def prepare(self, q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
-                        packed=None, sink=None):
+                        packed=None, sink=None, dropout=None):
         """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
         lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
         the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
         plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
-        TOTAL, D) views (_packed_view), or None; `sink` the spec's sink of every row (Dispatch._forward)."""
+        TOTAL, D) views (_packed_view), or None; `sink` the spec's sink of every row and `dropout` the call's
+        (Dispatch._forward)."""
         D, DV = q.shape[3], v.shape[3]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         d_pad, dv_pad = self.rt._widths(D, DV)
@@ -208,33 +209,36 @@ class HopperFamily:
         sm_scale = self.rt.facts.softmax_scale(D)
         table_args = self.rt._table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
         packed_args, packed_flags = _packed_launch(packed, lse)
+        dropout_args, dropout_flag = self.rt._dropout_args(dropout, lse)
 
         def run():
             _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse,
                     *self.rt._sink_args(sink), work_counter,
-                    sm_scale, sm_scale * LOG2E.value, *self.rt._input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
+                    sm_scale, sm_scale * LOG2E.value, *dropout_args, *self.rt._input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
                     BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                     DEFER_SCALE=self.plain_score and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
-                    bind=_plan_site(plan, "hopper", bool(table)), **packed_flags)
+                    bind=_plan_site(plan, "hopper", bool(table)), **packed_flags, **dropout_flag)
             return out, lse
 
         return run
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None, sink=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None, sink=None,
+                dropout=None):
         """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
         tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-        call's _CallPlan; `packed` and `sink` as for prepare. Returns out and the natural-log LSE, as the
-        portable forward does."""
+        call's _CallPlan; `packed`, `sink` and `dropout` as for prepare. Returns out and the natural-log LSE,
+        as the portable forward does."""
         block_m, block_n, _, stages, q_buffers = self.rt._family_tiles(q, v, "hopper")
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
-                            sink=sink)()
+                            sink=sink, dropout=dropout)()
 
-    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None):
+    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, dropout=None):
         """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
         (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-        (_backward_plan); `packed` a packed call's, as for _hopper_prepare. Returns dq, dk, dv and one
-        gradient per input (None for inputs that are not learnable), as the portable backward does."""
+        (_backward_plan); `packed` a packed call's, as for _hopper_prepare; `dropout` the forward's, whose mask
+        it regenerates. Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable),
+        as the portable backward does."""
         D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
@@ -260,13 +264,14 @@ class HopperFamily:
                        _hopper_descriptor(dq_sum, block_m, d_pad))
         table_args = self.rt._table_args(self.rt._table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
         packed_args, packed_flags = _packed_launch(packed, delta)
+        dropout_args, dropout_flag = self.rt._dropout_args(dropout, delta)
         _launch(
             self.backward_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value,
+            *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value, *dropout_args,
             *self.rt._input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
             *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
-            maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags)
+            maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags, **dropout_flag)
         dq = _empty_in_layout(q, D)
         _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
                 BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))

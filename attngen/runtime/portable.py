@@ -129,10 +129,18 @@ class Portable:
         assert (sink is None) == (self.facts.sink is None), "every forward of a spec with a sink takes its rows, no other"
         return [sink] if sink is not None else []
 
+    def _dropout_args(self, dropout, placeholder):
+        """A kernel's dropout arguments (signatures.DROPOUT: the call's Philox words and dropout_p) and its
+        DROPOUT flag; `dropout` is a call's (words, dropout_p) (Dropout._dropout) or None, when `placeholder`
+        stands in for the words (never read)."""
+        if dropout is None:
+            return [placeholder, 0.0], dict(DROPOUT=False)
+        return list(dropout), dict(DROPOUT=True)
+
     def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
-                          sink=None):
+                          sink=None, dropout=None):
         """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
-        `cache`, `page_table`, `plan` and `sink` as for _forward; `packed` a packed call's (cu_seqlens_q,
+        `cache`, `page_table`, `plan`, `sink` and `dropout` as for _forward; `packed` a packed call's (cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views
         (_packed_view); its LSE is (1, H, TOTAL_Q)."""
         _, H, Q_ROWS, D = q.shape
@@ -151,15 +159,16 @@ class Portable:
         cache_args, cache_flags = _cache_launch(cache, lse)
         packed_args, packed_flags = _packed_launch(packed, lse)
         table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
+        dropout_args, dropout_flag = self._dropout_args(dropout, lse)
         _launch(
             self.kernels.forward, grid, q, k, v, out, lse, *self._sink_args(sink), sm_scale, sm_scale * LOG2E.value,
-            *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
+            *dropout_args, *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
             *self._input_args(tensors), *table_args,
             B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
             HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
             BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
             DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
-            **packed_flags, bind=_plan_site(plan, "forward", bool(table)))
+            **packed_flags, **dropout_flag, bind=_plan_site(plan, "forward", bool(table)))
         return out, lse
 
     def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None, sink=None):
@@ -194,10 +203,12 @@ class Portable:
         return [torch.zeros(t.shape, dtype=torch.float32, device=device) if learnable else None
                 for (name, (dtype, dims, learnable)), t in zip(self.facts.inputs.items(), tensors)]
 
-    def _portable_backward(self, q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None):
+    def _portable_backward(self, q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None,
+                           dropout=None):
         """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
-        backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward.
-        Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+        backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward,
+        `dropout` the forward's (_forward). Returns dq, dk, dv and one gradient per input (None for inputs that
+        are not learnable)."""
         D, DV = q.shape[3], v.shape[3]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         sm_scale = self.facts.softmax_scale(D)
@@ -218,7 +229,8 @@ class Portable:
         table_args = [self._table_args(self._table_key(q, v, kernel), table, sizes, placeholder=delta)
                       for kernel, table in zip((1, 2), tables)]
         packed_args, packed_flags = _packed_launch(packed, delta)
-        args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value,
+        dropout_args, dropout_flag = self._dropout_args(dropout, delta)
+        args = (q, k, v, do, lse, delta, dq, dk, dv, sm_scale, sm_scale * LOG2E.value, *dropout_args,
                 *[stride for t in (q, k, v, do, dq, dk, dv) for stride in _batch_strides(t, packed)],
                 *self._input_args(tensors), *grad_args, *table_args[0], *table_args[1],
                 B, H, HKV, Q_LEN, KV_LEN, visits.get("dkdv", delta), visits.get("dq", delta), *packed_args)
@@ -227,7 +239,7 @@ class Portable:
         constants = dict(HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
                          BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
                          COUNT_VISITS=bool(visits), DOT_PRECISION=_dot_precision(q.dtype),
-                         FOLLOW_TABLE=all(tabled) and self.facts.tile_table, **packed_flags)
+                         FOLLOW_TABLE=all(tabled) and self.facts.tile_table, **packed_flags, **dropout_flag)
         if self.facts.one_launch_backward:
             _launch(self.kernels.backward, (n_kv_tiles + n_q_tiles, B * HKV), *args, PARTS=3, num_warps=max(warps1, warps2),
                     num_stages=max(stages1, stages2), **constants, bind=_plan_site(plan, "backward", 3, tabled))
