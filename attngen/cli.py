@@ -325,7 +325,7 @@ def check_command(
     if report.failure is None:
         calls = f"; KV-cache calls too ({', '.join(c for c in caches if c != 'none')}: out and lse)"
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
-                   f"float64 reference: out, lse and every gradient{calls}{skipped}")
+                   f"float64 reference: out, lse and every gradient, with dropout and without{calls}{skipped}")
         return
     failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"
