@@ -179,10 +179,15 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             shared = kernels[kernel]["shared"]
             assert shared <= SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
+        # With dropout too: its keep-mask lands on the accumulators' layout without moving data (the kernels
+        # convert it with assert_trivial, so a conversion that moved data would not compile).
+        for kernel in ("_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"):
+            assert kernels[kernel]["wgmma"] and kernels[kernel]["shared"] <= SM90_SHARED_BYTES, (spec, kernel)
     for spec, kernels in _compile_sm90(wide, 256).items():
-        for instruction in ("wgmma", "tma", "setmaxnreg"):
-            assert kernels["_hopper_bwd_kernel"][instruction], f"{spec}: no {instruction} in the D=256 backward"
-        assert kernels["_hopper_bwd_kernel"]["shared"] <= SM90_SHARED_BYTES, spec
+        for kernel in ("_hopper_bwd_kernel", "_hopper_bwd_kernel_dropout"):
+            for instruction in ("wgmma", "tma", "setmaxnreg"):
+                assert kernels[kernel][instruction], f"{spec}: no {instruction} in the D=256 {kernel}"
+            assert kernels[kernel]["shared"] <= SM90_SHARED_BYTES, spec
 
 
 class _Tensor:

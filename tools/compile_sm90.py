@@ -7,7 +7,8 @@ a template that Triton rejects is caught before any device time is spent; prints
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
 generated module. Parameter types follow the kernels' declared signatures (attngen.emit.signatures):
-pointers by name, ints as i32, the two scales as fp32.
+pointers by name, ints as i32, the scales and dropout_p as fp32. Each kernel that forms P is compiled with
+dropout too (DROPOUT, labelled _dropout), and the runtime's keep-mask kernel once a module.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Rng": "*i64"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Rng": "*i64", "Mask": "*u8"}
 FLOATS = {"sm_scale", "qk_scale", "scale", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -111,6 +112,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                      HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
                              (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
+    # The runtime's kernel of attn.dropout_mask (the keep-mask by the kernels' own helper).
+    launches.append(("_dropout_mask_kernel", dict(BLOCK_M=64, BLOCK_N=64), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
@@ -119,7 +122,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     for name, constants, tiles in launches:
         if families and not any(name.startswith(f"_{family}") for family in families):
             continue
-        fn = getattr(module, name)
+        fn = getattr(_dropout_runtime(module) if name == "_dropout_mask_kernel" else module, name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
@@ -144,6 +147,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
+
+
+def _dropout_runtime(module):
+    """The dropout runtime module of a generated module (the bundle's own copy of attngen.runtime.dropout)."""
+    return sys.modules[type(module.ATTENTION).__module__.rpartition(".")[0] + ".dropout"]
 
 
 def _hopper_runtime(module):

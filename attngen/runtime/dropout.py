@@ -18,8 +18,9 @@ def _dropout_words(device, generator):
     advances as by any draw (so torch.manual_seed repeats a run and the next call draws other words), a CUDA
     graph draws anew on every replay (torch's graph-safe Philox state), and torch.compile traces the draw as
     an op of its graph, never a constant. The kernels read the words from memory (Rng), and the backward
-    reads the forward's to regenerate its mask."""
-    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device, generator=generator)
+    reads the forward's to regenerate its mask. Each word is below 2**62, a range whose width int64 holds
+    (Inductor's own randint computes it)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device, generator=generator)
 
 
 # The keep-mask kernel's tiles: multiples of 16, as _dropout_keep_tile takes them.
