@@ -1,10 +1,13 @@
-"""What a feature costs: a spec with it against the same spec without it, timed side by side on the GPU
-(issue 34's targets: a sink <= 1.05x the time without it).
+"""What a feature costs: a spec (or a call) with it against the same spec without it, timed side by side on
+the GPU (issue 34's targets: a sink <= 1.05x the time without it, dropout <= 1.3x), and dropout beside
+SDPA's own (its FLASH and EFFICIENT backends, dropout_p on plain attention).
 
-    python benchmarks/feature_cost.py [--shape B,H,N,D] [--json FILE]
+    python benchmarks/feature_cost.py [--shape B,H,N,D] [--feature sink|dropout] [--json FILE]
 
 Each row: forward (no_grad) and forward+backward median ms (triton.testing.do_bench), bf16, the same
-q, k, v for both specs; the ratio is the feature's time over the time without it.
+q, k, v for both; the ratio is the feature's time over the time without it. A dropout row's call passes
+dropout_p (its time includes the draw of the call's Philox words); its SDPA columns time
+scaled_dot_product_attention with and without the same dropout_p on the same tensors.
 """
 
 from __future__ import annotations
@@ -13,58 +16,99 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngen
 from attngen import testing
 
-# (feature, spec with it, the same spec without it)
+DROPOUT_P = 0.1
+# (feature, its kind, spec with it, the same spec without it, the call's keywords with it)
 CASES = [
-    ("sink (gpt_oss_sinks: window 128, a learned sink per head)",
+    ("sink (gpt_oss_sinks: window 128, a learned sink per head)", "sink",
      "specs/gpt_oss_sinks.attn",
-     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n"),
-    ("sink on causal attention",
+     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n", {}),
+    ("sink on causal attention", "sink",
      "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
-     "specs/causal.attn"),
+     "specs/causal.attn", {}),
+    (f"dropout {DROPOUT_P} on causal attention", "dropout", "specs/causal.attn", "specs/causal.attn",
+     {"dropout_p": DROPOUT_P}),
+    (f"dropout {DROPOUT_P} on full attention", "dropout", "specs/full.attn", "specs/full.attn",
+     {"dropout_p": DROPOUT_P}),
 ]
+# SDPA's backends that take dropout_p, timed beside attngen's dropout rows (plain attention: causal or full).
+SDPA_BACKENDS = {"sdpa flash": SDPBackend.FLASH_ATTENTION, "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def _time(attn, q, k, v, inputs, dout, backward):
     if not backward:
         with torch.no_grad():
             return triton.testing.do_bench(lambda: attn(q, k, v, **inputs), warmup=25, rep=200)
-    leaves = [q, k, v, *(t for t in inputs.values() if t.requires_grad)]
+    leaves = [q, k, v, *(t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad)]
     return triton.testing.do_bench(lambda: torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout),
                                    warmup=25, rep=200)
+
+
+def _sdpa(backend, causal, dropout_p):
+    """scaled_dot_product_attention on one backend, called as an attngen call is."""
+    def call(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
+    return call
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="2,16,8192,128", help="B,H,N,D")
+    parser.add_argument("--feature", choices=sorted({case[1] for case in CASES}), help="only this feature's rows")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     B, H, N, D = (int(x) for x in args.shape.split(","))
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without in CASES:
+    for feature, kind, with_it, without, call in CASES:
+        if args.feature and kind != args.feature:
+            continue
         row = {"feature": feature, "shape": [B, H, N, D]}
-        for name, spec in (("with", with_it), ("without", without)):
+        for name, spec, keywords in (("with", with_it, call), ("without", without, {})):
             attn = attngen.build(spec)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
             for t in inputs.values():
                 if t.is_floating_point():
                     t.requires_grad_()
-            row[f"{name} families"] = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
+            row[f"{name} families"] = (attn.forward_family(q, k, v, **inputs, **keywords),
+                                       attn.backward_family(q, k, v, **inputs))
             for part, backward in (("fwd", False), ("fwd+bwd", True)):
-                row[f"{name} {part} ms"] = _time(attn, q, k, v, inputs, dout, backward)
+                row[f"{name} {part} ms"] = _time(attn, q, k, v, {**inputs, **keywords}, dout, backward)
         for part in ("fwd", "fwd+bwd"):
             row[f"{part} ratio"] = row[f"with {part} ms"] / row[f"without {part} ms"]
-        rows.append(row)
         print(f"{feature} B{B} H{H} N{N} D{D} bf16, families {row['with families']}:")
         for part in ("fwd", "fwd+bwd"):
             print(f"  {part:8s} with {row[f'with {part} ms']:.3f} ms, without {row[f'without {part} ms']:.3f} ms: "
                   f"{row[f'{part} ratio']:.3f}x", flush=True)
+        if kind == "dropout":
+            causal = "causal" in with_it
+            for backend_name, backend in SDPA_BACKENDS.items():
+                for label, p in (("with", call["dropout_p"]), ("without", 0.0)):
+                    for part, backward in (("fwd", False), ("fwd+bwd", True)):
+                        try:
+                            ms = _time(_sdpa(backend, causal, p), q, k, v, {}, dout, backward)
+                        except RuntimeError as e:  # a backend this GPU or build does not have
+                            ms = None
+                            row[f"{backend_name} error"] = str(e).splitlines()[0]
+                        row[f"{backend_name} {label} {part} ms"] = ms
+                for part in ("fwd", "fwd+bwd"):
+                    theirs = row[f"{backend_name} with {part} ms"]
+                    if theirs is None:
+                        continue
+                    row[f"{backend_name} {part} ratio"] = theirs / row[f"{backend_name} without {part} ms"]
+                    row[f"attngen over {backend_name} {part}"] = row[f"with {part} ms"] / theirs
+                    print(f"  {backend_name:14s} {part:8s} with {theirs:.3f} ms, without "
+                          f"{row[f'{backend_name} without {part} ms']:.3f} ms: {row[f'{backend_name} {part} ratio']:.3f}x;"
+                          f" attngen's with over its: {row[f'attngen over {backend_name} {part}']:.3f}x", flush=True)
+        rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
