@@ -1341,11 +1341,13 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
             pT = gl.where(allowed, pT, 0.0)
         pv = pT
         if DROPOUT:
-            # dV sums the kept P (scaled once, at the store), and dP reaches dS only through them.
+            # dV sums the kept P (scaled once, at the store), and dP reaches dS only through them. A dropped P
+            # is held negated until dS: one register an element for P and whether it was kept (P >= 0).
             keep = gl.convert_layout(_dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold,
                                                         off_b * H + off_h, offs_m[None, :], offs_n[:, None], True),
                                      s_layout, assert_trivial=True)
-            pv = gl.where(keep, pT, 0.0)
+            pT = gl.where(keep, pT, -pT)
+            pv = gl.maximum(pT, 0.0)
         if SPLIT_D:
             # Each warpgroup has half of P^T's columns and needs all of them: through shared memory. The
             # previous step's readers of ds_smem retired before the partition-wide barrier of its `empty`.
@@ -1359,7 +1361,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         # dV is waited for here with dP^T: that frees P^T's operand registers before dS^T is built.
         dpT, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, dv_tok, v_smem, do_smem))
         if DROPOUT:
-            dpT = gl.where(keep, dpT * dropout_scale, 0.0)
+            dpT = gl.where(pT > 0.0, dpT * dropout_scale, 0.0)
+            pT = gl.abs(pT)
         delta = delta_bufs.index(stage).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
         # no learnable inputs
@@ -1540,7 +1543,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "af2e9f3e4aaea8f8"
+MODULE_DIGEST = "7e42ec759cb31b07"
 FACTS = SpecFacts(
     name="block_sparse",
     fingerprint="1f56b90c7d750266",
