@@ -240,6 +240,12 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
     floor of the tolerance adds FLOOR_ULPS fp32 ulps of these scales (the kernels accumulate in
     fp32 whatever their input dtype). `row`: q, k and v are that sequence of a packed call; `dropout` a
     call's dropout_p and dropout_mask (for these q, k and v): the kept P, scaled, are what out and dV sum.
+
+    Each term's P is weighted by 1 + (|score'| + |LSE|) / (2 * FLOOR_ULPS): the kernels form P as
+    exp2(score' * log2(e) - m) in fp32, m being the running max (forward) or the saved LSE (backward), both
+    rounded at their own magnitude, so P itself is off by up to about 2**-24 * (|score'| + |LSE|) relative,
+    which is many ulps where scores are large (scores near 40 put P 3.7e-6 off; a dropout call's few kept
+    terms of dV then show it).
     """
     with torch.no_grad():
         qd, kd, vd = (x.detach().to("cpu", torch.float64) for x in (q, k, v))
@@ -248,6 +254,10 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
         group = q.shape[1] // k.shape[1]
         cached = {name: t.detach().cpu() for name, t in (cache or {}).items()}
         p = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
+        score = modified_scores(spec, qd, kd, vd, ins, **cached, row=row)
+        lse = evaluate(spec, qd, kd, vd, ins, **cached, row=row)[1]
+        magnitude = torch.where(p > 0, score.abs() + lse.abs().unsqueeze(-1), 0.0)
+        p = p * (1.0 + magnitude / (2 * FLOOR_ULPS))
         kept = dropped(p, **dict(dropout or {}))
         k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
         out_terms = kept @ v_abs
