@@ -477,11 +477,12 @@ def test_dropout_through_the_hopper_family_on_gpu(name, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["causal", "learned_rel_bias"])
 def test_dropout_through_the_portable_family_on_gpu(name, dtype):
-    # D = 40 is below the Hopper family's head dims: the portable kernels, whose backward runs in two launches.
+    # D = 40 is below the Hopper family's head dims: the portable kernels, forward and backward.
     attn = attngen.build(f"specs/{name}.attn")
     q, k, v = testing.random_qkv(2, 8, 2, 600, 517, 40, 40, dtype, device="cuda")
     inputs = testing.random_inputs(attn.spec, 2, 8, 2, 600, 517, device="cuda")
     assert attn.forward_family(q, k, v, dropout_p=0.1, **inputs) == "portable"
+    assert attn.backward_family(q, k, v, **inputs) == "portable"
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, seed=2, dropout_p=0.1)
 
 
