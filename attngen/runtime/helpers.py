@@ -203,7 +203,8 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
 # at counter (8C + y, 8A + x, b * H + h, offset) under key seed. The four lie in one thread of every MMA
 # accumulator layout (a thread holds rows r and r + 8 of a 16-row slab, and columns c and c + 8), in the
 # forward's (q, k) tiles and the backward's (k, q) ones alike. An element is kept when its word's top 31
-# bits are at least dropout_p * 2**31 (the keep probability is 1 - dropout_p to within 2**-24 of p).
+# bits are at least float32(dropout_p) * 2**31: the keep probability is 1 - dropout_p to within
+# 2**-24 * dropout_p + 2**-31.
 @triton.jit
 def _dropout_state(Rng, dropout_p, DROPOUT: tl.constexpr):
     # A program's (seed, offset, threshold, scale): the call's words (Rng, int64 [seed, offset], the
