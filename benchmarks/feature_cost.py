@@ -1,10 +1,11 @@
 """What a feature costs: a spec with it against the same spec without it, timed side by side on the GPU
-(issue 34's targets: a sink <= 1.05x the time without it).
+(the targets: a sink <= 1.05x the time without it, a deterministic backward <= 1.15x).
 
-    python benchmarks/feature_cost.py [--shape B,H,N,D] [--json FILE]
+    python benchmarks/feature_cost.py [--shape B,H,N,D] [--only WORD ...] [--json FILE]
 
 Each row: forward (no_grad) and forward+backward median ms (triton.testing.do_bench), bf16, the same
-q, k, v for both specs; the ratio is the feature's time over the time without it.
+q, k, v for both builds; the ratio is the feature's time over the time without it. `--only` keeps the rows
+whose feature names contain one of the words (e.g. `--only deterministic`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import triton
 import attngen
 from attngen import testing
 
-# (feature, spec with it, the same spec without it)
+# (feature, spec with it, the same spec without it, build's options for the first)
 CASES = [
     ("sink (gpt_oss_sinks: window 128, a learned sink per head)",
      "specs/gpt_oss_sinks.attn",
-     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n"),
+     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n", {}),
     ("sink on causal attention",
      "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
-     "specs/causal.attn"),
+     "specs/causal.attn", {}),
+    ("deterministic backward (causal)", "specs/causal.attn", "specs/causal.attn", {"deterministic": True}),
+    ("deterministic backward (learned_rel_bias: a learned table's exact sums)", "specs/learned_rel_bias.attn",
+     "specs/learned_rel_bias.attn", {"deterministic": True}),
 ]
 
 
@@ -41,16 +45,19 @@ def _time(attn, q, k, v, inputs, dout, backward):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="2,16,8192,128", help="B,H,N,D")
+    parser.add_argument("--only", nargs="*", help="only the rows whose feature names contain one of these words")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     B, H, N, D = (int(x) for x in args.shape.split(","))
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without in CASES:
+    for feature, with_it, without, options in CASES:
+        if args.only and not any(word in feature for word in args.only):
+            continue
         row = {"feature": feature, "shape": [B, H, N, D]}
-        for name, spec in (("with", with_it), ("without", without)):
-            attn = attngen.build(spec)
+        for name, spec, build_options in (("with", with_it, options), ("without", without, {})):
+            attn = attngen.build(spec, **build_options)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
             for t in inputs.values():
                 if t.is_floating_point():

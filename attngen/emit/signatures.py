@@ -88,6 +88,9 @@ SEQUENCE = ("tma_b", "q_start", "k_start")
 # A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
 # ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
 SINK = ("Sink",)
+# The Hopper backward's deterministic dQ (DETERMINISTIC): its int64 fixed-point sum (q's layout, its
+# batch, head and row strides) and each row's scale exponent (rows of dq_rows a head, as its row terms).
+DQ_FIXED = ("DqFixed", "stride_dqz", "stride_dqh", "stride_dqm", "DqExp", "dq_rows")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -120,6 +123,9 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
     inputs, grads = input_params(spec), grad_params(spec)
     table = table_params() if tile_table else ()
     sink = SINK if spec.sink is not None else ()
+    # DETERMINISTIC: the learnable inputs' gradients are summed exactly (runtime.helpers._grad_add), so
+    # every order of their adds gives the same bits; only kernels that add them take it.
+    deterministic = ("DETERMINISTIC",) if grads else ()
 
     def sig(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
         return Signature(name, params + constants, frozenset(constants))
@@ -150,12 +156,12 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE", *deterministic)),
         "dq_program": sig("_bwd_dq_program", (
             "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", *deterministic)),
         "bwd_kernel": sig("_bwd_kernel", (
             "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
@@ -163,7 +169,7 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
-             "FOLLOW_TABLE", "VARLEN")),
+             "FOLLOW_TABLE", "VARLEN", *deterministic)),
         "decode_fwd": sig("_decode_fwd_kernel", (
             "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
             *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
@@ -204,9 +210,9 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
             "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
-            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
-            *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN")),
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED, "sm_scale", "qk_scale", *inputs, *grads,
+            *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
@@ -216,17 +222,16 @@ def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
+            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED,
+            "start_n", "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
-                                       "VARLEN")),
+                                       "VARLEN", "DETERMINISTIC")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
-            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
-            "qk_scale",
-            *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
-             "dv_layout")),
+            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", *DQ_FIXED, "start_n", "n_masked", *TILE_RANGE,
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "row_start", *inputs, *grads),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
+             "dk_layout", "dv_layout")),
         # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
                                                   *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),

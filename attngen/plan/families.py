@@ -179,6 +179,25 @@ HOPPER = Family(
 FAMILIES: tuple[Family, ...] = (DECODE, HOPPER, PORTABLE)
 
 
+def deterministic_backward(facts: Analysis, families: tuple[str, ...]) -> str:
+    """Which backward a call in deterministic mode (the same bits run after run) runs, and how, for a module
+    of these families: what `attngen explain` says of it."""
+    portable = "each dQ program writes its query tile's rows once, each dK/dV program its key tile's"
+    if HOPPER.name not in families:
+        how = f"portable ({portable})"
+    elif facts.score_derivative_bound is None:
+        how = (f"portable ({portable}); not hopper: its dQ is an int64 fixed-point sum scaled by a bound on "
+               "|d score'/d score|, and the analysis knows none for this score")
+    else:
+        how = (f"hopper for the calls its rule admits, dQ added in int64 fixed point (each row scaled by 2**s from "
+               f"a bound on its terms, |d score'/d score| <= {facts.score_derivative_bound:g}), so its key tiles add "
+               f"in any order with no turns; portable for the others ({portable})")
+    if facts.spec.learnable_inputs:
+        how += ("; learnable inputs' gradients summed exactly (int64 words of 24-bit digits), the same in any order "
+                "of their adds")
+    return how
+
+
 def choose_families(facts: Analysis, target: Target) -> tuple[tuple[Family, ...], str]:
     """The families of this spec's module on `target`, in order of preference (the portable family
     last), and why (including why a family was passed over)."""

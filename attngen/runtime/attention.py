@@ -47,7 +47,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         return f"Attention({self.facts.name}, families={list(self.families)})"
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
+             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, deterministic=False, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
         sink, if it has one), times V.
 
@@ -71,9 +71,13 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         inputs across calls (built for these inputs' current values; by default each call builds its own).
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
+        deterministic=True, or torch.use_deterministic_algorithms(True) at the time of the call: its backward
+        gives the same bits every time (learnable inputs' gradients summed exactly, dQ in a fixed-point sum or
+        by the portable family, whose programs each write theirs once; the forward always does).
         """
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if _is_packed(*packed):
             if kv_len is not None or q_offset is not None or page_table is not None:
@@ -82,7 +86,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             if tile_tables is not None:
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
-            out, lse = self._packed_attention(q, k, v, inputs, *packed)
+            out, lse = self._packed_attention(q, k, v, inputs, *packed, deterministic=deterministic)
             return (out, lse) if return_lse else out
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
@@ -90,7 +94,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
-            plan = self._call_plan(q, k, v, inputs)
+            plan = self._call_plan(q, k, v, inputs, deterministic)
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
@@ -103,9 +107,9 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         sink = self._sink_rows(q, k, inputs)
         if torch.compiler.is_compiling():
-            out, lse = self._compiled_attention(q, k, v, tensors, known, sink)
+            out, lse = self._compiled_attention(q, k, v, tensors, known, sink, deterministic)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, *tensors)
+            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, deterministic, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
                                             plan, sink)

@@ -39,7 +39,10 @@ class SpecFacts:
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
     packed_families and packed_backward_families those that serve packed calls; sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
-    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`.
+    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
+    score_grad_bound, a bound on |d score'/d score| over every call (1.0 without a score expression), or
+    None where the analysis knows none: the Hopper family's deterministic backward scales its fixed-point
+    dQ by it, and runs only where there is one.
     """
     name: str
     fingerprint: str
@@ -65,6 +68,7 @@ class SpecFacts:
     packed_backward_families: tuple = ()
     sink: tuple | None = None
     reductions: tuple = ()
+    score_grad_bound: float | None = 1.0
 
 
 @dataclass(frozen=True)
