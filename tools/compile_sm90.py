@@ -116,6 +116,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                               HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False, DQ_BOUND=False)
             launches.append(("_bwd_preprocess", preprocess, (0, 0, 4, 1)))
             launches.append(("_bwd_preprocess", dict(preprocess, DQ_BOUND=True, LABEL="_deterministic"), (0, 0, 4, 1)))
+            if module.FACTS.sink is not None:  # the sink rows' gradient, in the same pass
+                launches.append(("_bwd_preprocess", dict(preprocess, SINK_GRAD=True, LABEL="_sink"), (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
             for packed in (False, True):
                 launches.append(("_hopper_dq_finish_fixed",

@@ -85,9 +85,11 @@ PACKED = ("CuSeqlensQ", "CuSeqlensK", "TOTAL_Q")
 # sequence's first query and key rows (off_b, 0 and 0 in an unpacked call; 0 and cu_seqlens[b] in a
 # packed one, whose descriptors see (1, heads, TOTAL, D) views).
 SEQUENCE = ("tma_b", "q_start", "k_start")
-# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
-# ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
-SINK = ("Sink",)
+# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32, as (B, H, Q_LEN) rows
+# in any strides (an expanded `sinks[h]` has 0 for the batch and the rows: attngen.runtime.sinks); a packed
+# call's (H, TOTAL_Q) rows come with batch stride 0, its rows counted from each sequence's first token. A
+# spec without one has no such parameters.
+SINK = ("Sink", "stride_sb", "stride_sh", "stride_sm")
 # The Hopper backward's deterministic dQ (DETERMINISTIC): its int64 fixed-point sum (q's layout, its
 # batch, head and row strides) and each row's scale exponent (rows of dq_rows a head, as its row terms).
 DQ_FIXED = ("DqFixed", "stride_dqz", "stride_dqh", "stride_dqm", "DqExp", "dq_rows")

@@ -12,7 +12,7 @@ from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv, _packed_view, _token_sequences
-from .sinks import sink_rows
+from .sinks import sink_rows, sink_view, whole_load
 from .tables import Tables
 
 
@@ -41,6 +41,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         # as launch._LAUNCHES's keys are.
         self.call_plans, self.call_plan_keys = {}, 256
         self.table_stats = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
+        # A sink that is one input at (b, h) (`sinks[h]`): its rows are that input viewed, with no evaluation.
+        self.sink_load = whole_load(facts.sink, facts.inputs) if facts.sink is not None else None
         self.operators = self._operators()
 
     def __repr__(self):
@@ -117,12 +119,18 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
 
     def _sink_rows(self, q, k, inputs, cache=None, packed=None):
         """The sink of every query row of a checked call, which the forward kernels start each row's softmax
-        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), laid out as LSE; None for a spec without a
-        sink. Computed by torch from the inputs, so autograd carries its gradient (the kernels' autograd
-        nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
+        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), in any strides (a `sinks[h]` is its input
+        viewed: sinks.whole_load); None for a spec without a sink. Computed by torch from the inputs, so
+        autograd carries its gradient (the kernels' autograd nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
         cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k, ...)."""
         if self.facts.sink is None:
             return None
+        if self.sink_load is not None:
+            name, names = self.sink_load
+            if packed is None:
+                return sink_view(inputs[name], names, q.shape[0], q.shape[1], q.shape[2])
+            if names == ("h",):
+                return sink_view(inputs[name], names, 1, q.shape[1], q.shape[0])[0]
         inputs = {name: inputs[name] for name in self.facts.inputs}
         if packed is not None:
             cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()

@@ -5,7 +5,7 @@ import torch
 from .helpers import LOG2E
 from .launch import _launch
 from .plans import _plan_site
-from .portable import _cache_launch, _dot_precision, _kv_layout, _sm_count
+from .portable import _cache_launch, _dot_precision, _kv_layout, _sink_strides, _sm_count
 from .shared import _cdiv, _empty_in_layout, _next_power_of_2
 
 
@@ -118,6 +118,7 @@ class DecodeFamily:
         n_rows = B * H * Q_LEN
         block_r = 16
         _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
-                sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
+                *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), H, Q_LEN, n_rows, splits,
+                HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
                 BLOCK_R=block_r, HAS_SINK=sink is not None, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse

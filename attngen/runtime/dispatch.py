@@ -61,13 +61,15 @@ class Dispatch:
             return []
         return [0] if name == "portable" else [name] if name in self.facts.table_families else []
 
-    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None, deterministic=False):
+    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None, deterministic=False,
+                              sink=None):
         """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
         portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
         tiles agree) or build(key). `plan`: the call's _CallPlan, which has the family and binds the
         launches (made for the same `deterministic`). `deterministic`: the gradients must be the same bits
-        from run to run (Attention.attn). Returns dq, dk, dv and one gradient per input (None for inputs that
-        are not learnable)."""
+        from run to run (Attention.attn). `sink`: the spec's sink rows, when their gradient is wanted. Returns
+        dq, dk, dv, one gradient per input (None for inputs that are not learnable) and the sink rows' gradient
+        (None without `sink`)."""
         _, name, launch = plan.backward_family if plan is not None else self._backward_family(q, k, v,
                                                                                                deterministic=deterministic)
         kernels = ([1, 2] if launch is None else [name]) if self.facts.tile_table else []
@@ -75,9 +77,9 @@ class Dispatch:
         plan = _backward_plan(plan, do, dlse)
         if launch is not None:
             return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan,
-                          deterministic=deterministic)
+                          deterministic=deterministic, sink=sink)
         return self._portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())),
-                                       plan=plan, deterministic=deterministic)
+                                       plan=plan, deterministic=deterministic, sink=sink)
 
     def _backward_family(self, q, k, v, packed=False, deterministic=False):
         """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call

@@ -237,12 +237,14 @@ class HopperFamily:
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
                             sink=sink)()
 
-    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, deterministic=False):
+    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, deterministic=False,
+                 sink=None):
         """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
         (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
         (_backward_plan); `packed` a packed call's, as for _hopper_prepare; `deterministic`: the same bits every
-        run (dQ in int64 fixed point, learnable inputs' gradients summed exactly). Returns dq, dk, dv and one
-        gradient per input (None for inputs that are not learnable), as the portable backward does."""
+        run (dQ in int64 fixed point, learnable inputs' gradients summed exactly); `sink` the sink rows whose
+        gradient is wanted. Returns dq, dk, dv, one gradient per input (None for inputs that are not learnable)
+        and the sink rows' gradient, as the portable backward does."""
         D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
@@ -255,8 +257,9 @@ class HopperFamily:
         dq_sum = _empty_in_layout(q, D, torch.int64 if deterministic else torch.float32)
         q_rows = _cdiv(TOTAL_Q, block_m) * block_m
         # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-        delta, lse2, _, dq_exp = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
-                                                    dq_bound=self._dq_bound(k, v) if deterministic else None)
+        delta, lse2, dsink, dq_exp = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
+                                                        sink=(sink, lse) if sink is not None else None,
+                                                        dq_bound=self._dq_bound(k, v) if deterministic else None)
         exp_rows, columns = dq_exp, None
         if packed is not None:
             columns = _hopper_sequence_columns(packed, block_m)
@@ -294,7 +297,7 @@ class HopperFamily:
         else:
             _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale,
                     dq.numel() // 8, BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
-        return dq, dk, dv, self.rt._summed_input_grads(grads, tensors)
+        return dq, dk, dv, self.rt._summed_input_grads(grads, tensors), dsink
 
     def _dq_bound(self, k, v):
         """The deterministic dQ's bound (Portable._row_terms' dq_bound): K's and V's min and max, made on the

@@ -9,8 +9,9 @@ from .helpers import EXACT_DIGITS, EXACT_WORDS, LOG2E
 
 
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, DqExp, Bounds, bound_log2, stride_oz,
-                    stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, stride_sb, stride_sh, stride_sm, DSink, DqExp, Bounds,
+                    bound_log2, stride_oz, stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom,
+                    stride_dok, H, Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr,
@@ -21,8 +22,9 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, DqExp, 
     # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
     # memory, not its rows; or int64, deterministic mode's) that a backward then adds dQ into, so that needs
     # no launch of its own.
-    # SINK_GRAD: also the gradient DSink of a spec's sink rows Sink (B * H * Q_LEN, laid out as LSE), the
-    # first term of each row's softmax: -exp(sink - LSE) * delta.
+    # SINK_GRAD: also the gradient DSink (B * H * Q_LEN, laid out as LSE) of a spec's sink rows Sink ((B, H,
+    # Q_LEN) in its strides), the first term of each row's softmax: -exp(sink - LSE) * delta, the weight 1
+    # where the sink is +inf (all of the row's weight; LSE is +inf too).
     # DQ_BOUND: also each row's scale exponent s for a deterministic fixed-point dQ (the Hopper family's),
     # in DqExp's rows as Delta's: dQ's row sums sum_k dS[q, k] K[k, :] with dS = P (dP - delta) g, g = d score'/d
     # score, and |dP[q, k]| <= sum_d |dO[q, d]| max|V|, sum_k P[q, k] <= 1, so with |g| <= 2**bound_log2 each
@@ -51,10 +53,11 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, DqExp, 
     if SINK_GRAD:
         rows = off_bh.to(tl.int64) * Q_LEN + offs_m
         lse = tl.load(Lse + rows, mask=offs_m < Q_LEN, other=float("-inf"))
-        sink = tl.load(Sink + rows, mask=offs_m < Q_LEN, other=float("-inf"))
+        sink = tl.load(Sink + off_b.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
+                       + offs_m.to(tl.int64) * stride_sm, mask=offs_m < Q_LEN, other=float("-inf"))
         # A row with neither a key nor a sink (LSE = -inf, and so sink = -inf) weighs its sink exp(-inf - 0) = 0,
         # never exp(-inf - -inf).
-        weight = tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse))
+        weight = tl.where(sink == float("inf"), 1.0, tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse)))
         tl.store(DSink + rows, -weight * delta, mask=offs_m < Q_LEN)
     if DQ_BOUND:
         l1 = tl.sum(tl.abs(do.to(tl.float32)), 1)
@@ -82,22 +85,27 @@ def _base2_lse(Lse, row, offs, n):
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, H, Q_LEN, n_rows, SPLITS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                    HAS_SINK: tl.constexpr):
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
+                    H, Q_LEN, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, HAS_SINK: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
     # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
-    # of the spec's sink (B, H, Q_LEN), if it has one (HAS_SINK): a part with no value (O = 0, LSE = sink),
-    # the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the first part
-    # rescales its 1 by exp(-inf) = 0).
+    # of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value (O = 0,
+    # LSE = sink), the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the
+    # first part rescales its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN (both
+    # NaN) merges as one without a sink and gets those values at the end.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    out_rows = rows.to(tl.int64)
     m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    sink = m
     if HAS_SINK:
-        m = tl.load(Sink + rows, mask=row_ok, other=float("-inf"))
+        sink = tl.load(Sink + out_rows // Q_LEN // H * stride_sb + out_rows // Q_LEN % H * stride_sh
+                       + out_rows % Q_LEN * stride_sm, mask=row_ok, other=float("-inf"))
+        m = tl.where(sink < float("inf"), sink, float("-inf"))
         total += 1.0
     acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
     for s in range(SPLITS):
@@ -114,11 +122,14 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
     has_keys = total > 0.0
     total_safe = tl.where(has_keys, total, 1.0)
     lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
-    out_rows = rows.to(tl.int64)
+    out = acc / total_safe[:, None]
+    if HAS_SINK:
+        out = tl.where((sink < float("inf"))[:, None], out,
+                       tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+        lse = tl.where(sink < float("inf"), lse, sink)
     out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
                + out_rows % Q_LEN * stride_om)
-    tl.store(Out + out_row[:, None] + offs_dv[None, :], (acc / total_safe[:, None]).to(Out.dtype.element_ty),
-             mask=tile_ok)
+    tl.store(Out + out_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=tile_ok)
     tl.store(Lse + rows, lse, mask=row_ok)
 
 

@@ -30,10 +30,10 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, sink, *tensors = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(out)
-        dq, dk, dv, input_grads = ctx.rt._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, ctx.known,
-                                                               ctx.build, ctx.plan, ctx.deterministic)
-        # The sink rows' gradient by the row-terms kernel: one pass over O and dO.
-        dsink = ctx.rt._row_terms(out, do, dlse, sink=(sink, lse))[2] if ctx.needs_input_grad[6] else None
+        # The sink rows' gradient comes from the backward's own row terms' pass (one pass over O and dO).
+        dq, dk, dv, input_grads, dsink = ctx.rt._backward_with_tables(
+            q, k, v, out, lse, do, dlse, tensors, ctx.known, ctx.build, ctx.plan, ctx.deterministic,
+            sink if ctx.needs_input_grad[6] else None)
         return (None, dq, dk, dv, None, None, dsink, None, *input_grads)
 
 
@@ -56,13 +56,9 @@ class _PackedAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         ctx.rt._no_double_backward()
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink, *tensors = ctx.saved_tensors
-        dq, dk, dv, input_grads = ctx.rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
-                                                          cu_seqlens_k, *ctx.max_seqlens,
-                                                          _backward_plan(ctx.plan, do, dlse), ctx.deterministic)
-        dsink = None
-        if ctx.needs_input_grad[9]:  # as _Attention's, of the (1, H, TOTAL_Q) views
-            dsink = ctx.rt._row_terms(_packed_view(out), _packed_view(do), dlse[None] if dlse is not None else None,
-                                      sink=(sink, lse))[2]
+        dq, dk, dv, input_grads, dsink = ctx.rt._packed_backward(
+            q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+            _backward_plan(ctx.plan, do, dlse), ctx.deterministic, sink if ctx.needs_input_grad[9] else None)
         return (None, dq, dk, dv, None, None, None, None, None, dsink, None, *input_grads)
 
 
@@ -140,7 +136,7 @@ class Operators:
                         deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
             # The user's tables, if any, else those of the family that runs, built here (as the forward does).
             known = dict(zip(self._table_kernels(True), _pairs(tables)))
-            dq, dk, dv, input_grads = self._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
+            dq, dk, dv, input_grads, _ = self._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
                                                                  self._builder(_sizes(q, k), q.device, tensors),
                                                                  deterministic=deterministic)
             return dq, dk, dv, [g for g in input_grads if g is not None]
@@ -202,7 +198,7 @@ class Operators:
                                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                                max_seqlen_k: int, deterministic: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-            dq, dk, dv, input_grads = self._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
+            dq, dk, dv, input_grads, _ = self._packed_backward(q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q,
                                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                             deterministic=deterministic)
             return dq, dk, dv, [g for g in input_grads if g is not None]
@@ -247,21 +243,22 @@ class Operators:
         return _unpacked(out), lse[0]
 
     def _packed_backward(self, q, k, v, out, lse, do, dlse, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, plan=None, deterministic=False):
-        """A packed call's (dq, dk, dv, one gradient per input, None where not learnable), in the packed
-        layout; `plan` the backward's (_backward_plan), or None; `deterministic` as for _backward_with_tables."""
+                         max_seqlen_k, plan=None, deterministic=False, sink=None):
+        """A packed call's (dq, dk, dv, one gradient per input, None where not learnable, the sink rows'
+        gradient), in the packed layout; `plan` the backward's (_backward_plan), or None; `deterministic` and
+        `sink` (the (H, TOTAL_Q) rows) as for _backward_with_tables."""
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0])
         q, k, v, out, do = map(_packed_view, (q, k, v, out, do))
         _, _, launch = plan.backward_family if plan is not None else self._backward_family(
             q, k, v, packed=True, deterministic=deterministic)
         if launch is not None:
-            dq, dk, dv, input_grads = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed,
-                                             plan=plan, deterministic=deterministic)
+            dq, dk, dv, input_grads, dsink = launch(q, k, v, out, lse[None], do, dlse[None], tensors, (), packed=packed,
+                                                    plan=plan, deterministic=deterministic, sink=sink)
         else:
-            dq, dk, dv, input_grads = self._portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors,
-                                                              ((), ()), packed=packed, plan=plan,
-                                                              deterministic=deterministic)
-        return _unpacked(dq), _unpacked(dk), _unpacked(dv), input_grads
+            dq, dk, dv, input_grads, dsink = self._portable_backward(q, k, v, out, lse[None], do, dlse[None], tensors,
+                                                                     ((), ()), packed=packed, plan=plan,
+                                                                     deterministic=deterministic, sink=sink)
+        return _unpacked(dq), _unpacked(dk), _unpacked(dv), input_grads, dsink
 
     def _operators(self):
         """The (table, forward, backward, cache forward, packed forward, packed backward) custom operators of

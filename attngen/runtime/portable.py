@@ -36,6 +36,12 @@ def _dot_precision(dtype):
     return "tf32"
 
 
+def _sink_strides(sink):
+    """The (batch, head, row) strides the kernels read a sink's rows by: (B, H, Q_LEN) rows in their own
+    strides (an expanded `sinks[h]` has 0s), a packed call's (H, TOTAL_Q) rows with batch stride 0."""
+    return (0, *sink.stride()) if sink.dim() == 2 else sink.stride()
+
+
 def _sizes(q, k):
     """(B, H, HKV, Q_LEN, KV_LEN) of a call."""
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
@@ -123,10 +129,10 @@ class Portable:
         return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
 
     def _sink_args(self, sink):
-        """A forward kernel's Sink argument: a spec with a sink passes the sink of every row (_sink_rows, laid
-        out as LSE); a spec without one has no such parameter (emit.signatures.SINK)."""
+        """A forward kernel's sink arguments: a spec with a sink passes the sink of every row (_sink_rows) and
+        its strides (_sink_strides); a spec without one has no such parameters (emit.signatures.SINK)."""
         assert (sink is None) == (self.facts.sink is None), "every forward of a spec with a sink takes its rows, no other"
-        return [sink] if sink is not None else []
+        return [sink, *_sink_strides(sink)] if sink is not None else []
 
     def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
                           sink=None):
@@ -168,7 +174,8 @@ class Portable:
         comes in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array.
         `dq_sum`, an fp32 or int64 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout),
         is zeroed in the same pass. `plan`: the backward's (_backward_plan). `sink`: a spec's (sink rows, LSE),
-        both dense (B, H, Q_LEN); dsink is then the sink rows' gradient, -exp(sink - LSE) * delta, else None.
+        the rows in any strides (_sink_strides), LSE dense (B, H, Q_LEN); dsink is then the sink rows' gradient,
+        -exp(sink - LSE) * delta, dense, else None.
         `dq_bound`: (K and V's min and max, fp32 (4,), log2 of a bound on |d score'/d score|) for a
         deterministic fixed-point dQ; dq_exp is then each row's scale exponent in delta's rows
         (kernels._bwd_preprocess's DQ_BOUND), else None."""
@@ -178,7 +185,7 @@ class Portable:
         q_rows = q_rows or Q_LEN
         delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
         lse2 = torch.empty_like(delta) if lse is not None else None
-        dsink = torch.empty_like(sink[0]) if sink is not None else None
+        dsink = torch.empty(sink[0].shape, dtype=torch.float32, device=out.device) if sink is not None else None
         dq_exp = torch.empty_like(delta) if dq_bound is not None else None
         # The kernel reads one LSE: for lse2 (BASE2_LSE) or for the sink's gradient (SINK_GRAD).
         lse_in = lse if lse is not None else sink[1] if sink is not None else delta
@@ -186,7 +193,8 @@ class Portable:
         _launch(
             self.kernels.bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
             lse_in, delta, lse2 if lse2 is not None else delta, dq_sum if dq_sum is not None else delta,
-            sink[0] if sink is not None else delta, dsink if dsink is not None else delta,
+            *((sink[0], *_sink_strides(sink[0])) if sink is not None else (delta, 0, 0, 0)),
+            dsink if dsink is not None else delta,
             dq_exp if dq_exp is not None else delta, dq_bound[0] if dq_bound is not None else delta,
             dq_bound[1] if dq_bound is not None else 0.0, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
             HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
@@ -224,12 +232,14 @@ class Portable:
         return summed
 
     def _portable_backward(self, q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None,
-                           deterministic=False):
+                           deterministic=False, sink=None):
         """Runs the portable backward kernels; `tables` are the dK/dV and dQ kernels' tile tables, `plan` the
         backward's (_backward_plan; never with visits), `packed` a packed call's, as for _portable_forward.
         `deterministic`: the learnable inputs' gradients summed exactly (dQ, dK and dV are each written once by
-        one program, so they are the same bits run to run either way).
-        Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
+        one program, so they are the same bits run to run either way). `sink`: a spec's sink rows whose gradient
+        is wanted (_sink_rows), which the row terms' pass then writes too.
+        Returns dq, dk, dv, one gradient per input (None for inputs that are not learnable) and the sink rows'
+        gradient (None without `sink`)."""
         D, DV = q.shape[3], v.shape[3]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         sm_scale = self.facts.softmax_scale(D)
@@ -238,7 +248,7 @@ class Portable:
         # kernels read dO through its strides but along a unit-stride head dim (and _row_terms makes dLSE
         # dense). contiguous() copies only when needed (an expansion is not contiguous).
         do = do.contiguous() if do.stride(-1) != 1 else do
-        delta = self._row_terms(out, do, dlse, plan=plan)[0]
+        delta, _, dsink, _ = self._row_terms(out, do, dlse, plan=plan, sink=(sink, lse) if sink is not None else None)
         tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
         dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self._input_grads(tensors, q.device, deterministic, B * H * Q_LEN * KV_LEN)
@@ -280,4 +290,4 @@ class Portable:
                 if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's pool is its own
                     for t in (q, k, v, do, lse, delta, dk, dv, *tensors):
                         t.record_stream(side)  # the allocator must not hand their memory out before dK/dV ends
-        return dq, dk, dv, self._summed_input_grads(grads, tensors)
+        return dq, dk, dv, self._summed_input_grads(grads, tensors), dsink

@@ -95,15 +95,15 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk,
-                stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk,
-                stride_oz, stride_oh, stride_om, stride_ok, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
-                Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK,
-                TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
+def _fwd_kernel(Q, K, V, Out, Lse, Sink, stride_sb, stride_sh, stride_sm, sm_scale, qk_scale, stride_qz,
+                stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
+                stride_vh, stride_vn, stride_vk, stride_oz, stride_oh, stride_om, stride_ok, sinks_ptr,
+                stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable,
+                stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -157,7 +157,11 @@ def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, stride_qz, stride_q
     # The sink is the softmax's first term, one with no value: the running max starts at it (base 2) and
     # the running sum at its exp2(0) = 1, so O and LSE below include it. A sink of -inf is no sink: the
     # first tile rescales that 1 by exp2(-inf) = 0, and a row that visits no tile keeps LSE = -inf, O = 0.
-    m_i = tl.load(Sink + lse_row + offs_m, mask=offs_m < Q_LEN, other=float("-inf")) * LOG2E
+    # A row whose sink is +inf (all its weight on the sink: O = 0, LSE = +inf) or NaN (O and LSE NaN)
+    # runs as one without a sink, never inf - inf, and gets those values at the end.
+    sink = tl.load(Sink + off_b.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
+                   + (q_start + offs_m).to(tl.int64) * stride_sm, mask=offs_m < Q_LEN, other=float("-inf"))
+    m_i = tl.where(sink < float("inf"), sink * LOG2E, float("-inf"))
     l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     q_first = start_m * BLOCK_M + q_off
@@ -194,6 +198,9 @@ def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, stride_qz, stride_q
     l_safe = tl.where(has_keys, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    acc = tl.where((sink < float("inf"))[:, None], acc,
+                   tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+    lse = tl.where(sink < float("inf"), lse, sink)
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
@@ -762,13 +769,13 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids, n_work, n_m, sm_scale,
-                     qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
-                     CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr):
+                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
+                     work_ids, n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
+                     HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                     WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -800,13 +807,12 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         # Query positions: the family takes no cache calls, so query i sits at position i.
         pos_m = offs_m
-        # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1.
-        # Its rows lie as LSE's.
-        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
-            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
-        else:
-            lse_row = off_bh.to(gl.int64) * Q_LEN
-        m_i = gl.load(Sink + lse_row + offs_m, mask=offs_m < seq_q_len, other=float("-inf")) * LOG2E
+        # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1;
+        # a row whose sink is +inf or NaN runs as one without a sink, its O and LSE set in the epilogue.
+        sink_rows = Sink + tma_b.to(gl.int64) * stride_sb + off_h.to(gl.int64) * stride_sh
+        sink = gl.load(sink_rows + (q_start + offs_m).to(gl.int64) * stride_sm, mask=offs_m < seq_q_len,
+                       other=float("-inf"))
+        m_i = gl.where(sink < float("inf"), sink * LOG2E, float("-inf"))
         l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
         n_masked = masked_hi - masked_lo
@@ -865,6 +871,11 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         empty_row = l_i == 0.0
         inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
         lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        # A sink of +inf: O = 0, LSE = +inf; of NaN: both NaN (read again: no register held across the loop).
+        sink = gl.load(sink_rows + (q_start + offs_m).to(gl.int64) * stride_sm, mask=offs_m < seq_q_len,
+                       other=float("-inf"))
+        inv_l = gl.where(sink < float("inf"), inv_l, gl.where(sink == float("inf"), 0.0, float("nan")))
+        lse = gl.where(sink < float("inf"), lse, sink)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
         if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN:
@@ -881,6 +892,10 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
         mbarrier.arrive(q_empty.index(slot), count=1)
+        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
+            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
+        else:
+            lse_row = off_bh.to(gl.int64) * Q_LEN
         gl.store(Lse + lse_row + offs_m, lse, mask=offs_m < seq_q_len)
         done += 1
         # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
@@ -891,12 +906,12 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink,
-                       work_counter, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV,
-                       Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                       DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr):
+                       stride_sb, stride_sh, stride_sm, work_counter, sm_scale, qk_scale, sinks_ptr,
+                       stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
+                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -941,17 +956,17 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     if PINGPONG:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
-                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, sinks_ptr,
+                                 stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
-                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, sinks_ptr,
+                                 stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, sinks_ptr,
                                  stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
@@ -960,11 +975,11 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, sinks_ptr, stride_sinks_0, size_sinks_0, B, H,
-                                 HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                 DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, sinks_ptr,
+                                 stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
+                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, sinks_ptr,
                                  stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
@@ -1435,7 +1450,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "704e7ebeb9f99496"
+MODULE_DIGEST = "ff49d8b2e761ca54"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",
@@ -1483,7 +1498,8 @@ FACTS = SpecFacts(
     backward_families=(('hopper', 'hopper_bwd'),),
     packed_families=('hopper',),
     packed_backward_families=('hopper',),
-    # The sink's logit per query row (attngen.runtime.sinks): merged into O and LSE on the host.
+    # The sink's logit per query row (attngen.runtime.sinks), which the forward kernels start each row's
+    # softmax at.
     sink=('load', 'sinks', 'float', (('var', 'h'),)),
 )
 ATTENTION = Attention(
