@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import time
 from pathlib import Path
 

@@ -121,8 +121,9 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         """The sink of every query row of a checked call, which the forward kernels start each row's softmax
         at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), in any strides (a `sinks[h]` is its input
         viewed: sinks.whole_load); None for a spec without a sink. Computed by torch from the inputs, so
-        autograd carries its gradient (the kernels' autograd nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
-        cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k, ...)."""
+        autograd carries its gradient (the kernels' autograd nodes return it) into the learnable ones.
+        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
+        (cu_seqlens_q, cu_seqlens_k, ...)."""
         if self.facts.sink is None:
             return None
         if self.sink_load is not None:

@@ -70,8 +70,10 @@ class Dispatch:
         from run to run (Attention.attn). `sink`: the spec's sink rows, when their gradient is wanted. Returns
         dq, dk, dv, one gradient per input (None for inputs that are not learnable) and the sink rows' gradient
         (None without `sink`)."""
-        _, name, launch = plan.backward_family if plan is not None else self._backward_family(q, k, v,
-                                                                                               deterministic=deterministic)
+        if plan is not None:
+            _, name, launch = plan.backward_family
+        else:
+            _, name, launch = self._backward_family(q, k, v, deterministic=deterministic)
         kernels = ([1, 2] if launch is None else [name]) if self.facts.tile_table else []
         tables = dict(zip(kernels, self._resolve(kernels, q, v, known, build)))
         plan = _backward_plan(plan, do, dlse)
