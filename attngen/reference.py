@@ -235,9 +235,15 @@ def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]
     # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
     # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
     # A sink (B, H, Q_LEN) is one more key with no value: a column of the softmax that P drops, so a
-    # row with no allowed key has O = 0 and LSE = sink.
+    # row with no allowed key has O = 0 and LSE = sink. A sink of +inf takes all of its row's weight (P = 0
+    # on every key: O = 0, LSE = +inf) and a NaN one makes its row NaN: those rows are computed as rows
+    # without a sink (no inf - inf in their values or gradients), then given those values, LSE the sink
+    # itself (so the sink gets LSE's gradient: d LSE / d sink is that weight, 1).
+    special = None
     if sink is not None:
-        score = torch.cat([score, sink.to(score.dtype)[..., None]], dim=-1)
+        sink = sink.to(score.dtype)
+        special = ~(sink < math.inf)
+        score = torch.cat([score, torch.where(special, -math.inf, sink)[..., None]], dim=-1)
     B, H, Q_LEN, KV_LEN = score.shape
     row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
@@ -247,7 +253,10 @@ def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]
     total = torch.where(nonempty, total, 1.0)
     lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
     p = e / total
-    return (p[..., :-1] if sink is not None else p), lse
+    if sink is None:
+        return p, lse
+    weight = torch.where(sink == math.inf, 0.0, math.nan).to(p.dtype)
+    return torch.where(special[..., None], weight[..., None], p[..., :-1]), torch.where(special, sink, lse)
 
 
 # --- helpers -------------------------------------------------------------------------------------

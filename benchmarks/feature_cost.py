@@ -1,11 +1,13 @@
 """What a feature costs: a spec with it against the same spec without it, timed side by side on the GPU
-(the targets: a sink <= 1.05x the time without it; sigmoid attention <= 1.0x the same spec with softmax).
+(the targets: a sink <= 1.05x the time without it; sigmoid attention <= 1.0x the same spec with softmax; a
+deterministic backward <= 1.15x).
 
-    python benchmarks/feature_cost.py [--shape B,H,N,D ...] [--only WORD] [--json FILE]
+    python benchmarks/feature_cost.py [--shape B,H,N,D ...] [--only WORD ...] [--json FILE]
 
 Each row: forward (no_grad) and forward+backward median ms (triton.testing.do_bench), bf16, the same
-q, k, v for both specs; the ratio is the feature's time over the time without it. `--only sigmoid` runs
-the rows whose feature names that word; several shapes run one after another.
+q, k, v for both builds; the ratio is the feature's time over the time without it. `--only` keeps the rows
+whose feature names contain one of the words (e.g. `--only sigmoid deterministic`); several shapes run one
+after another.
 """
 
 from __future__ import annotations
@@ -23,20 +25,24 @@ from attngen import testing
 CASES = [
     ("sink (gpt_oss_sinks: window 128, a learned sink per head)",
      "specs/gpt_oss_sinks.attn",
-     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n"),
+     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n", {}),
     ("sink on causal attention",
      "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
-     "specs/causal.attn"),
+     "specs/causal.attn", {}),
     # Sigmoid against softmax of the very same scores (the -log(KV_LEN) bias changes no softmax, but costs the
     # same), and against the catalog's ALiBi, which lacks that term.
     ("sigmoid (sigmoid_alibi against the same spec with softmax)",
      "specs/sigmoid_alibi.attn",
      "attention softmax_alibi_log\ninput slopes: f32[H]\nmask: causal\n"
-     "score: score + slopes[h] * (k - q) - log(KV_LEN)\n"),
-    ("sigmoid (sigmoid_alibi against alibi_causal)", "specs/sigmoid_alibi.attn", "specs/alibi_causal.attn"),
+     "score: score + slopes[h] * (k - q) - log(KV_LEN)\n", {}),
+    ("sigmoid (sigmoid_alibi against alibi_causal)", "specs/sigmoid_alibi.attn", "specs/alibi_causal.attn", {}),
     # No score expression: the scale applied in exp2's argument (DEFER_SCALE) on both sides.
     ("sigmoid on plain causal attention", "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
-     "specs/causal.attn"),
+     "specs/causal.attn", {}),
+    # The same build with and without deterministic mode (its options: attngen.build's keywords).
+    ("deterministic backward (causal)", "specs/causal.attn", "specs/causal.attn", {"deterministic": True}),
+    ("deterministic backward (learned_rel_bias: a learned table's exact sums)", "specs/learned_rel_bias.attn",
+     "specs/learned_rel_bias.attn", {"deterministic": True}),
 ]
 
 
@@ -52,10 +58,10 @@ def _time(attn, q, k, v, inputs, dout, backward):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["2,16,8192,128"], help="B,H,N,D (one or more)")
-    parser.add_argument("--only", help="only the rows whose feature names this word (e.g. sigmoid, sink)")
+    parser.add_argument("--only", nargs="*", help="only the rows whose feature names contain one of these words")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    cases = [case for case in CASES if args.only is None or args.only in case[0]]
+    cases = [case for case in CASES if not args.only or any(word in case[0] for word in args.only)]
     rows = []
     for shape in args.shape:
         rows += _rows(cases, *(int(x) for x in shape.split(",")))
@@ -70,10 +76,10 @@ def _rows(cases, B, H, N, D):
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without in cases:
+    for feature, with_it, without, options in cases:
         row = {"feature": feature, "shape": [B, H, N, D]}
-        for name, spec in (("with", with_it), ("without", without)):
-            attn = attngen.build(spec)
+        for name, spec, build_options in (("with", with_it, options), ("without", without, {})):
+            attn = attngen.build(spec, **build_options)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
             for t in inputs.values():
                 if t.is_floating_point():

@@ -80,9 +80,9 @@ def test_each_family_returns_the_strides_its_fakes_announce(stubbed, family, lay
         return
     do = torch.empty_like(out)
     if family == "portable":
-        dq, dk, dv, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
+        dq, dk, dv, _, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
     else:
-        dq, dk, dv, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
+        dq, dk, dv, _, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
     assert [_layout(t) for t in (dq, dk, dv)] == [_layout(t) for t in (dq_fake, dk_fake, dv_fake)]
 
 

@@ -29,7 +29,9 @@ class Family:
     tiles) or decides every element of the mask's hull; `packed_forward` and `packed_backward` whether its
     forward and backward kernels also serve packed calls (sequences in FlashAttention's varlen layout,
     their grid following the sequences); `gathers_every_tile` whether its kernels load a score's input
-    gathers on every tile, not once per tile where the index is constant on it (`attngen explain`)."""
+    gathers on every tile, not once per tile where the index is constant on it (`attngen explain`);
+    `deterministic`, for a family with a backward, (whether its backward runs a spec's deterministic calls,
+    how it sums them so, or why it does not)."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
@@ -41,6 +43,7 @@ class Family:
     packed_forward: bool = False
     packed_backward: bool = False
     gathers_every_tile: bool = False
+    deterministic: Callable[[Analysis], tuple[bool, str]] | None = None
 
     @property
     def backward_name(self) -> str:

@@ -86,12 +86,12 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", *row_values, "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE", *p.deterministic)),
         "dq_program": sig("_bwd_dq_program", (
             "start_m", "off_bh", "Q", "K", "V", "DO", *rows, "DQ", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", *p.deterministic)),
         "bwd_kernel": sig("_bwd_kernel", (
             "Q", "K", "V", "DO", *rows, "DQ", "DK", "DV", "sm_scale", "qk_scale",
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
@@ -99,5 +99,5 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
-             "FOLLOW_TABLE", "VARLEN")),
+             "FOLLOW_TABLE", "VARLEN", *p.deterministic)),
     }
