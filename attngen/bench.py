@@ -162,6 +162,8 @@ def sdpa_is_causal(spec: ir.Spec, q_len: int, kv_len: int) -> tuple[bool | None,
         return None, "the spec has a score expression"
     if spec.sink is not None:
         return None, "the spec has a sink"
+    if spec.sigmoid:
+        return None, "the spec is sigmoid attention"
     if spec.mask is None:
         return False, ""
     square = q_len == kv_len
@@ -415,7 +417,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
     attn = attngen.build(spec, params=params)
     try:
         variant = attngen.to_flex(attn.spec)
-    except ArgumentError as e:  # a spec Flex cannot express (a sink): its row says why
+    except ArgumentError as e:  # a spec Flex cannot express (a sink, sigmoid): its row says why
         variant = _Inexpressible(e)
     B, H, HKV, N, M, D = problem.B, problem.H, problem.HKV, problem.Q_LEN, problem.KV_LEN, problem.D
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, DTYPES[problem.dtype], device=device, seed=2,

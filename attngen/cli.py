@@ -180,7 +180,7 @@ def run_command(
     for x in (q, k, v):
         x.requires_grad_()
     t0 = time.perf_counter()
-    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    out = attn(q, k, v, **inputs)
     out.float().sum().backward()
     if gpu:
         torch.cuda.synchronize()
@@ -197,7 +197,8 @@ def run_command(
         except AssertionError as e:
             typer.echo(f"  check against the float64 reference FAILED:\n{e}", err=True)
             raise typer.Exit(1)
-        typer.echo("  out, lse, dq, dk, dv" + "".join(f", d{i.name}" for i in attn.spec.learnable_inputs)
+        outputs = "out, dq, dk, dv" if attn.spec.sigmoid else "out, lse, dq, dk, dv"  # sigmoid has no LSE
+        typer.echo(f"  {outputs}" + "".join(f", d{i.name}" for i in attn.spec.learnable_inputs)
                    + ": match the float64 reference")
 
 
@@ -323,9 +324,11 @@ def check_command(
     skipped = (f"; {report.skipped} case(s) skipped, where the spec indexes an input out of range "
                f"({report.skip_reason})") if report.skipped else ""
     if report.failure is None:
-        calls = f"; KV-cache calls too ({', '.join(c for c in caches if c != 'none')}: out and lse)"
+        outputs = "out" if attn.spec.sigmoid else "out and lse"  # sigmoid attention has no LSE
+        calls = f"; KV-cache calls too ({', '.join(c for c in caches if c != 'none')}: {outputs})"
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
-                   f"float64 reference: out, lse and every gradient, with dropout and without{calls}{skipped}")
+                   f"float64 reference: {outputs.replace(' and ', ', ')} and every gradient, with dropout and without"
+                   f"{calls}{skipped}")
         return
     failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"

@@ -34,6 +34,8 @@ What a Flex user should know when comparing (torch 2.13; checked in tests/test_f
   softmax term with no key.
 - Dropout is an argument of attngen's calls (dropout_p), not of the spec; flex_attention has none, so a
   call here with dropout_p above 0 is refused.
+- Sigmoid attention: a spec with `normalize: sigmoid` is refused: Flex always takes the softmax of each
+  row's modified scores (no mod replaces it), and no score_mod turns a softmax into per-key sigmoids.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def to_flex(spec: SpecLike, *, params: dict | None = None) -> FlexVariant:
                             f"'sink: {expr_to_source(parsed.sink)}': Flex's score_mod and mask_mod change the "
                             f"scores of keys, and a sink is a softmax term with no key and no value; run the "
                             f"spec with attngen.build")
+    if parsed.sigmoid:
+        raise ArgumentError(f"spec {parsed.name!r} must be softmax attention to run as FlexAttention, got "
+                            f"'normalize: sigmoid': Flex always takes the softmax of each row's modified scores, "
+                            f"and no score_mod or mask_mod turns it into a sigmoid of each key; run the spec with "
+                            f"attngen.build")
     for decl in parsed.inputs:
         if decl.name in CALL_OPTIONS:
             raise ArgumentError(f"input {decl.name!r} has the name of an option of the Flex call "

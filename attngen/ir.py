@@ -45,9 +45,10 @@ BUILTIN_NAMES = frozenset({"true", "false", "inf", "causal", "causal_bottom_righ
                            *INDEX_VARS, *SIZES, "Q_OFFSET", *FUNCTIONS})
 # Inputs are passed by keyword beside these: attn(q, k, v, *, kv_len=..., q_offset=..., page_table=...,
 # cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=..., return_lse=..., tile_tables=...,
-# **inputs), and Attention.__call__ takes `self`; an input of one of these names could never be passed.
+# deterministic=..., **inputs), and Attention.__call__ takes `self`; an input of one of these names could
+# never be passed.
 CALL_ARGUMENTS = frozenset({"q", "k", "v", "self", "kv_len", "q_offset", "page_table", "cu_seqlens_q", "cu_seqlens_k",
-                            "max_seqlen_q", "max_seqlen_k", "return_lse", "tile_tables"})
+                            "max_seqlen_q", "max_seqlen_k", "return_lse", "tile_tables", "deterministic"})
 # Names become parts of file names, module names and kernel parameter names (`doc_ptr`): ASCII
 # identifiers of bounded length, so no name can carry a path, a quote or code.
 MAX_NAME_LENGTH = 64
@@ -235,10 +236,16 @@ class InputDecl(Node):
         return DTYPE_VALUE_TYPE[self.dtype]
 
 
+# How a row's scores become the weights of its values: the softmax over the row's allowed keys, or
+# sigmoid(score') of each allowed key on its own (no sum over the row, so no LSE).
+NORMALIZERS = ("softmax", "sigmoid")
+Normalizer = Literal["softmax", "sigmoid"]
+
+
 class Spec(Node):
     """A whole attention variant. `mask`, `score`, `scale` and `sink` are None when the spec omits them.
     `sink` is a logit with no value in every row's softmax (attention sinks): a float of b, h, hkv, q,
-    sizes, params and inputs, never of k or score."""
+    sizes, params and inputs, never of k or score. `normalize` is one of NORMALIZERS; a sink needs softmax."""
     name: str
     params: tuple[ParamDecl, ...] = ()
     inputs: tuple[InputDecl, ...] = ()
@@ -246,6 +253,7 @@ class Spec(Node):
     score: Expr | None = None
     scale: Expr | None = None
     sink: Expr | None = None
+    normalize: Normalizer = "softmax"
 
     @field_validator("name")
     @classmethod
@@ -294,6 +302,9 @@ class Spec(Node):
                     raise ValueError("scale may use only D, params and numbers")
                 if item == "sink" and isinstance(node, Var) and node.name == "k":
                     raise ValueError("sink may not use 'k': a sink is one logit per query row")
+        if self.sink is not None and self.normalize != "softmax":
+            raise ValueError(f"a sink needs normalize: softmax, got normalize: {self.normalize} (a sink is a term of "
+                             f"the softmax's sum over the row)")
         return self
 
     def param(self, name: str) -> ParamDecl:
@@ -308,14 +319,21 @@ class Spec(Node):
         return {p.name: p.value for p in self.params}
 
     @property
+    def sigmoid(self) -> bool:
+        """Whether each key's weight is sigmoid(score') on its own (normalize: sigmoid): no row sum, no LSE."""
+        return self.normalize == "sigmoid"
+
+    @property
     def learnable_inputs(self) -> tuple[InputDecl, ...]:
         return tuple(i for i in self.inputs if i.learnable)
 
     def fingerprint(self) -> str:
         """A stable hash of the meaning of the spec (params included, source text excluded)."""
-        # A spec without a sink hashes as it did before the item existed: its fingerprint names cached modules.
-        text = json.dumps(self.model_dump(mode="json", exclude={"sink"} if self.sink is None else None),
-                          sort_keys=True)
+        # A spec without a sink, or with the default softmax, hashes as it did before those items existed: its
+        # fingerprint names cached modules.
+        defaults = {"sink"} if self.sink is None else set()
+        defaults |= {"normalize"} if self.normalize == "softmax" else set()
+        text = json.dumps(self.model_dump(mode="json", exclude=defaults or None), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,4 +1,5 @@
-"""attngen.merge: one attention over the union of several key sets, from each set's output and LSE."""
+"""attngen.merge: one attention over the union of several key sets, from each set's output and LSE (or, for
+sigmoid attention, from the outputs alone)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from attngen.errors import ArgumentError
 
 
-def merge(outs, lses):
+def merge(outs, lses=None, *, normalize: str = "softmax"):
     """Combine partial attention results over disjoint key sets into the attention over their union.
 
     outs: a list of (B, H, Q_LEN, DV) outputs, lses: the matching (B, H, Q_LEN) natural-log LSEs
@@ -24,18 +25,31 @@ def merge(outs, lses):
     An LSE value of +inf or NaN in a part is an ArgumentError. Checking it reads one flag per part
     back from the device (one sync per call); under torch.compile and CUDA graph capture, where a
     call cannot read device values, the check is skipped.
+
+    Sigmoid attention (a spec's `normalize: sigmoid`) has no LSE: each key's weight is its own, so the
+    attention over the union is the sum of the parts. `merge(outs, normalize="sigmoid")` returns that sum
+    alone, in the parts' dtype (added in float32, or float64 when the parts are float64); said explicitly, so
+    that softmax parts without their LSEs are an error rather than a sum.
     """
-    outs, lses = list(outs), list(lses)
+    if normalize not in ("softmax", "sigmoid"):
+        raise ArgumentError(f"merge: normalize must be 'softmax' or 'sigmoid', got {normalize!r}")
+    outs = list(outs)
+    if normalize == "sigmoid":
+        if lses is not None:
+            raise ArgumentError("merge: sigmoid attention's parts have no LSE (each key's weight is its own), so lses "
+                                "must be None with normalize='sigmoid'; the parts add")
+        return _sum_of_parts(outs)
+    if lses is None:
+        raise ArgumentError("merge needs the parts' LSEs (attn(..., return_lse=True)) to merge softmax attention; "
+                            "parts of sigmoid attention, which have none, add: merge(outs, normalize='sigmoid')")
+    lses = list(lses)
     if not outs or len(outs) != len(lses):
         raise ArgumentError(f"merge needs as many outputs as LSEs, at least one; got {len(outs)} and {len(lses)}")
     first = outs[0]
     for n, (o, lse) in enumerate(zip(outs, lses)):
         if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
             raise ArgumentError(f"merge: part {n} must be two tensors, got {type(o).__name__} and {type(lse).__name__}")
-        if o.dim() != 4 or o.shape != first.shape or o.dtype != first.dtype or o.device != first.device:
-            raise ArgumentError(f"merge: output {n} must be (B, H, Q_LEN, DV) like output 0, "
-                                f"{tuple(first.shape)} {first.dtype} on {first.device}; got {tuple(o.shape)} "
-                                f"{o.dtype} on {o.device}")
+        _check_output(n, o, first)
         if lse.shape != first.shape[:3] or not lse.is_floating_point() or lse.device != first.device:
             raise ArgumentError(f"merge: LSE {n} must be a float (B, H, Q_LEN) = {tuple(first.shape[:3])} "
                                 f"tensor on {first.device}; got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
@@ -55,6 +69,28 @@ def merge(outs, lses):
     weights = torch.exp(lse_parts - torch.where(some, lse, 0.0))
     out = (weights.unsqueeze(-1) * torch.stack([o.to(work) for o in outs])).sum(dim=0)
     return out.to(first.dtype), lse
+
+
+def _check_output(n, o, first) -> None:
+    if o.dim() != 4 or o.shape != first.shape or o.dtype != first.dtype or o.device != first.device:
+        raise ArgumentError(f"merge: output {n} must be (B, H, Q_LEN, DV) like output 0, "
+                            f"{tuple(first.shape)} {first.dtype} on {first.device}; got {tuple(o.shape)} "
+                            f"{o.dtype} on {o.device}")
+
+
+def _sum_of_parts(outs):
+    """The sigmoid merge: the parts' sum (each part's weights are its keys' own, with no normalisation)."""
+    if not outs:
+        raise ArgumentError("merge needs at least one output, got none")
+    first = outs[0]
+    for n, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor):
+            raise ArgumentError(f"merge: output {n} must be a tensor, got {type(o).__name__}")
+        if not o.is_floating_point():
+            raise ArgumentError(f"merge: output {n} must be a float tensor, got {o.dtype}")
+        _check_output(n, o, first)
+    work = torch.promote_types(first.dtype, torch.float32)
+    return torch.stack([o.to(work) for o in outs]).sum(dim=0).to(first.dtype)
 
 
 def _check_lse_values(lses) -> None:

@@ -119,9 +119,9 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
              kv_len: Tensor | None = None, q_offset: Tensor | None = None,
              row: PackedRow | None = None, dropout_p: float = 0.0,
-             dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(O, LSE) of the spec, exactly as DSL.md defines them (a sink and dropout included); differentiable in
-    q, k, v and the inputs.
+    q, k, v and the inputs. A sigmoid spec (`normalize: sigmoid`) has no LSE: (O, None).
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
@@ -133,10 +133,11 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
     Dropout: `dropout_mask` (B, H, Q_LEN, KV_LEN) bool says which P a call keeps (a kernel call's, from
     its `dropout_mask` method) and `dropout_p` the probability it drew them with; kept P are divided by
-    1 - dropout_p, the others are 0, after the softmax (LSE is unchanged).
+    1 - dropout_p, the others are 0, after the softmax or the sigmoid (LSE is unchanged).
     """
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
-    p, lse = _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))
+    p, lse = _weights(spec, modified_scores(spec, q, k, v, inputs, **where),
+                      sink_logits(spec, q, k, v, inputs, **where))
     p = dropped(p, dropout_p, dropout_mask)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
@@ -164,8 +165,8 @@ def dropped(p: Tensor, dropout_p: float = 0.0, dropout_mask: Tensor | None = Non
 def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                     max_seqlen_k: int, dropout_p: float = 0.0,
-                    dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q)) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
+                    dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q), None for a sigmoid spec) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
     k (TOTAL_K, HKV, D), v (TOTAL_K, HKV, DV); sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     of q (and by cu_seqlens_k of k and v), evaluated on its own as a batch row: positions from 0, `b` its
     index, Q_LEN and KV_LEN its lengths; inputs are the call's (a dim declared Q_LEN or KV_LEN is
@@ -187,15 +188,17 @@ def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
         out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k), dropout_p=dropout_p,
                             dropout_mask=mask)
         outs.append(out[0].transpose(0, 1))
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+        if lse is not None:
+            lses.append(lse[0])
+    return torch.cat(outs), (torch.cat(lses, dim=1) if lses else None)
 
 
 def probabilities(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                   kv_len: Tensor | None = None, q_offset: Tensor | None = None, row: PackedRow | None = None) -> Tensor:
-    """P (B, H, Q_LEN, KV_LEN): the softmax weights `evaluate` multiplies V by (0 on masked keys)."""
+    """P (B, H, Q_LEN, KV_LEN): the weights `evaluate` multiplies V by, softmax or sigmoid (0 on masked keys)."""
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
-    return _softmax(modified_scores(spec, q, k, v, inputs, **where), sink_logits(spec, q, k, v, inputs, **where))[0]
+    return _weights(spec, modified_scores(spec, q, k, v, inputs, **where),
+                    sink_logits(spec, q, k, v, inputs, **where))[0]
 
 
 def modified_scores(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
@@ -252,14 +255,29 @@ def _call_env(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, 
                     float_dtype=float_dtype, device=q.device, kv_len=kv_len, q_offset=q_offset, row=row)
 
 
+def _weights(spec: Spec, score: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(P, LSE) of the modified scores (-inf on masked keys): the softmax over each row, or with
+    `normalize: sigmoid` sigmoid(score') of each key on its own and no LSE. sigmoid(-inf) = 0, and its
+    gradient there, P * (1 - P) = 0, is never NaN: a row with no allowed key has O = 0 and zero gradients."""
+    if spec.sigmoid:
+        return torch.sigmoid(score), None
+    return _softmax(score, sink)
+
+
 def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     # Softmax shifted by a finite, detached row max, with a guarded divide: a row with no allowed key
     # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
     # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
     # A sink (B, H, Q_LEN) is one more key with no value: a column of the softmax that P drops, so a
-    # row with no allowed key has O = 0 and LSE = sink.
+    # row with no allowed key has O = 0 and LSE = sink. A sink of +inf takes all of its row's weight (P = 0
+    # on every key: O = 0, LSE = +inf) and a NaN one makes its row NaN: those rows are computed as rows
+    # without a sink (no inf - inf in their values or gradients), then given those values, LSE the sink
+    # itself (so the sink gets LSE's gradient: d LSE / d sink is that weight, 1).
+    special = None
     if sink is not None:
-        score = torch.cat([score, sink.to(score.dtype)[..., None]], dim=-1)
+        sink = sink.to(score.dtype)
+        special = ~(sink < math.inf)
+        score = torch.cat([score, torch.where(special, -math.inf, sink)[..., None]], dim=-1)
     B, H, Q_LEN, KV_LEN = score.shape
     row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
@@ -269,7 +287,10 @@ def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]
     total = torch.where(nonempty, total, 1.0)
     lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
     p = e / total
-    return (p[..., :-1] if sink is not None else p), lse
+    if sink is None:
+        return p, lse
+    weight = torch.where(sink == math.inf, 0.0, math.nan).to(p.dtype)
+    return torch.where(special[..., None], weight[..., None], p[..., :-1]), torch.where(special, sink, lse)
 
 
 # --- helpers -------------------------------------------------------------------------------------

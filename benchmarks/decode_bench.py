@@ -27,7 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import attngen
 import attngen.reference
-from attngen.runtime import decode as runtime_decode
+from attngen.families.decode import runtime as runtime_decode
 
 SPECS = {
     "full": "attention full\n",

@@ -3,9 +3,9 @@ FlexAttention, and the distribution of the ratios.
 
     python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--n 4096] [--json FILE]
 
-The specs are `attngen.testing.strategies.spec_texts(with_mask=True, with_sink=False)`: masks of every atom (windows,
-chunks, prefixes, documents, block layouts, flags, integers past int32, `%` and products) under
-`and`/`or`/`not`, scores of every function, learnable inputs included, drawn with a fixed seed, so a
+The specs are `attngen.testing.strategies.spec_texts(with_mask=True, with_sink=False, with_sigmoid=False)`
+(Flex has neither sinks nor sigmoid): masks of every atom (windows, chunks, prefixes, documents, block layouts,
+flags, integers past int32, `%` and products) under `and`/`or`/`not`, scores of every function, learnable inputs included, drawn with a fixed seed, so a
 run is repeatable and `--start`/`--count` split one list over several device calls. The strategy sizes
 its params (`w`, `c`) for 48-token interpreter cases; here they are scaled by N // 48, so windows and
 chunks keep their proportion to the sequence. A spec whose mask allows no pair at these sizes is
@@ -49,7 +49,7 @@ def draw_specs(count: int, seed: int = 0) -> list[str]:
     @hypothesis_seed(seed)
     @settings(database=None, max_examples=30 * count, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(strategies.spec_texts(with_mask=True, with_sink=False))  # Flex has no sinks
+    @given(strategies.spec_texts(with_mask=True, with_sink=False, with_sigmoid=False))  # Flex has neither
     def draw(text: str) -> None:
         pool.setdefault(_variant(text), text)
 

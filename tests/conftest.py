@@ -81,3 +81,19 @@ def tiered(cases, fast, ids=None):
     assert fast <= set(cases), fast - set(cases)
     return [pytest.param(*case, id=ids(case) if ids else None, marks=() if case in fast else SLOW_IN_INTERPRETER)
             for case in cases]
+
+
+# The start of a script run in a fresh interpreter that must not reach attngen (a standalone bundle): a
+# finder first on sys.meta_path refuses it, then the folder in argv[1] (the bundle's) goes on the path.
+NO_ATTNGEN = """
+import importlib.abc, sys
+
+class NoAttngen(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "attngen" or name.startswith("attngen."):
+            raise ImportError(f"attngen is blocked in this process: {name}")
+        return None
+
+sys.meta_path.insert(0, NoAttngen())
+sys.path.insert(0, sys.argv[1])
+"""

@@ -10,22 +10,13 @@ import pytest
 
 import attngen
 from attngen.emit.bundle import RUNTIME_MARKER
+from conftest import NO_ATTNGEN
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Runs in a fresh interpreter: a finder first on sys.meta_path refuses attngen, so the bundle can only
 # use what it carries; then the bundle's forward and backward on fixed inputs are saved for the test.
-_RUN_BUNDLE = """
-import importlib.abc, sys
-
-class NoAttngen(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "attngen" or name.startswith("attngen."):
-            raise ImportError(f"attngen is blocked in this process: {name}")
-        return None
-
-sys.meta_path.insert(0, NoAttngen())
-sys.path.insert(0, sys.argv[1])
+_RUN_BUNDLE = NO_ATTNGEN + """
 import torch
 import bundled
 
@@ -74,5 +65,5 @@ def test_a_bundle_is_the_thin_module_then_the_runtime_then_the_declaration():
     assert kernels.startswith(thin[:thin.index("from attngen.runtime")]) and thin[first_kernel:].startswith(
         kernels[kernels.index("@triton.jit"):].rstrip("\n"))
     # Only the runtime files a plan's families use: the a100 plan has no Hopper family.
-    assert "'hopper': r'''" in runtime
-    assert "'hopper': r'''" not in attngen.compile_source(spec, target="a100")
+    assert "'families.hopper.runtime': (r'''" in runtime
+    assert "'families.hopper.runtime': (r'''" not in attngen.compile_source(spec, target="a100")

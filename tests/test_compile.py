@@ -14,7 +14,7 @@ import torch
 
 import attngen
 from attngen import testing
-from attngen.runtime import portable
+from attngen.runtime import arguments
 
 B, H, HKV, D = 1, 2, 1, 16
 SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable input, an input
@@ -192,7 +192,7 @@ def test_opcheck(name):
     with torch.no_grad():
         out, lse = forward_op(q, k, v, tensors, tables, [], [], 0.0)
     module = attn.module
-    backward_tables = module._resolve([1, 2], q, v, {}, module._builder(portable._sizes(q, k), q.device, tensors))
+    backward_tables = module._resolve([1, 2], q, v, {}, module._builder(arguments._sizes(q, k), q.device, tensors))
     for t in (q, k, v, *learnable):
         t.requires_grad_(False)
     torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse),

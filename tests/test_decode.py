@@ -1,4 +1,4 @@
-"""The decode family (split-KV forward, plan.families.DECODE) against the float64 reference, and the
+"""The decode family (split-KV forward, attngen/families/decode) against the float64 reference, and the
 per-call choice between it and the portable family.
 
 Calls whose (H / HKV) * Q_LEN fits one tile go to the decode kernels; in Triton's interpreter the
@@ -12,8 +12,11 @@ import torch
 
 import attngen
 from attngen import api, testing
+from attngen.families.decode import family as decode_family
 from attngen.plan import families
-from attngen.runtime import decode, hopper, portable
+from attngen.families.decode import runtime as decode
+from attngen.families.hopper import runtime as hopper
+from attngen.runtime import arguments
 from conftest import tiered
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -95,7 +98,7 @@ def test_the_host_picks_the_family_per_call(build_small):
     large = testing.random_qkv(1, 8, 2, 17, 40, 16, 16, torch.float32, device=DEVICE)  # 68 rows
     assert attn.module.forward_family(*small) == "decode"
     assert attn.module.forward_family(*large) == "portable"
-    assert attn.module.DECODE_MAX_ROWS == families.DECODE_MAX_ROWS == 64
+    assert attn.module.DECODE_MAX_ROWS == decode_family.DECODE_MAX_ROWS == 64
 
 
 def test_tile_table_masks_are_decided_in_the_decode_kernel(build_small):
@@ -120,7 +123,7 @@ def test_chunked_prefill_goes_to_the_kernel_predicted_faster(B, Q_LEN, KV_LEN, f
     # The H200's plan and SM count; the shapes alone decide (tensors on the meta device hold no data, so
     # the rule is asked directly, past the argument checks that want the call's device).
     attn = attngen.build(SPECS / "causal.attn", target="h200")
-    for counting in (portable, hopper, decode):  # each reads the SM count by its own imported name
+    for counting in (arguments, hopper, decode):  # each reads the SM count by its own imported name
         monkeypatch.setattr(counting, "_sm_count", lambda device: 132)
     q = torch.empty(B, 32, Q_LEN, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(B, 8, KV_LEN, 128, dtype=torch.bfloat16, device="meta")
@@ -150,5 +153,5 @@ def test_explain_states_the_families_and_their_rules():
     text = api.explain(SPECS / "causal.attn", q_len=1, kv_len=4096, head_dim=128, head_dim_v=128, dtype="bf16",
                        target="h200").text
     assert "kernel families: decode, hopper, portable" in text
-    assert families.DECODE.per_call in text
+    assert families.by_name("decode").per_call in text
     assert "decode: BLOCK_N=64, 4 warps, 3 stages" in text

@@ -1,4 +1,4 @@
-"""The Hopper family (plan.families.HOPPER): which specs and targets get it, what its module holds, and,
+"""The Hopper family (attngen/families/hopper): which specs and targets get it, what its module holds, and,
 on a Hopper GPU, its forward against the float64 reference with the portable backward behind it.
 
 Its kernels are Gluon (TMA, mbarriers, asynchronous wgmma, warp specialization): they compile for
@@ -20,7 +20,7 @@ from attngen import api, testing
 from attngen.analysis import analyze
 from attngen.plan import families
 from attngen.plan.targets import get_target
-from attngen.runtime import hopper
+from attngen.families.hopper import runtime as hopper
 
 SPECS = Path(__file__).parent.parent / "specs"
 # The shared memory one block may hold on the Hopper targets (227 KiB): a kernel needing more fails to launch.
@@ -35,14 +35,14 @@ CATALOG = sorted(path.stem for path in SPECS.glob("*.attn"))
 def test_hopper_targets_get_the_family_for_every_catalog_spec(target):
     for spec in CATALOG:
         chosen, why = families.choose_families(analyze(attngen.load_spec(SPECS / f"{spec}.attn")[0]), get_target(target))
-        assert chosen[-2:] == (families.HOPPER, families.PORTABLE), (spec, why)
-        assert f"hopper (fwd/bwd_dkdv/bwd_dq for {families.HOPPER.per_call})" in why
+        assert tuple(f.name for f in chosen[-2:]) == ("hopper", "portable"), (spec, why)
+        assert f"hopper (fwd/bwd_dkdv/bwd_dq for {families.by_name('hopper').per_call})" in why
 
 
 def test_other_targets_do_not_get_the_family():
     for target in ("a100", "interpreter"):
         chosen, why = families.choose_families(analyze(attngen.load_spec(SPECS / "causal.attn")[0]), get_target(target))
-        assert families.HOPPER not in chosen
+        assert families.by_name("hopper") not in chosen
         assert f"not hopper: its kernels need a Hopper GPU (sm_90: TMA, wgmma, setmaxnreg); the target is {target}" in why
 
 
@@ -101,7 +101,7 @@ def test_the_spec_runs_in_the_gluon_backward():
     # on: a bias per key (varies along rows, the keys) is summed over the columns (axis 1).
     learned = _hopper_backward_steps(attngen.compile_source(
         "attention key_bias\ninput bias: f32[KV_LEN] learnable\nscore: score + bias[k]\n", target="h200"))
-    assert "tl.atomic_add(bias_grad + " in learned and "tl.sum(g0, 1)[:, None]" in learned
+    assert "_grad_add(bias_grad, " in learned and "tl.sum(g0, 1)[:, None]" in learned
     per_query = _hopper_backward_steps(attngen.compile_source(
         "attention query_bias\ninput bias: f32[Q_LEN] learnable\nscore: score + bias[q]\n", target="h200"))
     assert "tl.sum(g0, 0)[None, :]" in per_query
@@ -154,16 +154,16 @@ def _compile_sm90(specs, head_dim):
 
 
 # Compiling is slow (two Gluon kernels a spec): the default run compiles specs that between them reach
-# each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink), the
-# slow tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a plain mask,
-# a learnable table and a softcap.
-SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks"]
+# each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink, sigmoid
+# attention), the slow tier the rest of the catalog. Head dim 256 is the backward's split layout (SPLIT_D), for a
+# plain mask, a learnable table, a softcap and sigmoid.
+SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks", "sigmoid_alibi"]
 
 
 @pytest.mark.parametrize("specs, wide", [
     pytest.param(SM90_DEFAULT, ["learned_rel_bias"], id="default"),
-    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT], ["causal", "gemma2_local"], id="rest",
-                 marks=pytest.mark.slow)])
+    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT], ["causal", "gemma2_local", "sigmoid_alibi"],
+                 id="rest", marks=pytest.mark.slow)])
 def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
     # The PTX must hold what the family exists for.
     for spec, kernels in _compile_sm90(specs, 128).items():
@@ -180,9 +180,15 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             assert shared <= SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
         # With dropout too: its keep-mask lands on the accumulators' layout without moving data (the kernels
-        # convert it with assert_trivial, so a conversion that moved data would not compile).
-        for kernel in ("_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"):
+        # convert it with assert_trivial, so a conversion that moved data would not compile); and a softmax
+        # spec's deterministic backward with dropout (its fixed-point dQ's bound takes dropout's scale).
+        sigmoid = "normalize: sigmoid" in (SPECS / f"{spec}.attn").read_text()
+        dropped = ["_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"]
+        for kernel in dropped + ([] if sigmoid else ["_hopper_bwd_kernel_dropout_deterministic"]):
             assert kernels[kernel]["wgmma"] and kernels[kernel]["shared"] <= SM90_SHARED_BYTES, (spec, kernel)
+        # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
+        for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel", *dropped):
+            assert kernels[kernel]["rcp_approx"] == sigmoid, f"{spec}: {kernel}'s rcp.approx"
     for spec, kernels in _compile_sm90(wide, 256).items():
         for kernel in ("_hopper_bwd_kernel", "_hopper_bwd_kernel_dropout"):
             for instruction in ("wgmma", "tma", "setmaxnreg"):

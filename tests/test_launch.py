@@ -22,7 +22,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import attngen
 from attngen import testing
 from attngen.runtime import attention as runtime_attention
-from attngen.runtime import decode, hopper, launch, portable, tables
+from attngen.families.decode import runtime as decode
+from attngen.families.hopper import runtime as hopper
+from attngen.families.portable import runtime as portable
+from attngen.runtime import launch, tables
 from conftest import CPU_CALLS
 
 SPECS = Path(__file__).parent.parent / "specs"

@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attngen"
 # pipeline terms, but they are ordered here too, left to right, since they import each other one way.
 ORDER = [
     "version", "errors",
+    "families",  # the families' registry (names only) and their folders' packages: import nothing
     "runtime",  # what generated modules run: imports nothing of attngen; the planner shares its facts (shared.py)
     "ir", "intervals", "reference",  # the IR, its errors and its semantics
     "frontend",  # text -> Spec, and the checks of a spec's numbers
@@ -42,9 +43,18 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 MODULES = _modules()
 
 
+# A kernel family's folder holds one file per stage it takes part in, each in that stage's unit: its plan
+# entry, its emit side, its host side (attngen/families/__init__.py says what each holds).
+FAMILY_FILES = {"family": "plan", "emit": "emit", "runtime": "runtime"}
+
+
 def _unit(module: str) -> str:
-    """attngen.plan.planner -> plan; attngen.runtime.tables -> runtime; attngen.ir -> ir; attngen -> __init__."""
+    """attngen.plan.planner -> plan; attngen.runtime.tables -> runtime; attngen.ir -> ir; attngen -> __init__;
+    attngen.families.hopper.runtime -> runtime (a family's file, by its stage); attngen.families.hopper ->
+    families."""
     parts = module.split(".")
+    if parts[1:2] == ["families"] and len(parts) == 4:
+        return FAMILY_FILES[parts[3]]
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -139,3 +149,14 @@ def test_no_import_cycle():
 
 def test_the_report_layer_never_runs_the_pipeline():
     assert not [_where(e) for e in EDGES if _unit(e[0]) == "report" and _unit(e[1]) in ("api", "cache", "emit")]
+
+
+def test_a_family_folder_holds_one_file_per_stage():
+    from attngen import families
+
+    folders = sorted(p.name for p in (PACKAGE / "families").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(families.FAMILIES), "every folder under attngen/families is registered, and only those"
+    for name in families.FAMILIES:
+        modules = {p.stem for p in (PACKAGE / "families" / name).glob("*.py")}
+        assert modules == {"__init__", *FAMILY_FILES}, f"attngen/families/{name}: {sorted(modules)}"
+        assert (PACKAGE / "families" / name / "kernels.py.jinja").is_file(), name

@@ -9,7 +9,8 @@ import torch
 
 import attngen
 from attngen import reference, testing
-from attngen.runtime import hopper as runtime_hopper, shared as runtime_shared
+from attngen.families.hopper import runtime as runtime_hopper
+from attngen.runtime import shared as runtime_shared
 from conftest import SLOW_IN_INTERPRETER
 
 SPECS = Path(__file__).parent.parent / "specs"

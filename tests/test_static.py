@@ -1,4 +1,5 @@
-"""The runtime (attngen/runtime/*.py) is linted Python that imports only torch, triton and itself; the
+"""The runtime (attngen/runtime/*.py and each family's runtime.py) is linted Python that imports only torch,
+triton and itself; the
 generated modules, thin and bundled, are linted Python that import what they promise; and the runtime
 agrees with the package where the two share facts. No kernel runs.
 """
@@ -14,8 +15,9 @@ import pytest
 Checker = pytest.importorskip("pyflakes.checker").Checker
 
 import attngen
-from attngen import api, plan, testing
+from attngen import api, families, plan, testing
 from attngen.emit import module as emit
+from attngen.emit.families import emit_side
 from attngen.runtime import facts, helpers, launch, shared
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,22 +60,38 @@ def _imported_modules(tree: ast.Module) -> set[str]:
     return names
 
 
-RUNTIME = sorted((PACKAGE / "runtime").glob("*.py"))
+# What a bundle inlines (attngen.emit.bundle): the runtime package, and each family's runtime side with the
+# packages above it.
+RUNTIME = sorted([*(PACKAGE / "runtime").glob("*.py"), PACKAGE / "families" / "__init__.py",
+                  *(PACKAGE / "families" / name / part for name in families.FAMILIES for part in ("__init__.py", "runtime.py"))])
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+def _runtime_id(path: Path) -> str:
+    return str(path.relative_to(PACKAGE))
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=_runtime_id)
 def test_runtime_files_pass_pyflakes(path, monkeypatch):
     monkeypatch.delenv("PYFLAKES_BUILTINS", raising=False)
     assert not _flakes(path.read_text(), str(path))
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RUNTIME, ids=_runtime_id)
 def test_runtime_files_import_only_torch_triton_and_their_own_package_relatively(path):
-    # Relative imports only, so a bundle can serve the package under a private name.
+    # Relative imports only, so a bundle can serve the package under a private name, and only of files the
+    # bundle holds (a family's runtime side never reaches its plan or emit side).
     tree = ast.parse(path.read_text())
     assert not any(isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("attngen")
                    for node in ast.walk(tree)), path.name
     assert {n.split(".")[0] for n in _absolute_imports(tree)} <= ALLOWED_IMPORTS, path.name
+    bundled = {file.with_suffix("") if file.name != "__init__.py" else file.parent for file in RUNTIME}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            target = base / node.module.replace(".", "/") if node.module else base
+            assert target in bundled, f"{_runtime_id(path)}:{node.lineno} imports {target.relative_to(PACKAGE)}"
 
 
 def _absolute_imports(tree: ast.Module) -> set[str]:
@@ -105,7 +123,8 @@ def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources)
     for name, source in thin_sources.items():
         attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
         assert attngen_imports <= {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers",
-                                   "attngen.runtime.kernels", "attngen.runtime.hopper"}, name
+                                   "attngen.runtime.kernels", *(f"attngen.families.{family}.runtime"
+                                                                for family in families.FAMILIES)}, name
         assert {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.kernels"} <= attngen_imports, name
 
 
@@ -114,10 +133,11 @@ def test_modules_import_every_helper_the_runtime_offers_kernels():
     assert sorted(_top_level_names(tree)) == sorted(emit.HELPER_NAMES)
     kernels = ast.parse((PACKAGE / "runtime" / "kernels.py").read_text())
     assert sorted(_top_level_names(kernels)) == sorted(emit.SHARED_KERNEL_NAMES)
-    hopper = ast.parse((PACKAGE / "runtime" / "hopper.py").read_text())
-    jitted = [node.name for node in hopper.body if isinstance(node, ast.FunctionDef) and node.decorator_list
-              and ast.unparse(node.decorator_list[0]) in ("gluon.jit", "triton.jit", "_gluon_builtin")]
-    assert sorted(jitted) == sorted(emit.HOPPER_HELPER_NAMES)
+    for family in families.FAMILIES:
+        runtime = ast.parse((PACKAGE / "families" / family / "runtime.py").read_text())
+        jitted = [node.name for node in runtime.body if isinstance(node, ast.FunctionDef) and node.decorator_list
+                  and ast.unparse(node.decorator_list[0]) in ("gluon.jit", "triton.jit", "_gluon_builtin")]
+        assert sorted(jitted) == sorted(emit_side(family).DEVICE_HELPERS), family
 
 
 @pytest.mark.parametrize("target", ["h200", "a100", "interpreter"])

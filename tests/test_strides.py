@@ -13,7 +13,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen.runtime import decode, hopper, portable, tables
+from attngen.families.decode import runtime as decode
+from attngen.families.hopper import runtime as hopper
+from attngen.families.portable import runtime as portable
+from attngen.runtime import arguments, tables
 
 B, H, HKV, N, D = 2, 4, 2, 48, 64
 LAYOUTS = ("dense", "transposed", "fused_qkv", "one_batch_one_head")
@@ -47,7 +50,7 @@ def stubbed(module, monkeypatch):
     # The runtime's modules that launch kernels or read the SM count, each by its own imported name.
     for launching in (portable, tables, hopper, decode):
         monkeypatch.setattr(launching, "_launch", lambda *args, **kwargs: None)
-    for counting in (portable, hopper, decode):
+    for counting in (arguments, hopper, decode):
         monkeypatch.setattr(counting, "_sm_count", lambda device: 132)
     return module
 
@@ -77,9 +80,9 @@ def test_each_family_returns_the_strides_its_fakes_announce(stubbed, family, lay
         return
     do = torch.empty_like(out)
     if family == "portable":
-        dq, dk, dv, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
+        dq, dk, dv, _, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
     else:
-        dq, dk, dv, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
+        dq, dk, dv, _, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
     assert [_layout(t) for t in (dq, dk, dv)] == [_layout(t) for t in (dq_fake, dk_fake, dv_fake)]
 
 

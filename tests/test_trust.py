@@ -154,7 +154,7 @@ print(attngen.build({str(ROOT / 'specs' / 'causal.attn')!r}).path)
         return Path(result.stdout.strip())
 
     before = build_path()
-    template = tmp_path / "pkg" / "attngen" / "emit" / "families" / "portable" / "fwd.py.jinja"
+    template = tmp_path / "pkg" / "attngen" / "families" / "portable" / "fwd.py.jinja"
     template.write_text(template.read_text() + "\n# a change to a template\n")
     after = build_path()
     assert after != before and "# a change to a template" in after.read_text()

@@ -8,7 +8,8 @@ Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
 generated module. Parameter types follow the kernels' declared signatures (attngen.emit.signatures):
 pointers by name, ints as i32, the scales and dropout_p as fp32. Each kernel that forms P is compiled with
-dropout too (DROPOUT, labelled _dropout), and the runtime's keep-mask kernel once a module.
+dropout too (DROPOUT, labelled _dropout), a backward with a deterministic mode also with both
+(_dropout_deterministic), and the runtime's keep-mask kernel once a module.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Rng": "*i64", "Mask": "*u8"}
-FLOATS = {"sm_scale", "qk_scale", "scale", "dropout_p"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "DqFixed": "*i64", "DqExp": "*fp32",
+            "Bounds": "*fp32", "Columns": "*i64", "Words": "*i64", "Rng": "*i64", "Mask": "*u8"}
+FLOATS = {"sm_scale", "qk_scale", "scale", "bound_log2", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
 
@@ -75,19 +77,27 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0]),
                 ("_fwd_kernel", dict(forward, DROPOUT=True, LABEL="_dropout"), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
-                    FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False)
+                    FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False, DETERMINISTIC=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     launches.append(("_bwd_kernel", dict(backward, PARTS=3, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                      max(plan[1], plan[2])))
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts, DROPOUT=True, LABEL="_dropout"), tiles))
+    learnable = any(learnable for _, _, learnable in module.FACTS.inputs.values())
+    if learnable:  # deterministic mode: the learnable inputs' gradients summed exactly, and rounded after
+        launches.append(("_bwd_kernel", dict(backward, PARTS=3, DETERMINISTIC=True, LABEL="_deterministic"),
+                         max(plan[1], plan[2])))
+        launches.append(("_bwd_kernel", dict(backward, PARTS=3, DETERMINISTIC=True, DROPOUT=True,
+                                             LABEL="_dropout_deterministic"), max(plan[1], plan[2])))
+        launches.append(("_exact_finish", dict(BLOCK=1024), (0, 0, 4, 1)))
     for family, tiles in module.FACTS.family_tiles.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
             launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16,
-                                                     HAS_SINK=module.FACTS.sink is not None), (0, 0, 4, 1)))
+                                                     HAS_SINK=module.FACTS.sink is not None,
+                                                     ADD_PARTS=module.FACTS.normalize == "sigmoid"), (0, 0, 4, 1)))
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
                               PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
@@ -99,19 +109,40 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                      DROPOUT=True, LABEL="_dropout"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
+                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2],
+                              DETERMINISTIC=False)
             launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
                                                      DROPOUT=True, LABEL="_dropout"), tiles)]
-            # Its row terms' pass, which also zeros dQ's fp32 sum, and the pass that scales and rounds it.
-            launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
-                                                     HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
-                                                     HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
-                             (0, 0, 4, 1)))
+            # Its row terms' pass, which also zeros dQ's fp32 sum (deterministic mode: int64, and each row's
+            # scale exponent; a sigmoid spec has none, and its deterministic calls run the portable backward),
+            # and the passes that scale and round it.
+            if module.FACTS.normalize != "sigmoid":
+                # Deterministic mode: dQ in int64 fixed point, learnable inputs' gradients summed exactly.
+                launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
+                                                         VARLEN=False, DETERMINISTIC=True, LABEL="_deterministic"), tiles),
+                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, DETERMINISTIC=True,
+                                                         LABEL="_packed_deterministic"), tiles),
+                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
+                                                         VARLEN=False, DETERMINISTIC=True, DROPOUT=True,
+                                                         LABEL="_dropout_deterministic"), tiles)]
+                preprocess = dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64, HAS_DLSE=True,
+                                  BASE2_LSE=True, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, ZERO_DQ=True,
+                                  SINK_GRAD=False, DQ_BOUND=False)
+                launches.append(("_bwd_preprocess", preprocess, (0, 0, 4, 1)))
+                launches.append(("_bwd_preprocess", dict(preprocess, DQ_BOUND=True, LABEL="_deterministic"),
+                                 (0, 0, 4, 1)))
+                if module.FACTS.sink is not None:  # the sink rows' gradient, in the same pass
+                    launches.append(("_bwd_preprocess", dict(preprocess, SINK_GRAD=True, LABEL="_sink"), (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
+            for packed in (False, True):
+                launches.append(("_hopper_dq_finish_fixed",
+                                 dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, PACKED=packed,
+                                      BLOCK_M=_hopper_runtime(module).HOPPER_DQ_FINISH_ROWS,
+                                      LABEL="_packed" if packed else ""), (0, 0, 4, 1)))
     # The runtime's kernel of attn.dropout_mask (the keep-mask by the kernels' own helper).
     launches.append(("_dropout_mask_kernel", dict(BLOCK_M=64, BLOCK_N=64), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
@@ -122,8 +153,14 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     for name, constants, tiles in launches:
         if families and not any(name.startswith(f"_{family}") for family in families):
             continue
-        fn = getattr(_dropout_runtime(module) if name == "_dropout_mask_kernel" else module, name)
+        fn = getattr(module, name) if hasattr(module, name) else getattr(_runtime_module(module, name), name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
+        if constants.get("DETERMINISTIC"):  # the learnable inputs' gradients are int64 words then
+            signature = {n: "*i64" if n.endswith("_grad") and t == "*fp32" else t for n, t in signature.items()}
+        if name == "_bwd_preprocess" and constants.get("DQ_BOUND"):
+            signature = {**signature, "DqSum": "*i64"}
+        if name == "_exact_finish":
+            signature = {**signature, "Out": "*fp32"}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
             compiled = _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
@@ -144,18 +181,24 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
                                                         "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
+                                                        "rcp_approx": "rcp.approx" in ptx,
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
 
 
-def _dropout_runtime(module):
-    """The dropout runtime module of a generated module (the bundle's own copy of attngen.runtime.dropout)."""
-    return sys.modules[type(module.ATTENTION).__module__.rpartition(".")[0] + ".dropout"]
+def _runtime_module(module, name):
+    """The runtime module (of the bundle's own copy of attngen.runtime, or of a family's runtime side) that
+    defines kernel `name`, which the generated module does not import (the runtime launches it)."""
+    for part in ("runtime.kernels", "runtime.dropout", "runtime"):
+        found = next((m for key, m in sys.modules.items() if key.endswith(f".{part}") and hasattr(m, name)), None)
+        if found is not None:
+            return found
+    raise LookupError(name)
 
 
 def _hopper_runtime(module):
-    """The Hopper family's runtime module of a generated module (the bundle's own copy of attngen.runtime.hopper)."""
+    """The Hopper family's runtime module of a generated module (the bundle's own copy of attngen.families.hopper.runtime)."""
     return sys.modules[type(module.ATTENTION.families["hopper"]).__module__]
 
 
@@ -182,8 +225,10 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
     else:
         boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "do_desc": box(block_m, dv)}
+        rows = {"lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
+        # (A sigmoid spec's backward reads no row terms: it has no such parameters.)
         signature = {**signature, "dq_desc": descriptor(box(block_m, d), "fp32"),
-                     "lse_desc": descriptor([1, block_m], "fp32"), "delta_desc": descriptor([1, block_m], "fp32")}
+                     **{name: value for name, value in rows.items() if name in signature}}
         num_warps, maxnreg, _ = _hopper_runtime(module)._hopper_backward_config(block_n, tiles[2])
     signature = {**signature, **{name: descriptor(shape) for name, shape in boxes.items()}}
     return triton.compile(GluonASTSource(fn, signature, constexprs), target=target,

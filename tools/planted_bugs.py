@@ -30,7 +30,7 @@ BUGS = {
         "return mul(sub(ONE, expr), dx)",
         "d tanh(x) = 1 - tanh(x) instead of 1 - tanh(x)^2"),
     "dropout-unscaled-dq": (
-        "attngen/emit/families/portable/bwd.py.jinja",
+        "attngen/families/portable/bwd.py.jinja",
         "dp * dropout_scale, 0.0)",
         "dp, 0.0)",
         "dQ's kernel keeps dP where dropout kept P but forgets to divide it by 1 - p (dK and dV stay right)"),

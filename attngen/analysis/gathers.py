@@ -55,7 +55,7 @@ def corner_bounded(e: ir.Expr, ranges: Ranges, varying: frozenset[str] = TILE_IN
 
 def score_gathers(spec: ir.Spec, ranges: Ranges) -> tuple[tuple[ir.Load, bool], ...]:
     """The score's distinct loads whose index, folded, reads both q and k (a gather an element), each
-    with whether the Hopper and portable forward kernels read it as point loads (every index
+    with whether the forward kernels read it as point loads (every index
     `corner_bounded`). Their tiles start at query position 0 (no cache call), so Q_OFFSET is 0."""
     if spec.score is None:
         return ()

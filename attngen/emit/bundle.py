@@ -1,9 +1,11 @@
 """Bundles a generated module with attngen's runtime into one file that imports only torch and triton:
 the spec's part first, then the runtime package's own files, verbatim, below a marker.
 
-Each runtime file becomes a module of a private package whose name carries a digest of their text
-(so a bundle never meets an installed attngen, nor a bundle of another runtime), served by a small
-import hook from the string it is written in here; the module's declaration then runs against it.
+Each runtime file (attngen/runtime/*.py, and the runtime side of each family the module's plan names,
+attngen/families/<name>/runtime.py with its packages) becomes a module of a private package whose name
+carries a digest of their text (so a bundle never meets an installed attngen, nor a bundle of another
+runtime), laid out as in attngen and served by a small import hook from the strings it is written in here;
+the module's declaration then runs against it.
 Only attngen's own files are inlined: the spec's text reaches a bundle only through the module, which
 the emitter wrote (attngen.emit.module).
 """
@@ -15,9 +17,8 @@ from functools import lru_cache
 from importlib import resources
 
 from attngen.emit.module import DECLARATION_MARKER, _with_digest, runtime_imports
-from attngen.runtime.families import FAMILIES
 
-RUNTIME_MARKER = "# ---- attngen's runtime (attngen/runtime/*.py), inlined from here on ----\n"
+RUNTIME_MARKER = "# ---- attngen's runtime (attngen/runtime/*.py and its families' runtime.py), inlined from here on ----\n"
 
 # The hook that serves the private package from _RUNTIME_SOURCES. The text sits in linecache under the
 # file name it is compiled with, so inspect.getsource (which triton.jit reads the helpers with) and
@@ -37,14 +38,17 @@ def _install_runtime():
             package, _, part = name.partition(".")
             if package != self.package or (part and part not in _RUNTIME_SOURCES):
                 return None
-            return importlib.util.spec_from_loader(name, self, is_package=not part)
+            return importlib.util.spec_from_loader(name, self, is_package=not part or _RUNTIME_SOURCES[part][1])
 
         def create_module(self, spec):
             return None
 
         def exec_module(self, module):
-            part = module.__name__.partition(".")[2] or "__init__"
-            source, filename = _RUNTIME_SOURCES[part], f"{self.package}/{part}.py"
+            part = module.__name__.partition(".")[2]
+            if not part:  # the package itself: only a name for its modules to live under
+                return
+            source, is_package = _RUNTIME_SOURCES[part]
+            filename = f"{self.package}/{part.replace('.', '/')}{'/__init__' if is_package else ''}.py"
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             exec(compile(source, filename, "exec"), module.__dict__)
 
@@ -57,18 +61,28 @@ _install_runtime()
 
 
 def _runtime_files(families: tuple[str, ...]) -> list[str]:
-    """The runtime package's modules a module of these families runs: all but the other families'."""
-    left_out = {module for name, (module, _) in FAMILIES.items() if name not in families}
-    names = sorted(entry.name[:-3] for entry in resources.files("attngen.runtime").iterdir()
-                   if entry.name.endswith(".py"))
-    return [name for name in names if name not in left_out]
+    """The modules, as paths in the package (runtime/checks.py), that a module of these families runs: the
+    runtime package and the runtime side of each of its families, with the packages above them."""
+    root = resources.files("attngen")
+    files = sorted(f"runtime/{entry.name}" for entry in root.joinpath("runtime").iterdir() if entry.name.endswith(".py"))
+    files.append("families/__init__.py")
+    for name in families:
+        files += [f"families/{name}/__init__.py", f"families/{name}/runtime.py"]
+    return files
+
+
+def _module_name(path: str) -> tuple[str, bool]:
+    """A file's module name under the package (runtime.checks; families.hopper for its __init__.py) and
+    whether it is a package."""
+    parts = path[:-len(".py")].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts), parts[-1] == "__init__"
 
 
 @lru_cache(maxsize=None)
-def _source(name: str) -> str:
-    text = resources.files("attngen.runtime").joinpath(f"{name}.py").read_text()
+def _source(path: str) -> str:
+    text = resources.files("attngen").joinpath(path).read_text()
     # Each file is written as a raw ''' string: it must hold no ''' and no backslash before its end.
-    assert "'''" not in text and not text.rstrip("\n").endswith("\\") and "\r" not in text, name
+    assert "'''" not in text and not text.rstrip("\n").endswith("\\") and "\r" not in text, path
     return text
 
 
@@ -78,11 +92,12 @@ def bundle(module: str, families: tuple[str, ...]) -> str:
     assert module.count(imports) == 1 and module.count(DECLARATION_MARKER) == 1
     spec_part, _, declaration = module.replace(imports + "\n", "").partition(DECLARATION_MARKER)
     files = _runtime_files(families)
-    digest = hashlib.sha256("\0".join(f"{name}\0{_source(name)}" for name in files).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join(f"{path}\0{_source(path)}" for path in files).encode()).hexdigest()[:16]
     package = f"_attngen_runtime_{digest}"
-    sources = "".join(f"    {name!r}: r'''{_source(name)}''',\n" for name in files)
+    sources = "".join(f"    {_module_name(path)[0]!r}: (r'''{_source(path)}''', {_module_name(path)[1]}),\n"
+                      for path in files)
     runtime = (f"{RUNTIME_MARKER}_RUNTIME_PACKAGE = {package!r}\n_RUNTIME_SOURCES = {{\n{sources}}}\n{_INSTALLER}\n"
-               + imports.replace("from attngen.runtime.", f"from {package}."))
+               + imports.replace("from attngen.", f"from {package}."))
     # The module's digest (which names its custom operators) is taken again over the whole bundle.
     text = spec_part.rstrip("\n") + "\n\n\n" + runtime + "\n\n" + DECLARATION_MARKER + declaration
     return _with_digest(text.replace(_digest_line(text), 'MODULE_DIGEST = ""\n'))

@@ -58,6 +58,11 @@ class Spelling:
     # Sizes the kernel knows at compile time, folded as constants: a kernel that never runs a cache
     # call has its query rows at positions 0 .. Q_LEN - 1, so Q_OFFSET is 0 there.
     sizes: Mapping[str, int] = field(default_factory=dict)
+    # A family whose tiles lay their rows out otherwise (the decode family's rows mix query heads) names
+    # what a hook over a tile's elements may read and the tile's in-sequence checks (queries, keys) here;
+    # None: the ones the tile's orientation gives (emit.hooks).
+    element_names: tuple[str, ...] | None = None
+    bounds_checks: tuple[str, str] | None = None
 
 
 @dataclass

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from attngen import families as registry
 from attngen import ir
 from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling, TritonEmitter, address, indented
 from attngen.analysis.fold import fold
 from attngen.analysis.gathers import NO_OFFSET
-from attngen.emit.signatures import POSITIONS, TABLE, TILE_RANGE, kernel_signatures, table_params
+from attngen.emit.families import emit_side
+from attngen.emit.signatures import POSITIONS, TILE_RANGE, kernel_signatures
 from attngen.frontend.printer import expr_to_source
 
 _SIZES = {"B": "B", "H": "H", "HKV": "HKV", "Q_LEN": "Q_LEN", "KV_LEN": "KV_LEN", "D": "HEAD_DIM"}
@@ -34,40 +36,11 @@ FORWARD_ROWS = Spelling(
 BOUNDS = Spelling(names={**_SIZES, **_UNIFORM}, dims={}, zeros="0.0", sizes=NO_OFFSET)
 # The forward kernels' bounds, for rows of a cache call too.
 FORWARD_BOUNDS = Spelling(names={**_SIZES, **_UNIFORM, "Q_OFFSET": "q_off"}, dims={}, zeros="0.0")
-# The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]
-# (at position pos_m[r]) of head row_h[r], so the head varies along the rows.
-DECODE_ROWS = Spelling(
-    names={**FORWARD_ROWS.names, "h": "row_h[:, None]"},
-    dims={**ROW_MAJOR.dims, "h": frozenset("m")},
-    zeros="tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
-# The Hopper family's forward (Gluon) runs the forward's hooks on a consumer warpgroup's S accumulator:
-# tl's elementwise code runs unchanged on Gluon tensors, only a new tile needs a layout (s_layout). Its
-# scores call tanh.approx.f32 (one MUFU op; the family takes 16-bit inputs only, where its 1e-5 relative
-# error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
-HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
-                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)", sizes=NO_OFFSET)
-# Their score hooks know the tile's corners (the consumer's first row off_m, the key tile's start_n), for
-# point loads.
-HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
-                        tanh="_tanh_approx",
-                        corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
-                        corner_names=("off_m", "start_n"), sizes=NO_OFFSET)
-# Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
-# the scores with the forward's tanh, so P is the one the forward's LSE normalised.
-HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
-                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n", sizes=NO_OFFSET)
-HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
-                            tanh="_tanh_approx", rows="n",
-                            corners=("start_m", "start_m + BLOCK_M - 1",
-                                     "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
-                            corner_names=("start_m", "start_n"), sizes=NO_OFFSET)
-
 # What a hook over a tile's elements may read, besides module constants, helpers and its kernel's
 # parameters (sizes, the inputs' pointers, strides and sizes): the tile's indices and its program's
 # batch and heads.
 ELEMENT_NAMES = ("offs_m", "offs_n", *POSITIONS)
 FORWARD_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", *POSITIONS)
-DECODE_ELEMENT_NAMES = ("offs_m", "pos_m", "offs_n", "off_b", "row_h", "off_hkv", "row_ok")
 
 
 @dataclass(frozen=True)
@@ -128,8 +101,8 @@ def _emitter(facts: Analysis, spelling: Spelling, prefix: str) -> TritonEmitter:
 
 
 def _element_names(spelling: Spelling) -> tuple[str, ...]:
-    if spelling is DECODE_ROWS:
-        names = DECODE_ELEMENT_NAMES
+    if spelling.element_names is not None:
+        names = spelling.element_names
     else:
         names = FORWARD_ELEMENT_NAMES if spelling.names["q"] == FORWARD_ROWS.names["q"] else ELEMENT_NAMES
     # The position of query 0, where a cache call may move it (`causal_bottom_right` reads it).
@@ -222,8 +195,8 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             is_point, entry = point
             entry_offset, entry_bounds = address(load.input, entry)
             lines += [f"if {is_point}:",
-                      f"    tl.atomic_add({load.input}_grad + {entry_offset}, tl.sum(tl.sum({contribution}, 1), 0), "
-                      f"mask={entry_bounds}, sem=\"relaxed\")",
+                      "    " + _grad_add(f"{load.input}_grad", entry_offset, f"tl.sum(tl.sum({contribution}, 1), 0)",
+                                       entry_bounds),
                       "else:", *indented(index_lines),
                       *indented(_scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n))]
             continue
@@ -234,15 +207,18 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             value = sums[next(iter(dims))].format(contribution)
         else:
             value = f"tl.sum(tl.sum({contribution}, 1), 0)"
-        mask = f", mask={bounds}" if bounds else ""
-        # Relaxed: only the sum after the kernel matters, so no ordering fence per element (the
-        # default, acq_rel, orders every atomic against the program's other memory operations).
-        lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
+        lines.append(_grad_add(f"{load.input}_grad", offset, value, bounds))
     return "\n".join(lines) if lines else "# no learnable inputs"
 
 
+def _grad_add(ptr: str, offset: str, value: str, mask: str) -> str:
+    """Adds `value` into the gradient at `ptr + offset` where `mask` holds (always, if empty): an fp32 atomic,
+    or exactly in deterministic mode (runtime.helpers._grad_add)."""
+    return f"_grad_add({ptr}, {offset}, {value}, {mask or 'None'}, DETERMINISTIC)"
+
+
 def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:
-    """Atomically adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds.
+    """Adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds (_grad_add).
 
     An index that varies over the tile may still take few values on it: a clamped relative position
     puts most tiles wholly at the clamp (one address) and the tiles on the band's edge partly so.
@@ -261,16 +237,16 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
         f"                                 tl.where({ok}, {value}, 0.0)), 1, _min_max_sum)",
         f"{lo}, {hi}, {total} = tl.reduce(({lo}, {hi}, {total}), 0, _min_max_sum)",
         f"if {lo} >= {hi}:",
-        f"    tl.atomic_add({ptr} + {lo}, {total}, mask={lo} == {hi}, sem=\"relaxed\")",
+        "    " + _grad_add(ptr, lo, total, f"{lo} == {hi}"),
         "else:",
         f"    {at_lo}, {at_hi} = tl.reduce((tl.where({ok} & ({a} == {lo}), {value}, 0.0),",
         f"                                   tl.where({ok} & ({a} == {hi}), {value}, 0.0)), 1, _sum_pair)",
         f"    {at_lo}, {at_hi} = tl.reduce(({at_lo}, {at_hi}), 0, _sum_pair)",
-        f"    tl.atomic_add({ptr} + {lo}, {at_lo}, sem=\"relaxed\")",
-        f"    tl.atomic_add({ptr} + {hi}, {at_hi}, sem=\"relaxed\")",
+        "    " + _grad_add(ptr, lo, at_lo, ""),
+        "    " + _grad_add(ptr, hi, at_hi, ""),
         f"    {mid} = {ok} & ({a} != {lo}) & ({a} != {hi})",
         f"    if tl.max(tl.max({mid}.to(tl.int32), 1), 0) > 0:",
-        f"        tl.atomic_add({ptr} + {a}, {value}, mask={mid}, sem=\"relaxed\")",
+        "        " + _grad_add(ptr, a, value, mid),
     ]
 
 
@@ -360,74 +336,11 @@ def _closed_tile_range(facts: Analysis, loop: str, offset: str) -> Hook:
 
 def _bounds_checks(spelling: Spelling) -> tuple[str, str]:
     """The in-sequence checks of a tile's queries and keys, in the spelling's orientation."""
-    if spelling is DECODE_ROWS:
-        return "row_ok[:, None]", "offs_n[None, :] < KV_LEN"
+    if spelling.bounds_checks is not None:
+        return spelling.bounds_checks
     if spelling.rows == "m":
         return "offs_m[:, None] < Q_LEN", "offs_n[None, :] < KV_LEN"
     return "offs_m[None, :] < Q_LEN", "offs_n[:, None] < KV_LEN"
-
-
-# The portable kernels' tile corners, for the score's point loads: the row block's first query position or
-# key (q_first, k_first: parameters of the inner loops) and the loop's tile start (start_n, start_m). Their
-# masks keep the plain spellings, which the tile-table kernels share.
-PORTABLE_CORNERS = {
-    "k": dict(corners=("q_first", "q_first + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
-              corner_names=("q_first", "start_n")),
-    "q": dict(corners=("start_m", "start_m + BLOCK_M - 1", "k_first", "k_first + BLOCK_N - 1"),
-              corner_names=("start_m", "k_first"))}
-
-
-def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -> dict[str, Hook]:
-    em = _emitter(facts, replace(spelling, **PORTABLE_CORNERS[loop]), "sc")
-    score = _score_hook(facts.spec, em)
-    offset = "q_off" if spelling is FORWARD_ROWS else ""
-    hooks = {"score": score, "mask": _mask_hook(facts, spelling), "tile_range": _tile_range_hook(facts, loop, offset)}
-    if ds_var == "ds":
-        hooks["learnable"] = _learnable_hook(facts, em, score)
-    if ds_var:
-        hooks["dscore"] = _dscore_hook(facts, em, score, ds_var)
-    return hooks
-
-
-def _decode_hooks(facts: Analysis) -> dict[str, Hook]:
-    """Hooks of the decode family's forward kernel: a block of rows holds queries of all the query
-    heads of one key/value head, so its key bounds are those of its first and last query
-    (plan.families.DECODE serves no mask whose bounds read the query head)."""
-    bounds = _bounds_hook(facts, "k", spelling=FORWARD_BOUNDS)
-    assert not _reads(bounds.code, "off_h"), "the decode family serves no mask whose bounds read h"
-    ends = ["q_first = (block_row * BLOCK_M) // G + q_off",
-            "q_last = tl.minimum((block_row * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1) + q_off"]
-    code = [*_read_ends(ends, bounds.code), bounds.code]
-    key_range = Hook("key_range", ("off_b", "off_hkv", "q_off", "block_row", "G"), bounds.outputs, "\n".join(code))
-    return {"score": _score_hook(facts.spec, _emitter(facts, DECODE_ROWS, "sc")),
-            "mask": _mask_hook(facts, DECODE_ROWS), "key_range": key_range}
-
-
-def _hopper_hooks(facts: Analysis, forward: dict[str, Hook]) -> dict[str, Hook]:
-    """Hooks of the Hopper family's forward: the forward's tile range (one per CTA, whose BLOCK_M rows
-    its consumer warpgroups share), and its score and mask in the Gluon spellings; `plain_score` says
-    the spec has no score expression (the kernel may then scale the scores after their row max)."""
-    return {"score": _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc")),
-            "mask": _mask_hook(facts, HOPPER_MASK), "tile_range": forward["tile_range"],
-            "plain_score": facts.spec.score is None or facts.spec.score == ir.Score(),
-            "reads_q_off": _reads(forward["tile_range"].code, "q_off")}
-
-
-def _hopper_backward_hooks(facts: Analysis, dkdv: dict[str, Hook]) -> dict:
-    """Hooks of the Hopper family's backward: a CTA per key tile computes its dK and dV and its share of
-    dQ and of the learnable inputs' gradients, on transposed S tiles, over the dK/dV kernel's tile
-    range (for the family's own tiles). `remask`: dS needs the mask again after the score's derivative
-    or for a learnable input's gradient unless each of them is a finite constant (P = 0 has zeroed dS
-    where the mask is off, and a constant keeps it 0)."""
-    em = _emitter(facts, HOPPER_BWD_SCORE, "sc")
-    score = _score_hook(facts.spec, em)
-    learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
-    derivatives = [d for _, d in facts.learnable_derivatives]
-    if facts.score_derivative is not None:
-        derivatives.append(facts.score_derivative)
-    return {"score": score, "mask": _mask_hook(facts, HOPPER_BWD_MASK), "tile_range": dkdv["tile_range"],
-            "learnable": learnable, "dscore": _dscore_hook(facts, em, score, "dsT"),
-            "remask": not all(_is_constant(d, facts) for d in derivatives)}
 
 
 def _table_hooks(facts: Analysis, spelling: Spelling, loop: str) -> dict[str, Hook]:
@@ -455,27 +368,17 @@ def _reads(code: str, name: str) -> bool:
     return name in _names(ast.parse(code))
 
 
-def kernel_context(facts: Analysis, families: tuple[str, ...] = ("portable",)) -> dict:
-    """What the kernel templates of `families` fill in for this spec: every kernel's signature and
-    each kernel's hooks."""
-    decode = _decode_hooks(facts) if "decode" in families else None
-    fwd = _kernel_hooks(facts, FORWARD_ROWS, "k", "")
-    dkdv = _kernel_hooks(facts, TRANSPOSED, "q", "dsT")
-    return dict(
-        decode=decode,
-        # Whether the decode kernel reads query positions (else it never loads q_offset).
-        decode_positions=decode is not None and any(
-            _reads(h.code, name) for h in decode.values() for name in ("pos_m", "q_off")),
-        sig=kernel_signatures(facts.spec, facts.tile_table),
-        fwd=fwd,
-        hopper=_hopper_hooks(facts, fwd) if "hopper" in families else None,
-        dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
-        dkdv=dkdv,
-        hopper_bwd=_hopper_backward_hooks(facts, dkdv) if "hopper" in families else None,
+
+
+def kernel_context(facts: Analysis, families: tuple[str, ...] = registry.FAMILIES[-1:]) -> dict:
+    """What the templates of `families` (each family's folder) and the shared ones fill in for this spec:
+    every kernel's signature, the tile tables' hooks and each family's own context (its emit.py)."""
+    context = dict(
+        sig=kernel_signatures(facts.spec, facts.tile_table, families),
         table=facts.tile_table,
         table_by_query=_table_hooks(facts, ROW_MAJOR, "k") if facts.tile_table else None,
         table_by_key=_table_hooks(facts, TRANSPOSED, "q") if facts.tile_table else None,
-        # _bwd_kernel's two tables, passed to the programs' unprefixed table parameters.
-        kv_table=dict(zip(TABLE, table_params("kv_"))) if facts.tile_table else {},
-        q_table=dict(zip(TABLE, table_params("q_"))) if facts.tile_table else {},
     )
+    for name in families:
+        context.update(emit_side(name).context(facts))
+    return context

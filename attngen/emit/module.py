@@ -11,13 +11,15 @@ from functools import lru_cache
 
 import jinja2
 
+from attngen import families as registry
 from attngen import intervals, ir
 from attngen.analysis import Analysis
 from attngen.errors import ArgumentError
+from attngen.emit.families import emit_side
 from attngen.emit.hooks import kernel_context
 from attngen.frontend.printer import expr_to_source, python_expr
 from attngen.plan import Plan
-from attngen.plan.families import DECODE_MAX_ROWS, FAMILIES, PORTABLE
+from attngen.plan import families as plan_families
 from attngen.version import __version__
 
 # The runtime names a module imports: its declaration's classes, and the @triton.jit helpers and
@@ -25,41 +27,36 @@ from attngen.version import __version__
 HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh",
                 "_tanh_approx", "_tan", "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers",
                 "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit",
-                "_dropout_state", "_dropout_keep", "_dropout_keep_tile", "_dropout_quarter")
+                "EXACT_DIGITS", "EXACT_WORDS", "_exact_add", "_grad_add", "_dropout_state", "_dropout_keep",
+                "_dropout_keep_tile", "_dropout_quarter")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
-SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
-# The Hopper family's device helpers, which its modules import from attngen/runtime/hopper.py.
-HOPPER_HELPER_NAMES = ("_hopper_round_pairs", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
-                       "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
-                       "_hopper_bwd_sequence")
+SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine", "_exact_finish")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 
 def runtime_imports(code: str) -> str:
     """The import lines of a module whose code (but these lines) is `code`: the declaration's classes,
-    and the helpers its kernels call."""
+    and the helpers its kernels call (the shared ones, and each family's from its runtime side)."""
     used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
     helpers = ", ".join(name for name in HELPER_NAMES if name in used)
     kernels = ", ".join(name for name in SHARED_KERNEL_NAMES if name in used)
-    hopper = ", ".join(name for name in HOPPER_HELPER_NAMES if name in used)
-    return ("from attngen.runtime.attention import Attention\n"
-            + "from attngen.runtime.facts import Kernels, SpecFacts, shape_table\n"
-            + (f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n" if helpers else "")
-            + (f"from attngen.runtime.kernels import {kernels}  # the same in every spec\n" if kernels else "")
-            + (f"from attngen.runtime.hopper import {hopper}  # the Hopper kernels call them\n" if hopper else ""))
+    lines = ["from attngen.runtime.attention import Attention\n",
+             "from attngen.runtime.facts import Kernels, SpecFacts, shape_table\n"]
+    if helpers:
+        lines.append(f"from attngen.runtime.helpers import {helpers}  # the kernels call them\n")
+    if kernels:
+        lines.append(f"from attngen.runtime.kernels import {kernels}  # the same in every spec\n")
+    for name in registry.FAMILIES:
+        family_helpers = ", ".join(h for h in emit_side(name).DEVICE_HELPERS if h in used)
+        if family_helpers:
+            lines.append(f"from attngen.families.{name}.runtime import {family_helpers}  # its kernels call them\n")
+    return "".join(lines)
 
 
 # The line before the module's declaration (its facts and kernels handed to the runtime): a bundle
 # (attngen.emit.bundle) puts the runtime between the kernels and this line.
 DECLARATION_MARKER = "# ---- the declaration: this spec's facts and kernels, handed to the runtime ----\n"
-# What each family beside the portable one hands to its runtime class (attngen.runtime.families), by
-# keyword: the kernels its template defines and the facts it decides.
-FAMILY_KERNELS = {
-    "hopper": ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, "
-               "dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE"),
-    "decode": "forward_kernel=_decode_fwd_kernel, combine_kernel=_decode_combine, max_rows=DECODE_MAX_ROWS",
-}
 
 
 def _identifier(name: object) -> str:
@@ -73,8 +70,9 @@ def _identifier(name: object) -> str:
 
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
-    # module.py.jinja is the module's skeleton; each kernel family's templates are in families/<name>/.
-    environment = jinja2.Environment(loader=jinja2.PackageLoader("attngen", "emit"),
+    # Template names are paths in the package: emit/module.py.jinja is the module's skeleton, emit/ holds
+    # the shared parts, and each kernel family's templates are in its folder, families/<name>/.
+    environment = jinja2.Environment(loader=jinja2.PackageLoader("attngen", ""),
                                      undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                      autoescape=False)
     environment.filters["identifier"] = _identifier
@@ -204,15 +202,17 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
             "{" + ", ".join(f"{family!r}: {_python_tuple((t.block_m, t.block_n, t.num_warps, t.num_stages, t.buffers))}"
                             for family, t in e.family_tiles) + "}"
         for e in plan.entries if e.family_tiles})
-    others = [family for family in plan.families if family != PORTABLE.name]
+    # The families beside the last (which serves every call, through the Attention's own kernels), which the
+    # host tries first, each by its per-call rule.
+    others = list(plan.families[:-1])
+    entries = [family for family in plan_families.FAMILIES if family.name in others]
     forward_families = _python_tuple(others)
-    table_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.follows_tables)
-    packed_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_forward)
-    packed_backward_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.packed_backward)
-    dropout_families = _python_tuple(f.name for f in FAMILIES if f.name in others and f.dropout)
-    backward_families = _python_tuple((f.name, f.backward_name) for f in FAMILIES
-                                      if f.name in others and f.backward_tiles is not None)
-    families_table = ("{" + "".join(f"\n        {f!r}: dict({FAMILY_KERNELS[f]})," for f in others) + "\n    }"
+    table_families = _python_tuple(f.name for f in entries if f.follows_tables)
+    packed_families = _python_tuple(f.name for f in entries if f.packed_forward)
+    packed_backward_families = _python_tuple(f.name for f in entries if f.packed_backward)
+    dropout_families = _python_tuple(f.name for f in entries if f.dropout)
+    backward_families = _python_tuple((f.name, f.backward_name) for f in entries if f.backward_tiles is not None)
+    families_table = ("{" + "".join(f"\n        {f!r}: dict({emit_side(f).DECLARATION})," for f in others) + "\n    }"
                       if others else "{}")
     scale = python_expr(spec.scale, facts.params) if spec.scale is not None else "1.0 / math.sqrt(D)"
     context = dict(
@@ -235,11 +235,12 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
         dropout_families=dropout_families,
-        decode_max_rows=DECODE_MAX_ROWS,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
+        sigmoid=spec.sigmoid,
+        score_grad_bound=repr(facts.score_derivative_bound),
         **kernel_context(facts, plan.families),
     )
-    text = _environment().get_template("module.py.jinja").render(**context)
+    text = _environment().get_template("emit/module.py.jinja").render(**context)
     assert text.count(_RUNTIME_IMPORTS_LINE) == 1
     return _with_digest(text.replace(_RUNTIME_IMPORTS_LINE, runtime_imports(text)))
 

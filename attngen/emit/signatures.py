@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attngen import families as registry
 from attngen import ir
+from attngen.emit.families import emit_side
 
 LINE_WIDTH = 112
 
@@ -85,9 +87,18 @@ PACKED = ("CuSeqlensQ", "CuSeqlensK", "TOTAL_Q")
 # sequence's first query and key rows (off_b, 0 and 0 in an unpacked call; 0 and cu_seqlens[b] in a
 # packed one, whose descriptors see (1, heads, TOTAL, D) views).
 SEQUENCE = ("tma_b", "q_start", "k_start")
-# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
-# ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
-SINK = ("Sink",)
+# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32, as (B, H, Q_LEN) rows
+# in any strides (an expanded `sinks[h]` has 0 for the batch and the rows: attngen.runtime.sinks); a packed
+# call's (H, TOTAL_Q) rows come with batch stride 0, its rows counted from each sequence's first token. A
+# spec without one has no such parameters.
+SINK = ("Sink", "stride_sb", "stride_sh", "stride_sm")
+# The Hopper backward's deterministic dQ (DETERMINISTIC): its int64 fixed-point sum (q's layout, its
+# batch, head and row strides) and each row's scale exponent (rows of dq_rows a head, as its row terms).
+DQ_FIXED = ("DqFixed", "stride_dqz", "stride_dqh", "stride_dqm", "DqExp", "dq_rows")
+# A softmax spec's forward kernels write each row's LSE, and its backward kernels read it and the row term
+# delta = rowsum(dO * O); a sigmoid spec has neither (each key's weight is its own sigmoid(score'), and
+# dS = P * (1 - P) * dP), so its kernels have no such parameters.
+ROW_TERMS = ("Lse", "Delta")
 # Dropout (DROPOUT, a call's dropout_p > 0): the call's Philox words (Rng, int64 [seed, offset]) and p, which
 # each kernel that forms P reads, and the state its programs derive from them once (runtime.helpers'
 # _dropout_state) for the loops that regenerate the keep-mask.
@@ -97,10 +108,6 @@ DROPOUT_STATE = ("dropout_seed", "dropout_offset", "dropout_threshold", "dropout
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
 TILE_RANGE = ("masked_tiles", "masked_lo", "masked_hi", "gap_at", "gap", "full_tiles", "full_lo", "full_hi")
-# What the spec's element hooks may read in the Hopper forward's consumers, besides the tile's indices.
-_HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
-_INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
-_PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
 
 
 def input_params(spec: ir.Spec) -> tuple[str, ...]:
@@ -120,123 +127,42 @@ def table_params(prefix: str = "") -> tuple[str, ...]:
     return tuple(prefix + name for name in TABLE)
 
 
-def kernel_signatures(spec: ir.Spec, tile_table: bool) -> dict[str, Signature]:
-    """Every kernel and inner loop of every family, for this spec's inputs and tile table."""
-    inputs, grads = input_params(spec), grad_params(spec)
-    table = table_params() if tile_table else ()
-    sink = SINK if spec.sink is not None else ()
+@dataclass(frozen=True)
+class SpecParams:
+    """The parameters a spec adds to its kernels: per input its pointer, strides and sizes (`inputs`), the
+    learnable ones' gradients (`grads`), a tile table's (`table`, empty without one) and the sink's rows
+    (`sink`, empty without a sink); `softmax`: whether its kernels have the row terms (ROW_TERMS);
+    `deterministic`: the DETERMINISTIC constexpr of the kernels that add the learnable inputs' gradients, which
+    then sum them exactly (runtime.helpers._grad_add, the same bits in every order), empty without them."""
+    inputs: tuple[str, ...]
+    grads: tuple[str, ...]
+    table: tuple[str, ...]
+    sink: tuple[str, ...]
+    tile_table: bool
+    softmax: bool
+    deterministic: tuple[str, ...]
 
-    def sig(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
-        return Signature(name, params + constants, frozenset(constants))
 
-    return {
-        # FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a
-        # table does not describe) and in every call of a spec without tables.
-        "fwd_inner": sig("_fwd_inner", (
-            "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
-            "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_off", "q_first", "offs_d", "offs_dv",
-            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES", *DROPOUT_STATE),
-            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING, "DROPOUT")),
-        "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", "Lse", *sink, "sm_scale", "qk_scale", *DROPOUT, *_strides("q", "m"),
-            *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
-            *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
-             *PAGING, "VARLEN", "DROPOUT")),
-        "dkdv_inner": sig("_bwd_dkdv_inner", (
-            "dk", "dv", "k", "v", "Q_head", "DO_head", "Lse", "Delta", "row", "stride_qm", "stride_qk",
-            "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *inputs, *DROPOUT_STATE), (*_INNER_CONSTANTS, "FOLLOW_TABLE", "DROPOUT")),
-        "dkdv_program": sig("_bwd_dkdv_program", (
-            "start_n", "off_bhkv", "Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
-            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
-            *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
-        "dq_inner": sig("_bwd_dq_inner", (
-            "dq", "q", "do", "lse", "delta", "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
-            "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads, *DROPOUT_STATE), (*_INNER_CONSTANTS, "FOLLOW_TABLE", "DROPOUT")),
-        "dq_program": sig("_bwd_dq_program", (
-            "start_m", "off_bh", "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "sm_scale", "qk_scale", *DROPOUT,
-            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
-            *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
-        "bwd_kernel": sig("_bwd_kernel", (
-            "Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
-            *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
-            *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
-            *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
-            *PACKED),
-            (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
-             "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
-        "decode_fwd": sig("_decode_fwd_kernel", (
-            "Q", "K", "V", "OutPart", "LsePart", "sm_scale", "qk_scale", *_strides("q", "m"), *_strides("k", "n"),
-            *_strides("v", "n"), *inputs, *SIZES, "SPLITS", *CACHE, *PAGE_TABLE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
-        # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
-        # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
-        "hopper_fwd": sig("_hopper_fwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_counter",
-            "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
-             "VARLEN", "DROPOUT")),
-        # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
-        # _hopper_fwd_work says which tile and key tiles item `work` is.
-        "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES, "CuSeqlensQ", "CuSeqlensK"),
-                           ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_producer": sig("_hopper_producer", (
-            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty",
-            "v_ready", "v_empty", "work_ids", "work_counter", "n_work", "n_m", *inputs, *table, *SIZES,
-            "CuSeqlensQ", "CuSeqlensK"),
-            ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_consumer": sig("_hopper_consumer", (
-            "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", *_strides("o", "m")[:3], "Lse", *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
-            *DROPOUT, *inputs, *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
-             "NUM_CONSUMERS", "VARLEN", "DROPOUT")),
-        "hopper_loop": sig("_hopper_consumer_loop", (
-            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
-            "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
-            *inputs, *DROPOUT_STATE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
-             "o_layout", "p_layout", "WG", "NUM_CONSUMERS", "DROPOUT")),
-        "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs, *DROPOUT_STATE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
-        # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
-        # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
-        # and the tile range of one query head of the group.
-        "hopper_bwd": sig("_hopper_bwd_kernel", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "dq_desc", "DK", "DV",
-            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *DROPOUT, *inputs, *grads,
-            *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
-        "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
-                                ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
-        "hopper_bwd_producer": sig("_hopper_bwd_producer", (
-            "q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "q_bufs", "do_bufs", "lse_bufs",
-            "delta_bufs", "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
-            "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
-            ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
-            "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK",
-            *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
-                                       "VARLEN", "DROPOUT")),
-        "hopper_bwd_steps": sig("_hopper_bwd_steps", (
-            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
-            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
-            "qk_scale",
-            *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads, *DROPOUT_STATE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
-             "dv_layout", "DROPOUT")),
-        # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part.
-        "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
-                                                  *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK")),
-        **{f"table_{rows}": sig(f"_table_{rows}_classify", ("State", *inputs, *SIZES, "G_H", "n_rows", "n_cols"),
-                                ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
-           for rows in ("by_query", "by_key")},
-    }
+def spec_params(spec: ir.Spec, tile_table: bool) -> SpecParams:
+    grads = grad_params(spec)
+    return SpecParams(input_params(spec), grads, table_params() if tile_table else (),
+                      SINK if spec.sink is not None else (), tile_table, not spec.sigmoid,
+                      ("DETERMINISTIC",) if grads else ())
+
+
+def signature(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:
+    """A Signature whose parameters are `params` and then the constexprs `constants`."""
+    return Signature(name, params + constants, frozenset(constants))
+
+
+def kernel_signatures(spec: ir.Spec, tile_table: bool, families: tuple[str, ...] = registry.FAMILIES
+                      ) -> dict[str, Signature]:
+    """Every kernel and inner loop of `families` (each declares its own: its folder's emit.py) and the tile
+    tables' kernels, for this spec's inputs and tile table."""
+    p = spec_params(spec, tile_table)
+    signatures = {f"table_{rows}": signature(f"_table_{rows}_classify", ("State", *p.inputs, *SIZES, "G_H", "n_rows", "n_cols"),
+                                             ("BLOCK_M", "BLOCK_N", "ROW_STEP", "ROW_POINTS", "LOOP_STEP", "LOOP_POINTS"))
+                  for rows in ("by_query", "by_key")}
+    for name in families:
+        signatures.update(emit_side(name).signatures(p))
+    return signatures

@@ -147,6 +147,8 @@ class Lowerer:
         self.params: dict[str, ir.ParamDecl] = {}
         self.inputs: dict[str, ir.InputDecl] = {}
         self.items: dict[str, tuple[ir.Expr, Position]] = {}
+        # `normalize:` names a normaliser rather than holding an expression: (its name, the item's position).
+        self.normalize: tuple[str, Position] | None = None
         self.spec_name: str | None = None
         self.context = ""
         # id(node) -> (node, where its text is), for positioning problems found in the whole spec;
@@ -170,6 +172,7 @@ class Lowerer:
             score=self.items.get("score", (None,))[0],
             scale=self.items.get("scale", (None,))[0],
             sink=self.items.get("sink", (None,))[0],
+            normalize=self.normalize[0] if self.normalize is not None else "softmax",
         )
         # The number checks need the whole spec (a divisor may be a param; an overflow depends on
         # the inputs' dtypes), so they run here, and each problem is placed by its node's identity.
@@ -281,6 +284,32 @@ class Lowerer:
         if expr.type != "float":
             hint = " (write a float, e.g. '1.0 * x')" if expr.type == "int" else ""
             raise SpecError(f"sink must be a float expression, got {expr.type}{hint}", position(tree.children[0]))
+        self._check_sink_normalizer()
+
+    def normalize_item(self, tree: Tree) -> None:
+        (token,) = tree.children
+        if self.normalize is not None:
+            raise SpecError(f"duplicate 'normalize:' (the first is at line {self.normalize[1].line})", position(tree))
+        name = str(token)
+        if name not in ir.NORMALIZERS:
+            close = difflib.get_close_matches(name, ir.NORMALIZERS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise SpecError(f"normalize must be {' or '.join(ir.NORMALIZERS)}, got '{name}'{hint}", position(token))
+        self.normalize = (name, position(tree))
+        self._check_sink_normalizer()
+
+    def _check_sink_normalizer(self) -> None:
+        """A sink is a term of the softmax's sum over a row, which sigmoid attention does not form: the two
+        items are refused together, at whichever of them comes second."""
+        if "sink" not in self.items or self.normalize is None or self.normalize[0] == "softmax":
+            return
+        sink, normalize = self.items["sink"][1], self.normalize[1]
+        if (sink.line, sink.column) > (normalize.line, normalize.column):
+            raise SpecError(f"a sink needs normalize: softmax, but line {normalize.line} says "
+                            f"'normalize: {self.normalize[0]}' (a sink is a term of the softmax's sum over a row)",
+                            sink)
+        raise SpecError(f"normalize: {self.normalize[0]} cannot have a sink (line {sink.line}): a sink is a term of the "
+                        f"softmax's sum over a row, which {self.normalize[0]} attention does not form", normalize)
 
     # --- expressions -----------------------------------------------------------------------
     def expr(self, node: Tree | Token) -> ir.Expr:

@@ -49,7 +49,8 @@ _BINARY = {
 
 
 def to_source(spec: ir.Spec) -> str:
-    """A whole spec file: header, params, inputs, then `mask:`, `score:`, `scale:` and `sink:` as present."""
+    """A whole spec file: header, params, inputs, then `mask:`, `score:`, `scale:` and `sink:` as present, and
+    `normalize:` where it is not the default softmax."""
     lines = [f"attention {spec.name}"]
     lines += [f"param {p.name} = {_number(p.value, p.type)}" for p in spec.params]
     lines += [_input(i) for i in spec.inputs]
@@ -57,6 +58,8 @@ def to_source(spec: ir.Spec) -> str:
         expr = getattr(spec, item)
         if expr is not None:
             lines.append(f"{item}: {expr_to_source(expr)}")
+    if spec.normalize != "softmax":
+        lines.append(f"normalize: {spec.normalize}")
     return "\n".join(lines) + "\n"
 
 

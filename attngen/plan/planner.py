@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from attngen import ir
+from attngen import families as registry
 from attngen.analysis import Analysis
 from attngen.runtime import shared
 from attngen.plan.families import KERNELS, Family, choose_families
@@ -78,9 +79,9 @@ class Plan(BaseModel):
 
     target: str
     entries: tuple[KernelPlan, ...]
-    # The kernel families of the module, in the host's order of preference, the portable one last
-    # (plan.families): each one's templates and launch code are in emit/families/<family>/.
-    families: tuple[str, ...] = ("portable",)
+    # The kernel families of the module, in the host's order of preference, the one that serves every call
+    # last (plan.families): each one's templates and host code are in its folder, attngen/families/<family>/.
+    families: tuple[str, ...] = registry.FAMILIES[-1:]
     family_reason: str = ""
     narrow: bool = False  # analysis.is_narrow: the starting tiles were the narrow mask's
     one_launch_backward: bool = True

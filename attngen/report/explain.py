@@ -15,7 +15,8 @@ from attngen.analysis import spans
 from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
 from attngen.frontend.printer import expr_to_source, to_source
-from attngen.plan import ELEMENT_BYTES, Plan
+from attngen.plan import ELEMENT_BYTES, Plan, families
+from attngen.plan.families import deterministic_backward
 from attngen.report.tilemap import (FULL, TileMap, describe_bytes, describe_flops, forward_costs,
                                     tile_map)
 
@@ -58,7 +59,7 @@ def _mask_strategy(facts: Analysis) -> str:
             "tiles; built on every call, or once by attn.tile_tables() for inputs that stay fixed")
 
 
-def _gathers(facts: Analysis) -> list[str]:
+def _gathers(facts: Analysis, kernel_plan: Plan) -> list[str]:
     """The score's inputs read at both q and k, and whether the kernels take one entry a tile where
     the index is constant over it (docs/language.md, "Inputs read at both q and k")."""
     if not facts.score_gathers:
@@ -75,7 +76,9 @@ def _gathers(facts: Analysis) -> list[str]:
             how = ("gathered on every tile: its index holds an op the interval bounds do not follow (%, a "
                    "product of two indices, float math, a load)")
         lines.append(f"  {expr_to_source(load)}: {how}")
-    lines.append("  (in the Hopper and portable kernels; the decode kernel gathers on every tile)")
+    every = [f.name for f in families.FAMILIES if f.name in kernel_plan.families and f.gathers_every_tile]
+    if every:
+        lines.append(f"  (the {' and '.join(every)} kernels gather on every tile)")
     return lines
 
 
@@ -103,15 +106,20 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
     if spec.sink is not None:  # shown only where a spec has one: the others' explanations read as before
         lines.append(f"  sink: {ir_tree(spec.sink)} (one per query row, evaluated on the host (attngen.runtime.sinks); "
                      f"the forward kernels start each row's softmax at it)")
+    if spec.sigmoid:  # likewise only where a spec is not softmax attention
+        lines.append("  normalize: sigmoid (each allowed key weighs sigmoid(score') on its own: no sum over the row, "
+                     "no LSE, no row terms in the backward)")
     lines += ["", f"plan ({kernel_plan.target}, padded D={entry.head_dim_pad} DV={entry.head_dim_v_pad})",
               f"  kernel families: {', '.join(kernel_plan.families)} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
+    lines += ["  deterministic backward (attngen.build(..., deterministic=True), attn(..., deterministic=True) or "
+              f"torch.use_deterministic_algorithms(True)): {deterministic_backward(facts, kernel_plan.families)}"]
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]
     lines += ["", f"mask: {_mask_strategy(facts)}"]
-    lines += _gathers(facts)
+    lines += _gathers(facts, kernel_plan)
     maps = {"forward": tile_map(facts, sizes, entry.fwd.block_m, entry.fwd.block_n, True),
             "dK/dV": tile_map(facts, sizes, entry.bwd_dkdv.block_m, entry.bwd_dkdv.block_n, False),
             "dQ": tile_map(facts, sizes, entry.bwd_dq.block_m, entry.bwd_dq.block_n, True)}

@@ -2,6 +2,8 @@
 
 import torch
 
+from ..families.portable.runtime import Portable
+from .arguments import _call_sizes, _sizes
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
 from .dropout import Dropout
@@ -11,9 +13,8 @@ from .kvcache import Cache
 from .operators import Operators, _Attention
 from .packed import Packed, _is_packed
 from .plans import CallPlans
-from .portable import Portable, _call_sizes, _sizes
 from .shared import _cdiv, _packed_view, _token_sequences
-from .sinks import sink_rows
+from .sinks import sink_rows, sink_view, whole_load
 from .tables import Tables
 
 
@@ -42,6 +43,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         # as launch._LAUNCHES's keys are.
         self.call_plans, self.call_plan_keys = {}, 256
         self.table_stats = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
+        # A sink that is one input at (b, h) (`sinks[h]`): its rows are that input viewed, with no evaluation.
+        self.sink_load = whole_load(facts.sink, facts.inputs) if facts.sink is not None else None
         self.operators = self._operators()
 
     def __repr__(self):
@@ -49,13 +52,14 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, dropout_p=0.0, generator=None,
-             **inputs):
+             deterministic=False, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
-        sink, if it has one), times V.
+        sink, if it has one), times V; with `normalize: sigmoid`, sigmoid of each allowed key's score times V.
 
         Returns out (B, H, Q_LEN, DV) in q's dtype, and with return_lse=True also the natural-log
         LSE (B, H, Q_LEN) in float32 (-inf for a query row with no allowed key; the row's sink with a
-        `sink:`). Differentiable in q, k, v and the learnable inputs, if any (once: no double backward).
+        `sink:`; a sigmoid spec has no LSE and refuses return_lse=True). Differentiable in q, k, v and the
+        learnable inputs, if any (once: no double backward).
         A cache call: k and v hold a cache of MAX_KV keys per row (B, HKV, MAX_KV, D/DV); kv_len
         ((B,) int32) is each row's number of valid keys, q_offset ((B,) int32) the position of its
         first query (by default kv_len - Q_LEN: the queries are the newest tokens; 0 without kv_len).
@@ -71,17 +75,24 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs without tile tables.
         tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
         inputs across calls (built for these inputs' current values; by default each call builds its own).
-        dropout_p: the probability of dropping each attention weight P after the softmax (LSE keeps them all);
-        the kept ones are divided by 1 - dropout_p. Applied whenever it is above 0, as by
+        dropout_p: the probability of dropping each attention weight P after the softmax (LSE keeps them all)
+        or the sigmoid; the kept ones are divided by 1 - dropout_p. Applied whenever it is above 0, as by
         scaled_dot_product_attention (pass 0 outside training); not in cache calls. Each call draws two
         Philox words from `generator` (None: the default generator of q's device), so torch.manual_seed
         repeats it; the backward regenerates the same mask. dropout_mask(q, k, v, ...) returns it.
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
+        deterministic=True, or torch.use_deterministic_algorithms(True) at the time of the call: its backward
+        gives the same bits every time (learnable inputs' gradients summed exactly, dQ in a fixed-point sum or
+        by the portable family, whose programs each write theirs once; the forward always does).
         """
+        if return_lse and self.facts.sigmoid:
+            self._fail("return_lse=True needs a softmax spec, got one with normalize: sigmoid, which has no LSE (each "
+                       "key's weight is sigmoid(score') on its own, with no sum over the row); call without return_lse")
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
         self._check_dropout(q, dropout_p, generator)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if dropout_p and (kv_len is not None or q_offset is not None or page_table is not None):
             self._fail(f"dropout_p must be 0 in a call with kv_len, q_offset or page_table, got {dropout_p}: cache calls "
@@ -93,7 +104,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
             if tile_tables is not None:
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
-            out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator)
+            out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator, deterministic=deterministic)
             return (out, lse) if return_lse else out
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
@@ -101,7 +112,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
-            plan = self._call_plan(q, k, v, inputs, dropout=dropout_p != 0)
+            plan = self._call_plan(q, k, v, inputs, deterministic, dropout=dropout_p != 0)
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
@@ -115,9 +126,9 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         sink = self._sink_rows(q, k, inputs)
         dropout = self._dropout(q, dropout_p, generator)
         if torch.compiler.is_compiling():
-            out, lse = self._compiled_attention(q, k, v, tensors, known, sink, dropout)
+            out, lse = self._compiled_attention(q, k, v, tensors, known, sink, deterministic, dropout)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, dropout, *tensors)
+            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, deterministic, dropout, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
                                             plan, sink, dropout)
@@ -125,12 +136,19 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
 
     def _sink_rows(self, q, k, inputs, cache=None, packed=None):
         """The sink of every query row of a checked call, which the forward kernels start each row's softmax
-        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), laid out as LSE; None for a spec without a
-        sink. Computed by torch from the inputs, so autograd carries its gradient (the kernels' autograd
-        nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
-        cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k, ...)."""
+        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), in any strides (a `sinks[h]` is its input
+        viewed: sinks.whole_load); None for a spec without a sink. Computed by torch from the inputs, so
+        autograd carries its gradient (the kernels' autograd nodes return it) into the learnable ones.
+        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
+        (cu_seqlens_q, cu_seqlens_k, ...)."""
         if self.facts.sink is None:
             return None
+        if self.sink_load is not None:
+            name, names = self.sink_load
+            if packed is None:
+                return sink_view(inputs[name], names, q.shape[0], q.shape[1], q.shape[2])
+            if names == ("h",):
+                return sink_view(inputs[name], names, 1, q.shape[1], q.shape[0])[0]
         inputs = {name: inputs[name] for name in self.facts.inputs}
         if packed is not None:
             cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()

@@ -1,10 +1,12 @@
 """Family dispatch: which family's forward and backward a call runs, with the tile tables that family follows."""
 
+import torch
 
 from .checks import _autocast
+from .operators import _dropout_keywords
 from .packed import _is_packed
 from .plans import _backward_plan
-from .portable import _kv_layout
+from .arguments import _kv_layout
 from .shared import _packed_view
 
 
@@ -30,7 +32,8 @@ class Dispatch:
             family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout is not None)
         name, launch = family
         if launch is not None:
-            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink, dropout=dropout)
+            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink,
+                          **_dropout_keywords(dropout))
         return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink,
                                       dropout=dropout)
 
@@ -66,27 +69,37 @@ class Dispatch:
             return []
         return [0] if name == "portable" else [name] if name in self.facts.table_families else []
 
-    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None, dropout=None):
+    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None, deterministic=False,
+                              sink=None, dropout=None):
         """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
         portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
         tiles agree) or build(key). `plan`: the call's _CallPlan, which has the family and binds the
-        launches; `dropout`: the forward's (_forward), whose mask the kernels regenerate. Returns dq, dk, dv
-        and one gradient per input (None for inputs that are not learnable)."""
-        _, name, launch = plan.backward_family if plan is not None else self._backward_family(q, k, v)
+        launches (made for the same `deterministic`). `deterministic`: the gradients must be the same bits
+        from run to run (Attention.attn). `sink`: the spec's sink rows, when their gradient is wanted.
+        `dropout`: the forward's (_forward), whose mask the kernels regenerate. Returns dq, dk, dv, one gradient
+        per input (None for inputs that are not learnable) and the sink rows' gradient (None without `sink`)."""
+        if plan is not None:
+            _, name, launch = plan.backward_family
+        else:
+            _, name, launch = self._backward_family(q, k, v, deterministic=deterministic, dropout=dropout is not None)
         kernels = ([1, 2] if launch is None else [name]) if self.facts.tile_table else []
         tables = dict(zip(kernels, self._resolve(kernels, q, v, known, build)))
         plan = _backward_plan(plan, do, dlse)
         if launch is not None:
-            return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan, dropout=dropout)
+            return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan,
+                          deterministic=deterministic, sink=sink, **_dropout_keywords(dropout))
         return self._portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())),
-                                  plan=plan, dropout=dropout)
+                                       plan=plan, deterministic=deterministic, sink=sink, dropout=dropout)
 
-    def _backward_family(self, q, k, v, packed=False):
+    def _backward_family(self, q, k, v, packed=False, deterministic=False, dropout=False):
         """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
-        of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take);
-        ("portable", "portable", None) when none does."""
+        of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take;
+        `deterministic`: a backward whose gradients must be the same bits from run to run; `dropout`: the
+        backward of a call with dropout, which only DROPOUT_FAMILIES take); ("portable", "portable", None)
+        when none does."""
         return next(((family, name, launch) for family, name, serves, launch in self.backward_families
-                     if (not packed or family in self.facts.packed_backward_families) and serves(q, k, v)),
+                     if (not packed or family in self.facts.packed_backward_families)
+                     and (not dropout or family in self.facts.dropout_families) and serves(q, k, v, deterministic)),
                     ("portable", "portable", None))
 
     def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -112,14 +125,15 @@ class Dispatch:
         return self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout)[0]
 
     def backward_family(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        **inputs):
+                        deterministic=False, **inputs):
         """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
         or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
-        packed call)."""
+        packed call). `deterministic` as for attn (torch.use_deterministic_algorithms(True) sets it too)."""
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-            return self._backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]
+            return self._backward_family(*map(_packed_view, (q, k, v)), packed=True, deterministic=deterministic)[0]
         self._check(q, k, v, inputs)
-        return self._backward_family(q, k, v)[0]
+        return self._backward_family(q, k, v, deterministic=deterministic)[0]

@@ -40,7 +40,11 @@ class SpecFacts:
     packed_families and packed_backward_families those that serve packed calls, dropout_families those whose
     kernels apply dropout (a call's dropout_p > 0; the portable family does too); sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
-    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`.
+    dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
+    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms);
+    score_grad_bound, a bound on |d score'/d score| over every call (1.0 without a score expression), or
+    None where the analysis knows none: the Hopper family's deterministic backward scales its fixed-point
+    dQ by it, and runs only where there is one.
     """
     name: str
     fingerprint: str
@@ -67,6 +71,12 @@ class SpecFacts:
     dropout_families: tuple = ()
     sink: tuple | None = None
     reductions: tuple = ()
+    normalize: str = "softmax"
+    score_grad_bound: float | None = 1.0
+
+    @property
+    def sigmoid(self):
+        return self.normalize == "sigmoid"
 
 
 @dataclass(frozen=True)

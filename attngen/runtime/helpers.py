@@ -1,5 +1,5 @@
 """The Triton helpers every generated kernel calls: Python's integer division, tanh, pow, dots, masked
-tile loads, loop bounds and visit counters."""
+tile loads, loop bounds, visit counters and the gradient adds of learnable inputs."""
 
 import triton
 import triton.language as tl
@@ -193,6 +193,57 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
             tl.atomic_add(visits + start // BLOCK, 1, sem="relaxed")
         else:
             tl.atomic_add(visits + start // BLOCK, 16, sem="relaxed")
+
+
+# --- deterministic sums ------------------------------------------------------------------------
+# A learnable input's gradient gathers terms from many programs, and float addition depends on its
+# order, so atomic float adds differ in the last bits from run to run. In deterministic mode each entry
+# gets EXACT_WORDS int64 words instead: EXACT_DIGITS 24-bit digits of its sum's binary expansion (bits
+# 2**-149 to 2**139, every float32's range, each digit a word with 39 bits of headroom for carries) and
+# counts of its +inf, -inf and NaN terms. Integer addition is associative, so any order of the adds
+# leaves the same words, and the sum they hold is exact; kernels._exact_finish rounds it to float32.
+EXACT_DIGITS = tl.constexpr(12)
+EXACT_WORDS = tl.constexpr(15)
+
+
+@triton.jit
+def _exact_add(Words, value, mask):
+    # value's sign, mantissa and exponent from its bits: |value| = mantissa * 2**(position - 149), the
+    # mantissa 24 bits (denormals: their 23 and position 0), so mantissa << (position % 24) spans at most
+    # two digits, words position // 24 and the one above.
+    bits = value.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 255
+    fraction = bits & 8388607
+    mantissa = tl.where(exponent > 0, fraction | 8388608, fraction)
+    position = tl.maximum(exponent, 1) - 1
+    shifted = mantissa.to(tl.int64) << (position % 24).to(tl.int64)
+    low = shifted & 16777215
+    high = shifted >> 24
+    negative = bits < 0
+    low = tl.where(negative, -low, low)
+    high = tl.where(negative, -high, high)
+    digit = Words + position // 24
+    finite = exponent < 255
+    special = exponent == 255
+    if mask is not None:
+        finite = finite & mask
+        special = special & mask
+    tl.atomic_add(digit, low, mask=finite & (low != 0), sem="relaxed")
+    tl.atomic_add(digit + 1, high, mask=finite & (high != 0), sem="relaxed")
+    # Non-finite terms are counted: an inf fraction is 0, a NaN's is not.
+    count = tl.where(fraction != 0, EXACT_DIGITS + 2, tl.where(negative, EXACT_DIGITS + 1, EXACT_DIGITS))
+    tl.atomic_add(Words + count, tl.where(special, 1, 0).to(tl.int64), mask=special, sem="relaxed")
+
+
+@triton.jit
+def _grad_add(Grad, offset, value, mask, DETERMINISTIC: tl.constexpr):
+    # Adds gradient terms `value` (a scalar or a tile) into a learnable input's gradient at `offset`
+    # where `mask` holds (None: everywhere): an fp32 atomic add (relaxed: only the sum after the kernel
+    # matters, so no ordering fence per element), or in deterministic mode an exact add into the entry's words.
+    if DETERMINISTIC:
+        _exact_add(Grad + tl.cast(offset, tl.int64) * EXACT_WORDS, value, mask)
+    else:
+        tl.atomic_add(Grad + offset, value, mask=mask, sem="relaxed")
 
 
 # --- dropout ---------------------------------------------------------------------------------

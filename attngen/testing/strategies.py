@@ -7,7 +7,7 @@ The strategies draw from the whole language, as users and attngen's own tests ne
   layouts, flags). Score expressions use every function and operator, over params and
   inputs of every dtype and dim form (B, H, HKV, Q_LEN, KV_LEN, a literal, `*`, a scalar),
   learnable ones included, and reductions of them over whole dims (`max(table[h, :])`). A spec sometimes has a `sink:` of the same functions over b, h, q,
-  sizes, params and inputs. Each is drawn as text, so a failure shows a spec one can save
+  sizes, params and inputs, and a spec without a sink sometimes `normalize: sigmoid`. Each is drawn as text, so a failure shows a spec one can save
   and rerun; its IR prints back to equal text (`printer.to_source`).
 - `cases()`: shapes and data, a `Case`. It covers B, H with a GQA ratio, and Q_LEN != KV_LEN,
   with lengths that are not tile multiples. Head dims need not be powers of two, and DV may
@@ -117,10 +117,13 @@ def _scores(leaves: list[str], depth: int, binary: list[str] = BINARY) -> st.Sea
 
 @st.composite
 def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_score: bool | None = None,
-               with_sink: bool | None = None) -> str:
-    """The source text of a random well-typed spec (`with_mask`, `with_score`, `with_sink`: always, never,
-    or at random; a sink one time in four). Never drawing a sink draws nothing for it, so such specs are
-    those the strategy drew before it had sinks."""
+               with_sink: bool | None = None, with_sigmoid: bool | None = None) -> str:
+    """The source text of a random well-typed spec (`with_mask`, `with_score`, `with_sink`, `with_sigmoid`:
+    always, never, or at random; a sink one time in four, and `normalize: sigmoid` one time in four of the
+    specs without a sink, which needs softmax). Never drawing a sink or sigmoid draws nothing for them, so
+    such specs are those the strategy drew before it had them."""
+    if with_sink and with_sigmoid:
+        raise ValueError("a sink needs softmax: with_sink and with_sigmoid cannot both be True")
     names = draw(st.lists(st.sampled_from(sorted(INPUT_MENU)), max_size=3, unique=True))
     lines = ["attention fuzzed",
              f"param w = {draw(st.one_of(st.integers(0, 12), st.sampled_from(NEAR_TILES)))}",
@@ -133,10 +136,13 @@ def spec_texts(draw, max_depth: int = 3, with_mask: bool | None = None, with_sco
         lines.append(f"mask: {draw(_masks(atoms, draw(st.integers(0, max_depth))))}")
     if with_score if with_score is not None else draw(st.booleans()):
         lines.append(f"score: {draw(_scores(leaves, draw(st.integers(0, max_depth))))}")
-    if with_sink if with_sink is not None else draw(st.integers(0, 3)) == 0:
+    sink = with_sink if with_sink is not None else not with_sigmoid and draw(st.integers(0, 3)) == 0
+    if sink:
         sink_leaves = SINK_LEAVES + [s for n in names for s in SINK_TERMS.get(n, [])]
         depth = draw(st.integers(0, min(max_depth, 2)))
         lines.append(f"sink: {draw(_scores(sink_leaves, depth, SINK_BINARY))}")
+    elif with_sigmoid if with_sigmoid is not None else draw(st.integers(0, 3)) == 0:
+        lines.append("normalize: sigmoid")
     if draw(st.integers(0, 4)) == 0:
         lines.append(f"scale: {draw(st.sampled_from(['0.25', 'rsqrt(D * 1.0) * t', '1.0 / D']))}")
     # Comments hold any text (quotes, backslashes, other line separators): it must never reach code.

@@ -100,8 +100,9 @@ def _first(where: Tensor) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ReferenceRun:
-    """The reference's outputs by name: "out", "lse", and with gradients "dq", "dk", "dv" and
-    "d_NAME" for each learnable input; `truth` in float64, `low_precision` in the kernel's dtype."""
+    """The reference's outputs by name: "out", "lse" (not of a sigmoid spec, which has none), and with gradients
+    "dq", "dk", "dv" and "d_NAME" for each learnable input; `truth` in float64, `low_precision` in the kernel's
+    dtype."""
     truth: dict[str, Tensor]
     low_precision: dict[str, Tensor]
 
@@ -117,7 +118,8 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
                     dlse: Tensor | None = None, cache: Mapping[str, Tensor] | None = None,
                     packed: Mapping | None = None, dropout: Mapping | None = None) -> ReferenceRun:
     """Run the reference in float64 (the truth) and in `dtype` (default q's dtype), forward, and
-    backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf).
+    backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf; a sigmoid
+    spec has no LSE, and no "lse" among the outputs).
 
     q, k and v are cast to each precision. Tensor inputs enter the low-precision run as given, since the
     kernel reads them so, and the truth with float inputs in float64; learnable ones get gradients.
@@ -143,10 +145,10 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
             out, lse = evaluate_packed(spec, *qkv, run_inputs, **packed, **dict(dropout or {}))
         else:
             out, lse = evaluate(spec, *qkv, run_inputs, **cache, **dict(dropout or {}))
-        result = {"out": out.detach(), "lse": lse.detach()}
+        result = {"out": out.detach()} | ({"lse": lse.detach()} if lse is not None else {})
         if grad:
             outputs, grads_out = [out], [dout.to(out.dtype)]
-            if dlse is not None:
+            if dlse is not None and lse is not None:
                 outputs.append(lse)
                 grads_out.append(torch.where(torch.isfinite(lse), dlse.to(lse.dtype), 0.0))
             leaves = qkv + [run_inputs[name] for name in learnable]
@@ -236,7 +238,8 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
 
     Rounding in a sum is proportional to the sum of the absolute values of its terms, not to the
     result: the backward forms dS = P * (dP - delta + dLSE) from dP and delta, which cancel (with a
-    single key they cancel exactly), so dq and dk can be tiny while their rounding is not. The
+    single key they cancel exactly), so dq and dk can be tiny while their rounding is not (a sigmoid
+    spec's dS = P * (1 - P) * dP has no row term). The
     floor of the tolerance adds FLOOR_ULPS fp32 ulps of these scales (the kernels accumulate in
     fp32 whatever their input dtype). `row`: q, k and v are that sequence of a packed call; `dropout` a
     call's dropout_p and dropout_mask (for these q, k and v): the kept P, scaled, are what out and dV sum.
@@ -245,7 +248,8 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
     exp2(score' * log2(e) - m) in fp32, m being the running max (forward) or the saved LSE (backward), both
     rounded at their own magnitude, so P itself is off by up to about 2**-24 * (|score'| + |LSE|) relative,
     which is many ulps where scores are large (scores near 40 put P 3.7e-6 off; a dropout call's few kept
-    terms of dV then show it).
+    terms of dV then show it). A sigmoid spec's P = 1 / (1 + exp2(-score' * log2(e))) has no LSE: its
+    weight is 1 + |score'| / (2 * FLOOR_ULPS), and dS's factor 1 - P is the unweighted one (at most 1).
     """
     with torch.no_grad():
         qd, kd, vd = (x.detach().to("cpu", torch.float64) for x in (q, k, v))
@@ -253,11 +257,11 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
                for n, x in (inputs or {}).items()}
         group = q.shape[1] // k.shape[1]
         cached = {name: t.detach().cpu() for name, t in (cache or {}).items()}
-        p = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
+        plain = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
         score = modified_scores(spec, qd, kd, vd, ins, **cached, row=row)
-        lse = evaluate(spec, qd, kd, vd, ins, **cached, row=row)[1]
-        magnitude = torch.where(p > 0, score.abs() + lse.abs().unsqueeze(-1), 0.0)
-        p = p * (1.0 + magnitude / (2 * FLOOR_ULPS))
+        lse = evaluate(spec, qd, kd, vd, ins, **cached, row=row)[1]  # None for a sigmoid spec: no LSE
+        magnitude = torch.where(plain > 0, score.abs() + (lse.abs().unsqueeze(-1) if lse is not None else 0.0), 0.0)
+        p = plain * (1.0 + magnitude / (2 * FLOOR_ULPS))
         kept = dropped(p, **dict(dropout or {}))
         k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
         out_terms = kept @ v_abs
@@ -267,7 +271,10 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
             dl = dlse.detach().to("cpu", torch.float64).abs().unsqueeze(-1) if dlse is not None else 0.0
             # dP reaches dS through the kept P only, scaled as they are: p * dropped(dP) / p where p > 0.
             dp = dropped(do @ v_abs.transpose(-2, -1), **dict(dropout or {}))
-            ds = p * (dp + (do * out_terms).sum(-1, keepdim=True) + dl)
+            if spec.sigmoid:
+                ds = p * (1 - plain) * dp
+            else:
+                ds = p * (dp + (do * out_terms).sum(-1, keepdim=True) + dl)
             ds = ds * abs(scale_value(spec, q.shape[-1]))
 
             def per_kv_head(x):  # the dK/dV kernel sums the query heads of a GQA group
@@ -292,8 +299,12 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
     (autograd's softmax backward forms delta from dP instead). It is computed exactly here, in float64,
     as the vector-Jacobian product of the scores with dS' = -P * rowsum(dO * (out - O_true)). With
     `dropout` (a call's dropout_p and dropout_mask) O_true sums the kept P, scaled; dS' keeps every P.
+    A sigmoid spec's backward reads no row term (dS = P * (1 - P) * dP), so O's error does not reach it: 0.
     """
     learnable = [i.name for i in spec.learnable_inputs]
+    names = ["dq", "dk"] + [f"d_{name}" for name in learnable]
+    if spec.sigmoid:
+        return dict.fromkeys(names, 0.0)
     qd, kd, vd = (x.detach().to("cpu", torch.float64).requires_grad_(name != "v")
                   for name, x in zip("qkv", (q, k, v)))
     ins = {n: (x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()).requires_grad_(n in learnable)
@@ -313,7 +324,6 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
         effects = _grads([score], leaves, [ds])
     else:
         effects = _grads([score, sink], leaves, [ds[..., :-1], ds[..., -1]])
-    names = ["dq", "dk"] + [f"d_{name}" for name in learnable]
     return {name: float(x.abs().max()) if x.numel() else 0.0 for name, x in zip(names, effects)}
 
 
@@ -368,8 +378,9 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
     """Assert that kernel `fn` computes `spec`: out and lse, and with `grads` dq, dk, dv and the gradient
     of every learnable input, each within the data-derived tolerance of the float64 reference.
 
-    `fn` is called as `fn(q, k, v, return_lse=True, **inputs)` (an `attngen.build` callable). The
-    backward pass gets a random dO and a random dLSE on the rows where the kernel's LSE is finite.
+    `fn` is called as `fn(q, k, v, return_lse=True, **inputs)` (an `attngen.build` callable), or for a sigmoid
+    spec, which has no LSE, as `fn(q, k, v, **inputs)`. The backward pass gets a random dO and a random dLSE
+    on the rows where the kernel's LSE is finite.
     `cache`: a cache call's keywords (no gradients); `packed`: a packed call's (cu_seqlens_q/k,
     max_seqlen_q/k), whose q, k and v are (TOTAL, heads, D): each sequence is checked against the
     reference of that sequence alone, its tolerances derived from that sequence's data. `dropout_p`: the
@@ -395,19 +406,23 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         mask = fn.dropout_mask(q, k, v, dropout_p=dropout_p, generator=generator, **inputs, **packed)
         generator.set_state(state)
         dropout, drop = {"dropout_p": dropout_p, "dropout_mask": mask}, {"dropout_p": dropout_p, "generator": generator}
-    out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache, **packed, **drop)
+    if spec.sigmoid:
+        out, lse = fn(*qkv, **kernel_inputs, **cache, **packed, **drop), None
+    else:
+        out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache, **packed, **drop)
 
     expected_lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     for name, x, want in (("out", out, q.dtype), ("lse", lse, expected_lse_dtype)):
-        if x.dtype != want:
+        if x is not None and x.dtype != want:
             raise AssertionError(f"{name}: dtype must be {want}, got {x.dtype}")
 
     dout = dlse = None
     if grads:
         g = torch.Generator().manual_seed(seed)
         dout = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
-        dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
-        dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
+        if lse is not None:
+            dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
+            dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
     ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache, packed=packed,
                           dropout=dropout)
     if packed:
@@ -423,10 +438,11 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         scales["lse"] = 1.0 + math.sqrt(k.shape[2])
         effects = output_error_effect(spec, q, k, v, inputs, out, dout, dropout=dropout) if grads else {}
 
-    actual = {"out": out, "lse": lse}
+    actual = {"out": out} | ({"lse": lse} if lse is not None else {})
     if grads:
         leaves = qkv + [kernel_inputs[name] for name in learnable]
-        kernel_grads = _grads([out, lse], leaves, [dout, dlse])
+        upstream = [(out, dout)] + ([(lse, dlse)] if lse is not None else [])
+        kernel_grads = _grads([o for o, _ in upstream], leaves, [g for _, g in upstream])
         actual |= dict(zip(["dq", "dk", "dv"] + [f"d_{name}" for name in learnable], kernel_grads))
     for name, x in actual.items():
         floor = (default_floor(ref.truth[name], x.dtype) + FLOOR_ULPS * FP32_EPS * scales.get(name, 0.0)

@@ -26,7 +26,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
-from attngen.runtime.hopper import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # the Hopper kernels call them
+from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence, _hopper_dq_add_fixed  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -582,129 +582,6 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dr
                             COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN, DROPOUT)
 
 
-# --- tile tables -----------------------------------------------------------------------------
-# The mask reads inputs at q or k (or is not affine), so which tiles it allows is known only at
-# call time. Two launches build a table: `classify` gives every tile its own program, which
-# evaluates the mask on the tile's elements, or on one per block when the mask reads q and k
-# only as q // c and k // c (tiles outside the span the analysis allows are empty without a
-# look), and writes EMPTY 0, PARTIAL 1 or FULL 2; `compact` gives every row of tiles a program
-# that lists, with prefix sums, its partial tiles from the left of its row of Idx and its full
-# ones from the right, and stores the two counts in Num. A tile that runs past
-# the end of the looped sequence is never full, so the kernels' unmasked path needs no bounds
-# checks. No Q, K or V is read; the host builds the tables on every call, unless the caller
-# passes its own (tile_tables(), built once for mask inputs that do not change).
-
-@triton.jit
-def _table_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _table_points(first, last, BLOCK: tl.constexpr, STEP: tl.constexpr, POINTS: tl.constexpr):
-    # The indices of a tile to evaluate the mask at: all BLOCK of them, or, when the mask reads this
-    # index only as index // STEP (block layouts), one per aligned block the tile touches.
-    if STEP == 0:
-        points = first + tl.arange(0, BLOCK)
-    else:
-        points = tl.minimum(tl.maximum((first // STEP + tl.arange(0, POINTS)) * STEP, first), last)
-    return points
-
-
-
-@triton.jit
-def _table_by_query_classify(State, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
-                             size_layout_0, size_layout_1, size_layout_2, B, H, HKV, Q_LEN, KV_LEN, G_H, n_rows,
-                             n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STEP: tl.constexpr,
-                             ROW_POINTS: tl.constexpr, LOOP_STEP: tl.constexpr, LOOP_POINTS: tl.constexpr):
-    start = tl.program_id(0)
-    j = tl.program_id(1)
-    g = tl.program_id(2)
-    off_h = g % G_H
-    q_first = start * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
-    offs_m = _table_points(q_first, q_last, BLOCK_M, ROW_STEP, ROW_POINTS)
-    kv_lo = 0
-    kv_hi = KV_LEN
-    lo = kv_lo
-    hi = tl.maximum(kv_hi, lo)
-    state = start * 0
-    loop_first = j * BLOCK_N
-    if (loop_first < hi) & (loop_first + BLOCK_N > lo):
-        loop_last = tl.minimum(loop_first + BLOCK_N, KV_LEN) - 1
-        offs_n = _table_points(loop_first, loop_last, BLOCK_N, LOOP_STEP, LOOP_POINTS)
-        # mask: layout[h, q // block, k // block]
-        mk0 = _floordiv(offs_m[:, None], 128)
-        mk1 = _floordiv(offs_n[None, :], 128)
-        mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
-        allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
-        # Two flags an element, bit 0: allowed; bit 1: refused in a row before the end of the row
-        # sequence (rows past it do not count). One OR over the flattened tile: on the H200,
-        # document_causal's 128x128 table took 24.8 us where a max and a min over rows then columns
-        # (as the by-key kernel does) took 44.3 (254 registers a thread, two CTAs an SM). The by-key
-        # kernel is not faster this way (21.6 -> 32.3 us at 64x128).
-        flags = allowed.to(tl.int32) | (((offs_m[:, None] < Q_LEN) & (allowed == 0)).to(tl.int32) * 2)
-        flags = tl.reduce(tl.reshape(flags, [flags.numel]), 0, _table_or)
-        # A tile running past the end of the looped sequence is never full.
-        every = ((flags & 2) == 0) & (loop_first + BLOCK_N <= KV_LEN)
-        state = tl.where(every, 2, flags & 1)
-    tl.store(State + (g.to(tl.int64) * n_rows + start) * n_cols + j, state.to(tl.int8))
-
-
-
-@triton.jit
-def _table_by_key_classify(State, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                           size_layout_1, size_layout_2, B, H, HKV, Q_LEN, KV_LEN, G_H, n_rows, n_cols,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STEP: tl.constexpr,
-                           ROW_POINTS: tl.constexpr, LOOP_STEP: tl.constexpr, LOOP_POINTS: tl.constexpr):
-    start = tl.program_id(0)
-    j = tl.program_id(1)
-    g = tl.program_id(2)
-    off_h = g % G_H
-    k_first = start * BLOCK_N
-    k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
-    offs_n = _table_points(k_first, k_last, BLOCK_N, ROW_STEP, ROW_POINTS)
-    q_lo = 0
-    q_hi = Q_LEN
-    lo = q_lo
-    hi = tl.maximum(q_hi, lo)
-    state = start * 0
-    loop_first = j * BLOCK_M
-    if (loop_first < hi) & (loop_first + BLOCK_M > lo):
-        loop_last = tl.minimum(loop_first + BLOCK_M, Q_LEN) - 1
-        offs_m = _table_points(loop_first, loop_last, BLOCK_M, LOOP_STEP, LOOP_POINTS)
-        # mask: layout[h, q // block, k // block]
-        mk0 = _floordiv(offs_m[None, :], 128)
-        mk1 = _floordiv(offs_n[:, None], 128)
-        mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
-        allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
-        some = tl.max(tl.max(allowed.to(tl.int32), 1), 0)
-        # Rows past the end of the row sequence do not count; a tile running past the end of the
-        # looped sequence is never full.
-        every = tl.min(tl.min(tl.where(offs_n[:, None] < KV_LEN, allowed, True).to(tl.int32), 1), 0)
-        every = every * (loop_first + BLOCK_M <= Q_LEN).to(tl.int32)
-        state = tl.where(every > 0, 2, some)
-    tl.store(State + (g.to(tl.int64) * n_rows + start) * n_cols + j, state.to(tl.int8))
-
-
-@triton.jit
-def _table_compact(State, Num, Idx, n_cols, COLS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, COLS)
-    state = tl.load(State + row * n_cols + cols, mask=cols < n_cols, other=0)
-    partial = (state == 1).to(tl.int32)
-    full = (state == 2).to(tl.int32)
-    before_partial = tl.cumsum(partial, 0) - partial  # each listed tile's slot: an exclusive prefix sum
-    before_full = tl.cumsum(full, 0) - full
-    tl.store(Idx + row * n_cols + before_partial, cols, mask=partial != 0)
-    tl.store(Idx + row * n_cols + n_cols - 1 - before_full, cols, mask=full != 0)
-    # The skipped tiles fill the slots between, unread: every entry is written, so a table is one
-    # value whatever the memory held (torch.library.opcheck compares tables built twice).
-    empty = ((state == 0) & (cols < n_cols)).to(tl.int32)
-    before_empty = tl.cumsum(empty, 0) - empty
-    tl.store(Idx + row * n_cols + tl.sum(partial, 0) + before_empty, cols, mask=empty != 0)
-    tl.store(Num + 2 * row, tl.sum(partial, 0))
-    tl.store(Num + 2 * row + 1, tl.sum(full, 0))
-
 
 # --- hopper forward (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization) --------------
 # A producer warp streams K/V tiles by TMA into a ring of shared-memory stages guarded by mbarriers;
@@ -712,7 +589,7 @@ def _table_compact(State, Num, Idx, n_cols, COLS: tl.constexpr):
 # overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
 # spec's score and mask run on each S accumulator tile in the wgmma layout: the same elementwise code
 # as the portable forward's (hooks.HOPPER_SCORE / HOPPER_MASK), and the same tile ranges and tables.
-# The Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
+# The Gluon API is triton 3.6's (its family entry, families/hopper/family.py, checks the version); tools/hopper/NOTES.md pins it.
 from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -1201,6 +1078,9 @@ HOPPER_CONSUMER_REGS = gl.constexpr(240)
 #   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
 #   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
 # The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel.
+# DETERMINISTIC: the same bits every run. dQ_i goes into an int64 fixed-point sum instead (each row scaled by
+# 2**s from a bound on its terms, _hopper_dq_add_fixed): integer adds give one sum in any order, so the key
+# tiles need no turns; the learnable inputs' gradients are summed exactly (_grad_add).
 
 
 @gluon.jit
@@ -1285,15 +1165,17 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 
 @gluon.jit
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
-                      dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
-                      gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
-                      stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
-                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
+                      dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp,
+                      dq_rows, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                      tma_b, q_start, k_start, row_start, layout_ptr, stride_layout_0, stride_layout_1,
+                      stride_layout_2, size_layout_0, size_layout_1, size_layout_2, dropout_seed,
+                      dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
+                      DETERMINISTIC: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr,
+                      DROPOUT: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
     # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
@@ -1384,15 +1266,21 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
         mbarrier.arrive(empty.index(stage), count=1)
-        # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
-        # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
-        # warp from overwriting the box before the previous step's reduce has read it.
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
-        _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
+        if DETERMINISTIC:
+            _hopper_dq_add_fixed(DqFixed, dq, DqExp, (tma_b * H + off_h).to(gl.int64) * dq_rows + row_start,
+                                 tma_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+                                 + q_start.to(gl.int64) * stride_dqm, stride_dqm, start_m, Q_LEN, HEAD_DIM, BLOCK_M,
+                                 HEAD_DIM_PAD, dq_layout)
+        else:
+            # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
+            # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
+            # warp from overwriting the box before the previous step's reduce has read it.
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
+            dq_smem.store(dq)
+            fence_async_shared()
+            # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
+            _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -1400,13 +1288,14 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 @gluon.jit
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV,
-                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr, stride_layout_0, stride_layout_1,
-                         stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb,
-                         tbl_sh, tbl_cols, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                         HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                         SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                         stride_dvn, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n,
+                         off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN,
+                         CuSeqlensQ, CuSeqlensK, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                         size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
+                         VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -1441,25 +1330,27 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
         if ragged:
             n_checked = n_steps
         t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
-                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
+                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz,
+                                      stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked, masked_tiles,
+                                      masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
+                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start,
+                                      k_start, row_start, layout_ptr, stride_layout_0, stride_layout_1,
+                                      stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
+                                      FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, dk_layout, dv_layout,
+                                      DROPOUT)
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed,
+                                      stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
+                                      KV_LEN, tma_b, q_start, k_start, row_start, layout_ptr, stride_layout_0,
                                       stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
                                       size_layout_2, dropout_seed, dropout_offset, dropout_threshold,
                                       dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout, DROPOUT)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
-                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
-                                      stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
-                                      size_layout_2, dropout_seed, dropout_offset, dropout_threshold,
-                                      dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout, DROPOUT)
+                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN,
+                                      DETERMINISTIC, dk_layout, dv_layout, DROPOUT)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     if DROPOUT:
@@ -1476,13 +1367,14 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
 
 @gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
-                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
-                       dropout_p, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                       size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                       KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz,
+                       stride_dqh, stride_dqm, DqExp, dq_rows, sm_scale, qk_scale, Rng, dropout_p, layout_ptr,
+                       stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
+                       size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN,
+                       CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
                        DROPOUT: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
@@ -1520,12 +1412,13 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     gl.warp_specialize([
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
-                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
+                                 stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz, stride_dqh,
+                                 stride_dqm, DqExp, dq_rows, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng,
+                                 dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
+                                 stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
                                  size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                                  HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
-                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DROPOUT)),
+                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, DROPOUT)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
@@ -1535,6 +1428,129 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     ], [1], [HOPPER_PRODUCER_REGS])
 
 
+# --- tile tables -----------------------------------------------------------------------------
+# The mask reads inputs at q or k (or is not affine), so which tiles it allows is known only at
+# call time. Two launches build a table: `classify` gives every tile its own program, which
+# evaluates the mask on the tile's elements, or on one per block when the mask reads q and k
+# only as q // c and k // c (tiles outside the span the analysis allows are empty without a
+# look), and writes EMPTY 0, PARTIAL 1 or FULL 2; `compact` gives every row of tiles a program
+# that lists, with prefix sums, its partial tiles from the left of its row of Idx and its full
+# ones from the right, and stores the two counts in Num. A tile that runs past
+# the end of the looped sequence is never full, so the kernels' unmasked path needs no bounds
+# checks. No Q, K or V is read; the host builds the tables on every call, unless the caller
+# passes its own (tile_tables(), built once for mask inputs that do not change).
+
+@triton.jit
+def _table_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _table_points(first, last, BLOCK: tl.constexpr, STEP: tl.constexpr, POINTS: tl.constexpr):
+    # The indices of a tile to evaluate the mask at: all BLOCK of them, or, when the mask reads this
+    # index only as index // STEP (block layouts), one per aligned block the tile touches.
+    if STEP == 0:
+        points = first + tl.arange(0, BLOCK)
+    else:
+        points = tl.minimum(tl.maximum((first // STEP + tl.arange(0, POINTS)) * STEP, first), last)
+    return points
+
+
+
+@triton.jit
+def _table_by_query_classify(State, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                             size_layout_0, size_layout_1, size_layout_2, B, H, HKV, Q_LEN, KV_LEN, G_H, n_rows,
+                             n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STEP: tl.constexpr,
+                             ROW_POINTS: tl.constexpr, LOOP_STEP: tl.constexpr, LOOP_POINTS: tl.constexpr):
+    start = tl.program_id(0)
+    j = tl.program_id(1)
+    g = tl.program_id(2)
+    off_h = g % G_H
+    q_first = start * BLOCK_M
+    q_last = tl.minimum(q_first + BLOCK_M, Q_LEN) - 1
+    offs_m = _table_points(q_first, q_last, BLOCK_M, ROW_STEP, ROW_POINTS)
+    kv_lo = 0
+    kv_hi = KV_LEN
+    lo = kv_lo
+    hi = tl.maximum(kv_hi, lo)
+    state = start * 0
+    loop_first = j * BLOCK_N
+    if (loop_first < hi) & (loop_first + BLOCK_N > lo):
+        loop_last = tl.minimum(loop_first + BLOCK_N, KV_LEN) - 1
+        offs_n = _table_points(loop_first, loop_last, BLOCK_N, LOOP_STEP, LOOP_POINTS)
+        # mask: layout[h, q // block, k // block]
+        mk0 = _floordiv(offs_m[:, None], 128)
+        mk1 = _floordiv(offs_n[None, :], 128)
+        mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
+        allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
+        # Two flags an element, bit 0: allowed; bit 1: refused in a row before the end of the row
+        # sequence (rows past it do not count). One OR over the flattened tile: on the H200,
+        # document_causal's 128x128 table took 24.8 us where a max and a min over rows then columns
+        # (as the by-key kernel does) took 44.3 (254 registers a thread, two CTAs an SM). The by-key
+        # kernel is not faster this way (21.6 -> 32.3 us at 64x128).
+        flags = allowed.to(tl.int32) | (((offs_m[:, None] < Q_LEN) & (allowed == 0)).to(tl.int32) * 2)
+        flags = tl.reduce(tl.reshape(flags, [flags.numel]), 0, _table_or)
+        # A tile running past the end of the looped sequence is never full.
+        every = ((flags & 2) == 0) & (loop_first + BLOCK_N <= KV_LEN)
+        state = tl.where(every, 2, flags & 1)
+    tl.store(State + (g.to(tl.int64) * n_rows + start) * n_cols + j, state.to(tl.int8))
+
+
+
+@triton.jit
+def _table_by_key_classify(State, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
+                           size_layout_1, size_layout_2, B, H, HKV, Q_LEN, KV_LEN, G_H, n_rows, n_cols,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STEP: tl.constexpr,
+                           ROW_POINTS: tl.constexpr, LOOP_STEP: tl.constexpr, LOOP_POINTS: tl.constexpr):
+    start = tl.program_id(0)
+    j = tl.program_id(1)
+    g = tl.program_id(2)
+    off_h = g % G_H
+    k_first = start * BLOCK_N
+    k_last = tl.minimum(k_first + BLOCK_N, KV_LEN) - 1
+    offs_n = _table_points(k_first, k_last, BLOCK_N, ROW_STEP, ROW_POINTS)
+    q_lo = 0
+    q_hi = Q_LEN
+    lo = q_lo
+    hi = tl.maximum(q_hi, lo)
+    state = start * 0
+    loop_first = j * BLOCK_M
+    if (loop_first < hi) & (loop_first + BLOCK_M > lo):
+        loop_last = tl.minimum(loop_first + BLOCK_M, Q_LEN) - 1
+        offs_m = _table_points(loop_first, loop_last, BLOCK_M, LOOP_STEP, LOOP_POINTS)
+        # mask: layout[h, q // block, k // block]
+        mk0 = _floordiv(offs_m[None, :], 128)
+        mk1 = _floordiv(offs_n[:, None], 128)
+        mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
+        allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
+        some = tl.max(tl.max(allowed.to(tl.int32), 1), 0)
+        # Rows past the end of the row sequence do not count; a tile running past the end of the
+        # looped sequence is never full.
+        every = tl.min(tl.min(tl.where(offs_n[:, None] < KV_LEN, allowed, True).to(tl.int32), 1), 0)
+        every = every * (loop_first + BLOCK_M <= Q_LEN).to(tl.int32)
+        state = tl.where(every > 0, 2, some)
+    tl.store(State + (g.to(tl.int64) * n_rows + start) * n_cols + j, state.to(tl.int8))
+
+
+@triton.jit
+def _table_compact(State, Num, Idx, n_cols, COLS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, COLS)
+    state = tl.load(State + row * n_cols + cols, mask=cols < n_cols, other=0)
+    partial = (state == 1).to(tl.int32)
+    full = (state == 2).to(tl.int32)
+    before_partial = tl.cumsum(partial, 0) - partial  # each listed tile's slot: an exclusive prefix sum
+    before_full = tl.cumsum(full, 0) - full
+    tl.store(Idx + row * n_cols + before_partial, cols, mask=partial != 0)
+    tl.store(Idx + row * n_cols + n_cols - 1 - before_full, cols, mask=full != 0)
+    # The skipped tiles fill the slots between, unread: every entry is written, so a table is one
+    # value whatever the memory held (torch.library.opcheck compares tables built twice).
+    empty = ((state == 0) & (cols < n_cols)).to(tl.int32)
+    before_empty = tl.cumsum(empty, 0) - empty
+    tl.store(Idx + row * n_cols + tl.sum(partial, 0) + before_empty, cols, mask=empty != 0)
+    tl.store(Num + 2 * row, tl.sum(partial, 0))
+    tl.store(Num + 2 * row + 1, tl.sum(full, 0))
+
 
 # ---- the declaration: this spec's facts and kernels, handed to the runtime ----
 def softmax_scale(D):
@@ -1543,7 +1559,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "7e42ec759cb31b07"
+MODULE_DIGEST = "de5af6cb5e0f911d"
 FACTS = SpecFacts(
     name="block_sparse",
     fingerprint="1f56b90c7d750266",

@@ -29,7 +29,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LOG2E, LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse, _decode_combine  # the same in every spec
-from attngen.runtime.hopper import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # the Hopper kernels call them
+from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence, _hopper_dq_add_fixed  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -99,15 +99,16 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
-                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
-                stride_vk, stride_oz, stride_oh, stride_om, stride_ok, sinks_ptr, stride_sinks_0, size_sinks_0,
-                B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ,
-                CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+def _fwd_kernel(Q, K, V, Out, Lse, Sink, stride_sb, stride_sh, stride_sm, sm_scale, qk_scale, Rng, dropout_p,
+                stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+                stride_vz, stride_vh, stride_vn, stride_vk, stride_oz, stride_oh, stride_om, stride_ok,
+                sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
+                PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -161,7 +162,11 @@ def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, Rng, dropout_p, str
     # The sink is the softmax's first term, one with no value: the running max starts at it (base 2) and
     # the running sum at its exp2(0) = 1, so O and LSE below include it. A sink of -inf is no sink: the
     # first tile rescales that 1 by exp2(-inf) = 0, and a row that visits no tile keeps LSE = -inf, O = 0.
-    m_i = tl.load(Sink + lse_row + offs_m, mask=offs_m < Q_LEN, other=float("-inf")) * LOG2E
+    # A row whose sink is +inf (all its weight on the sink: O = 0, LSE = +inf) or NaN (O and LSE NaN)
+    # runs as one without a sink, never inf - inf, and gets those values at the end.
+    sink = tl.load(Sink + off_b.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
+                   + (q_start + offs_m).to(tl.int64) * stride_sm, mask=offs_m < Q_LEN, other=float("-inf"))
+    m_i = tl.where(sink < float("inf"), sink * LOG2E, float("-inf"))
     l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
@@ -203,6 +208,9 @@ def _fwd_kernel(Q, K, V, Out, Lse, Sink, sm_scale, qk_scale, Rng, dropout_p, str
     if DROPOUT:
         acc = acc * dropout_scale
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    acc = tl.where((sink < float("inf"))[:, None], acc,
+                   tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+    lse = tl.where(sink < float("inf"), lse, sink)
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
@@ -377,7 +385,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
                   HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                  DROPOUT: tl.constexpr):
+                  DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
@@ -424,7 +432,7 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr,
-                    DROPOUT: tl.constexpr):
+                    DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
     # dQ of query tile start_m of one (batch, head).
     off_b = off_bh // H
     off_h = off_bh % H
@@ -488,13 +496,14 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
                        offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, sinks_ptr,
                        stride_sinks_0, size_sinks_0, sinks_grad, dropout_seed, dropout_offset,
                        dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                       BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, DROPOUT)
+                       BLOCK_M, BLOCK_N, True, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, DETERMINISTIC,
+                       DROPOUT)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, q_first, offs_d, offs_dv, sm_scale,
                        qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, sinks_ptr, stride_sinks_0,
                        size_sinks_0, sinks_grad, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
                        HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False,
-                       COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, DROPOUT)
+                       COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, DETERMINISTIC, DROPOUT)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
@@ -516,7 +525,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dr
                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                 BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 PARTS: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                DROPOUT: tl.constexpr):
     pid = tl.program_id(0)
     off_bhkv = tl.program_id(1)
     if PARTS == 1:
@@ -538,7 +548,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dr
                         stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm, stride_dqk, sinks_ptr,
                         stride_sinks_0, size_sinks_0, sinks_grad, B, H, HKV, Q_LEN, KV_LEN, VisitsQ, CuSeqlensQ,
                         CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2,
-                        BLOCK_N2, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN, DROPOUT)
+                        BLOCK_N2, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN, DETERMINISTIC, DROPOUT)
     else:
         n_kv_tiles = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1
         if pid < n_kv_tiles:
@@ -561,11 +571,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dr
                             stride_dqk, sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad, B, H, HKV, Q_LEN,
                             KV_LEN, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
                             HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION,
-                            FOLLOW_TABLE, VARLEN, DROPOUT)
+                            FOLLOW_TABLE, VARLEN, DETERMINISTIC, DROPOUT)
 
-
-# No tile tables (TILE_TABLE is off): the host never launches their kernels.
-_table_by_query_classify = _table_by_key_classify = _table_compact = None
 
 
 # --- hopper forward (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization) --------------
@@ -574,7 +581,7 @@ _table_by_query_classify = _table_by_key_classify = _table_compact = None
 # overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
 # spec's score and mask run on each S accumulator tile in the wgmma layout: the same elementwise code
 # as the portable forward's (hooks.HOPPER_SCORE / HOPPER_MASK), and the same tile ranges and tables.
-# The Gluon API is triton 3.6's (plan.families.HOPPER checks the version); tools/hopper/NOTES.md pins it.
+# The Gluon API is triton 3.6's (its family entry, families/hopper/family.py, checks the version); tools/hopper/NOTES.md pins it.
 from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -800,13 +807,14 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids, n_work, n_m, sm_scale,
-                     qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN,
-                     KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
+                     work_ids, n_work, n_m, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0,
+                     size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                     DEFER_SCALE: tl.constexpr, WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
+                     VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -839,13 +847,12 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         # Query positions: the family takes no cache calls, so query i sits at position i.
         pos_m = offs_m
-        # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1.
-        # Its rows lie as LSE's.
-        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
-            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
-        else:
-            lse_row = off_bh.to(gl.int64) * Q_LEN
-        m_i = gl.load(Sink + lse_row + offs_m, mask=offs_m < seq_q_len, other=float("-inf")) * LOG2E
+        # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1;
+        # a row whose sink is +inf or NaN runs as one without a sink, its O and LSE set in the epilogue.
+        sink_rows = Sink + tma_b.to(gl.int64) * stride_sb + off_h.to(gl.int64) * stride_sh
+        sink = gl.load(sink_rows + (q_start + offs_m).to(gl.int64) * stride_sm, mask=offs_m < seq_q_len,
+                       other=float("-inf"))
+        m_i = gl.where(sink < float("inf"), sink * LOG2E, float("-inf"))
         l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
         n_masked = masked_hi - masked_lo
@@ -911,6 +918,11 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         if DROPOUT:
             inv_l = inv_l * dropout_scale
         lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        # A sink of +inf: O = 0, LSE = +inf; of NaN: both NaN (read again: no register held across the loop).
+        sink = gl.load(sink_rows + (q_start + offs_m).to(gl.int64) * stride_sm, mask=offs_m < seq_q_len,
+                       other=float("-inf"))
+        inv_l = gl.where(sink < float("inf"), inv_l, gl.where(sink == float("inf"), 0.0, float("nan")))
+        lse = gl.where(sink < float("inf"), lse, sink)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
         if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN:
@@ -927,6 +939,10 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
         mbarrier.arrive(q_empty.index(slot), count=1)
+        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
+            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
+        else:
+            lse_row = off_bh.to(gl.int64) * Q_LEN
         gl.store(Lse + lse_row + offs_m, lse, mask=offs_m < seq_q_len)
         done += 1
         # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
@@ -937,13 +953,13 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink,
-                       work_counter, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0,
-                       size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
-                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr,
-                       DROPOUT: tl.constexpr):
+                       stride_sb, stride_sh, stride_sm, work_counter, sm_scale, qk_scale, Rng, dropout_p,
+                       sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
+                       CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
+                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                       VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -988,17 +1004,19 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     if PINGPONG:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0,
-                                 size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
-                                 Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN, DROPOUT)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, Rng,
+                                 dropout_p, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN,
+                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0,
+                                 NUM_CONSUMERS, VARLEN, DROPOUT)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0,
-                                 size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
-                                 Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN, DROPOUT)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, Rng,
+                                 dropout_p, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN,
+                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1,
+                                 NUM_CONSUMERS, VARLEN, DROPOUT)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, sinks_ptr,
                                  stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
@@ -1007,11 +1025,12 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, work_ids,
-                                 n_work, n_m, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr, stride_sinks_0,
-                                 size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES,
-                                 Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN, DROPOUT)),
+                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb,
+                                 stride_sh, stride_sm, work_ids, n_work, n_m, sm_scale, qk_scale, Rng,
+                                 dropout_p, sinks_ptr, stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN,
+                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0,
+                                 NUM_CONSUMERS, VARLEN, DROPOUT)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, sinks_ptr,
                                  stride_sinks_0, size_sinks_0, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
@@ -1038,6 +1057,9 @@ HOPPER_CONSUMER_REGS = gl.constexpr(240)
 #   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
 #   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
 # The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel.
+# DETERMINISTIC: the same bits every run. dQ_i goes into an int64 fixed-point sum instead (each row scaled by
+# 2**s from a bound on its terms, _hopper_dq_add_fixed): integer adds give one sum in any order, so the key
+# tiles need no turns; the learnable inputs' gradients are summed exactly (_grad_add).
 
 
 @gluon.jit
@@ -1116,15 +1138,16 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 
 @gluon.jit
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
-                      dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
-                      gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, sinks_ptr, stride_sinks_0, size_sinks_0,
-                      sinks_grad, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                      HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                      SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, dk_layout: tl.constexpr,
-                      dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
+                      dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp,
+                      dq_rows, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                      tma_b, q_start, k_start, row_start, sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad,
+                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
+                      FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
+                      DETERMINISTIC: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr,
+                      DROPOUT: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
     # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
@@ -1216,15 +1239,21 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
         mbarrier.arrive(empty.index(stage), count=1)
-        # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
-        # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
-        # warp from overwriting the box before the previous step's reduce has read it.
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
-        _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
+        if DETERMINISTIC:
+            _hopper_dq_add_fixed(DqFixed, dq, DqExp, (tma_b * H + off_h).to(gl.int64) * dq_rows + row_start,
+                                 tma_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+                                 + q_start.to(gl.int64) * stride_dqm, stride_dqm, start_m, Q_LEN, HEAD_DIM, BLOCK_M,
+                                 HEAD_DIM_PAD, dq_layout)
+        else:
+            # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
+            # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
+            # warp from overwriting the box before the previous step's reduce has read it.
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
+            dq_smem.store(dq)
+            fence_async_shared()
+            # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
+            _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -1232,12 +1261,13 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 @gluon.jit
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV,
-                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, sinks_ptr, stride_sinks_0, size_sinks_0,
-                         sinks_grad, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                         HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                         SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                         stride_dvn, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n,
+                         off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN,
+                         CuSeqlensQ, CuSeqlensK, sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
+                         VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -1270,23 +1300,25 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
         if ragged:
             n_checked = n_steps
         t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
-                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
+                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz,
+                                      stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked, masked_tiles,
+                                      masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
+                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start,
+                                      k_start, row_start, sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad,
+                                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
+                                      FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, dk_layout, dv_layout,
+                                      DROPOUT)
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed,
+                                      stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, tma_b, q_start, k_start, sinks_ptr, stride_sinks_0, size_sinks_0,
-                                      sinks_grad, dropout_seed, dropout_offset, dropout_threshold,
-                                      dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout, DROPOUT)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
-                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, sinks_ptr, stride_sinks_0,
+                                      KV_LEN, tma_b, q_start, k_start, row_start, sinks_ptr, stride_sinks_0,
                                       size_sinks_0, sinks_grad, dropout_seed, dropout_offset, dropout_threshold,
                                       dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout, DROPOUT)
+                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN,
+                                      DETERMINISTIC, dk_layout, dv_layout, DROPOUT)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     if DROPOUT:
@@ -1303,12 +1335,14 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
 
 @gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
-                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
-                       dropout_p, sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad, B, H, HKV, Q_LEN, KV_LEN,
-                       CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz,
+                       stride_dqh, stride_dqm, DqExp, dq_rows, sm_scale, qk_scale, Rng, dropout_p, sinks_ptr,
+                       stride_sinks_0, size_sinks_0, sinks_grad, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
+                       CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                        HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                       SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                       SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                       DROPOUT: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
@@ -1345,11 +1379,12 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     gl.warp_specialize([
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
-                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 sinks_ptr, stride_sinks_0, size_sinks_0, sinks_grad, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D,
-                                 VARLEN, DROPOUT)),
+                                 stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz, stride_dqh,
+                                 stride_dqm, DqExp, dq_rows, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng,
+                                 dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, sinks_ptr,
+                                 stride_sinks_0, size_sinks_0, sinks_grad, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D, VARLEN,
+                                 DETERMINISTIC, DROPOUT)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, sinks_ptr,
@@ -1478,6 +1513,9 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
 # _decode_combine, which merges the shares, is the same for every spec: attngen/runtime/kernels.py.
 
 
+# No tile tables (TILE_TABLE is off): the host never launches their kernels.
+_table_by_query_classify = _table_by_key_classify = _table_compact = None
+
 
 # ---- the declaration: this spec's facts and kernels, handed to the runtime ----
 def softmax_scale(D):
@@ -1486,7 +1524,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "7216b5198727b278"
+MODULE_DIGEST = "a3ced45db5d2a25a"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",
@@ -1535,7 +1573,8 @@ FACTS = SpecFacts(
     packed_families=('hopper',),
     packed_backward_families=('hopper',),
     dropout_families=('hopper',),
-    # The sink's logit per query row (attngen.runtime.sinks): merged into O and LSE on the host.
+    # The sink's logit per query row (attngen.runtime.sinks), which the forward kernels start each row's
+    # softmax at.
     sink=('load', 'sinks', 'float', (('var', 'h'),)),
 )
 ATTENTION = Attention(

@@ -1,7 +1,7 @@
 """The Hopper family's Gluon forward for the tools here (gpu_bench.py), with the knobs the family fixes
 (BLOCK_N, STAGES, the one-consumer variant) open for sweeps.
 
-The kernels are the family's (attngen/emit/families/hopper: its template's comments say what they do and
+The kernels are the family's (attngen/families/hopper: its template's comments say what they do and
 how), taken from modules built for the H200 of two specs, plain attention and `causal`: q (B, H, N, D),
 k/v (B, HKV, N, D) with GQA, bf16 or fp16. `attention()` returns O in the input dtype and the natural-log
 LSE (B, H, N) in float32. What the family does not do yet is in issue 13's closing notes and NOTES.md.

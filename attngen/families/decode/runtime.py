@@ -2,11 +2,11 @@
 
 import torch
 
-from .helpers import LOG2E
-from .launch import _launch
-from .plans import _plan_site
-from .portable import _cache_launch, _dot_precision, _kv_layout, _sm_count
-from .shared import _cdiv, _empty_in_layout, _next_power_of_2
+from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sink_strides, _sm_count
+from ...runtime.helpers import LOG2E
+from ...runtime.launch import _launch
+from ...runtime.plans import _plan_site
+from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2
 
 
 # Each program should still stream a few key tiles, so a share is at least this many tiles long; and
@@ -39,7 +39,7 @@ def _decode_splits(n_tiles, programs, device):
 
 
 class DecodeFamily:
-    """The decode family (plan.families.DECODE) serving the Attention `rt`: its split-KV forward and the
+    """The decode family (families/decode/family.py) serving the Attention `rt`: its split-KV forward and the
     merge of its splits; max_rows, the most rows (query heads of a key/value head times queries) one tile
     of it holds."""
 
@@ -49,7 +49,7 @@ class DecodeFamily:
 
     def serves(self, q, k, v, HKV, KV_LEN, cached):
         """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
-        contiguous or paged) goes to the decode family (plan.families.DECODE.per_call): all queries of
+        contiguous or paged) goes to the decode family (its family entry's per_call): all queries of
         the query heads of one key/value head fit one tile, or, for a mask without tile tables, the
         split kernel is predicted faster than the portable forward, which would run it otherwise."""
         if (q.shape[1] // HKV) * q.shape[2] <= self.max_rows:
@@ -87,14 +87,13 @@ class DecodeFamily:
     def _decode_block_n(self, q, v):
         return self.rt._family_tiles(q, v, "decode")[1]
 
-    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None, dropout=None):
+    def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, sink=None):
         """Runs the split-KV forward and the merge of its splits; `table` is unused (the kernel decides a
         tile-table mask key by key), `cache` is a cache call's (kv_len, q_offset), `page_table` a paged cache's
         (k and v then hold pages (NUM_PAGES, PAGE_SIZE, HKV, D)), `plan` the call's _CallPlan (never with a
         cache), `sink` the spec's sink of every row, which the merge takes as one more split.
-        Returns out and the natural-log LSE, as the portable forward does. Never a call with dropout (the
-        family is not one of DROPOUT_FAMILIES)."""
-        assert dropout is None, "the decode family takes no call with dropout"
+        Returns out and the natural-log LSE, as the portable forward does (a sigmoid spec's shares are sums over
+        disjoint keys that the merge adds, and its LSE is never written)."""
         B, H, Q_LEN, D = q.shape
         DV = v.shape[3]
         HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, q)
@@ -109,7 +108,8 @@ class DecodeFamily:
         part_lse = torch.empty((splits, B, H, Q_LEN), dtype=torch.float32, device=q.device)
         cache_args, cache_flags = _cache_launch(cache, part_lse)
         _launch(
-            self.forward_kernel, (splits, B * HKV, row_blocks), q, k, v, part, part_lse, sm_scale, sm_scale * LOG2E.value,
+            self.forward_kernel, (splits, B * HKV, row_blocks), q, k, v, part, *self.rt._row_args(part_lse), sm_scale,
+            sm_scale * LOG2E.value,
             *q.stride(), *k_strides, *v_strides, *self.rt._input_args(tensors), B, H, HKV, Q_LEN, KV_LEN, splits, *cache_args,
             *page_args,
             HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -120,6 +120,11 @@ class DecodeFamily:
         n_rows = B * H * Q_LEN
         block_r = 16
         _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
-                sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
-                BLOCK_R=block_r, HAS_SINK=sink is not None, num_warps=4, bind=_plan_site(plan, "combine"))
+                *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), H, Q_LEN, n_rows, splits,
+                HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
+                ADD_PARTS=self.rt.facts.sigmoid, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
+
+
+# The class the runtime serves a spec's Attention with (runtime.families).
+FAMILY = DecodeFamily

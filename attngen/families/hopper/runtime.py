@@ -1,6 +1,8 @@
 """The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels,
 and the device helpers its kernels call that no spec changes."""
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -11,12 +13,12 @@ from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import CHECKED_VALUES
-from .helpers import LOG2E, _tile_start
-from .launch import _launch
-from .plans import _plan_site
-from .portable import _call_sizes, _in_input_dtypes, _packed_launch, _sizes, _sm_count
-from .shared import _cdiv, _empty_in_layout, _token_sequences
+from ...runtime.arguments import _call_sizes, _packed_launch, _sizes, _sm_count
+from ...runtime.checks import CHECKED_VALUES
+from ...runtime.helpers import LOG2E, _tile_start
+from ...runtime.launch import _launch
+from ...runtime.plans import _plan_site
+from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
 
 
 # The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
@@ -156,12 +158,14 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
+# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps; rows a program of
+# _hopper_dq_finish_fixed does.
 HOPPER_DQ_FINISH_BLOCK = 2048
+HOPPER_DQ_FINISH_ROWS = 32
 
 
 class HopperFamily:
-    """The Hopper family (plan.families.HOPPER) serving the Attention `rt`: its Gluon forward, its backward
+    """The Hopper family (families/hopper/family.py) serving the Attention `rt`: its Gluon forward, its backward
     and dQ's finishing pass; plain_score is the emitter's word that the score is the plain scaled dot
     product (the forward may then scale once per tile: DEFER_SCALE)."""
 
@@ -171,7 +175,7 @@ class HopperFamily:
         self.dq_finish_kernel, self.plain_score = dq_finish_kernel, plain_score
 
     def serves(self, q, k, v, HKV, KV_LEN, cached):
-        """Whether this forward call goes to the Hopper family (plan.families.HOPPER.per_call): not a
+        """Whether this forward call goes to the Hopper family (its family entry's per_call): not a
         cache call, bf16 or fp16 on a Hopper GPU, head dims of HOPPER_HEAD_DIMS, q, k, v in layouts TMA
         addresses (_hopper_addressable: any strides of 16-byte multiples), lengths int32-addressable."""
         B, H, Q_LEN, D = q.shape
@@ -179,10 +183,14 @@ class HopperFamily:
                 and D in HOPPER_HEAD_DIMS and v.shape[-1] in HOPPER_HEAD_DIMS and max(Q_LEN, KV_LEN) <= HOPPER_MAX_LENGTH
                 and all(_hopper_addressable(t) for t in (q, k, v)))
 
-    def backward_serves(self, q, k, v):
-        """Whether this call's backward goes to the Hopper family (plan.families.HOPPER.per_call): a call
-        whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config)."""
-        return self.serves(q, k, v, k.shape[1], k.shape[2], False)
+    def backward_serves(self, q, k, v, deterministic=False):
+        """Whether this call's backward goes to the Hopper family (its family entry's per_call): a call
+        whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config);
+        a deterministic one only where the spec's d score'/d score has a bound (FACTS.score_grad_bound), which
+        its fixed-point dQ is scaled by, and the spec is a softmax one (a sigmoid spec has no row-terms pass
+        to compute each row's scale in)."""
+        return (self.serves(q, k, v, k.shape[1], k.shape[2], False)
+                and (not deterministic or (self.rt.facts.score_grad_bound is not None and not self.rt.facts.sigmoid)))
 
     def prepare(self, q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
                         packed=None, sink=None, dropout=None):
@@ -212,9 +220,10 @@ class HopperFamily:
         dropout_args, dropout_flag = self.rt._dropout_args(dropout, lse)
 
         def run():
-            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3], lse,
-                    *self.rt._sink_args(sink), work_counter,
-                    sm_scale, sm_scale * LOG2E.value, *dropout_args, *self.rt._input_args(tensors), *table_args, B, H, HKV, Q_LEN, KV_LEN,
+            _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3],
+                    *self.rt._row_args(lse), *self.rt._sink_args(sink), work_counter,
+                    sm_scale, sm_scale * LOG2E.value, *dropout_args, *self.rt._input_args(tensors), *table_args, B, H,
+                    HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
                     BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
                     DEFER_SCALE=self.plain_score and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
@@ -233,12 +242,15 @@ class HopperFamily:
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
                             sink=sink, dropout=dropout)()
 
-    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, dropout=None):
+    def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, deterministic=False,
+                 sink=None, dropout=None):
         """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
         (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-        (_backward_plan); `packed` a packed call's, as for _hopper_prepare; `dropout` the forward's, whose mask
-        it regenerates. Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable),
-        as the portable backward does."""
+        (_backward_plan); `packed` a packed call's, as for _hopper_prepare; `deterministic`: the same bits every
+        run (dQ in int64 fixed point, learnable inputs' gradients summed exactly); `sink` the sink rows whose
+        gradient is wanted; `dropout` the forward's, whose mask it regenerates. Returns dq, dk, dv, one gradient
+        per input (None for inputs that are not learnable) and the sink rows' gradient, as the portable backward
+        does."""
         D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
@@ -246,41 +258,81 @@ class HopperFamily:
             do = do.clone(memory_format=torch.contiguous_format)
         block_m, block_n, warps, stages, _ = self.rt._family_tiles(q, v, "hopper_bwd")
         # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
-        # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
-        dq_sum = _empty_in_layout(q, D, torch.float32)
-        # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-        delta, lse2, _ = self.rt._row_terms(out, do, dlse, lse, _cdiv(TOTAL_Q, block_m) * block_m, dq_sum, plan=plan)
-        if packed is not None:
-            columns = _hopper_sequence_columns(packed, block_m)
-            delta, lse2 = _hopper_sequence_rows(delta, columns, 0.0), _hopper_sequence_rows(lse2, columns, float("inf"))
+        # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's). In
+        # deterministic mode the sum is int64 fixed point, each row scaled by 2**s from a bound on its terms.
+        dq_sum = _empty_in_layout(q, D, torch.int64 if deterministic else torch.float32)
+        q_rows = _cdiv(TOTAL_Q, block_m) * block_m
+        dsink, exp_rows, columns = None, None, None
+        if self.rt.facts.sigmoid:
+            # No row terms (dS = P * (1 - P) * dP), so no pass over O and dO: dQ's sum is zeroed on its own
+            # (never deterministic here: backward_serves).
+            dq_sum.zero_()
+            rows = ()
+        else:
+            # Both padded to whole query tiles, so a TMA box never reads another head's rows.
+            delta, lse2, dsink, exp_rows = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
+                                                              sink=(sink, lse) if sink is not None else None,
+                                                              dq_bound=self._dq_bound(k, v, dropout) if deterministic
+                                                              else None)
+            if packed is not None:
+                columns = _hopper_sequence_columns(packed, block_m)
+                delta, lse2 = (_hopper_sequence_rows(delta, columns, 0.0),
+                               _hopper_sequence_rows(lse2, columns, float("inf")))
+                if deterministic:
+                    exp_rows = _hopper_sequence_rows(exp_rows, columns, 0.0)
+            rows = (_hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m))
         d_pad, dv_pad = self.rt._widths(D, DV)
         sm_scale = self.rt.facts.softmax_scale(D)
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
-        grads = self.rt._input_grads(tensors, q.device)
+        grads = self.rt._input_grads(tensors, q.device, deterministic, B * H * Q_LEN * KV_LEN)
         num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
         descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
-                       _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad),
-                       _hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m),
-                       _hopper_descriptor(dq_sum, block_m, d_pad))
+                       _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad), *rows)
+        # The deterministic kernel adds dQ from registers and reads no dQ descriptor: q's stands in for it.
+        dq_desc = descriptors[0] if deterministic else _hopper_descriptor(dq_sum, block_m, d_pad)
+        fixed = (dq_sum, *dq_sum.stride()[:3], exp_rows, exp_rows.shape[-1]) if deterministic else (dq_sum, 0, 0, 0,
+                                                                                                  dq_sum, 0)
         table_args = self.rt._table_args(self.rt._table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
-        packed_args, packed_flags = _packed_launch(packed, delta)
-        dropout_args, dropout_flag = self.rt._dropout_args(dropout, delta)
+        packed_args, packed_flags = _packed_launch(packed, dq_sum)
+        dropout_args, dropout_flag = self.rt._dropout_args(dropout, dq_sum)
         _launch(
-            self.backward_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value, *dropout_args,
+            self.backward_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dq_desc, dk, dv, *dk.stride()[:3],
+            *dv.stride()[:3], *fixed, sm_scale, sm_scale * LOG2E.value, *dropout_args,
             *self.rt._input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
             *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
-            maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags, **dropout_flag)
+            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, DETERMINISTIC=deterministic,
+            num_warps=num_warps, maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags,
+            **dropout_flag)
         dq = _empty_in_layout(q, D)
-        _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale, dq.numel() // 8,
-                BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
-        return dq, dk, dv, _in_input_dtypes(grads, tensors)
+        if deterministic:
+            _launch(_hopper_dq_finish_fixed, (_cdiv(TOTAL_Q, HOPPER_DQ_FINISH_ROWS), q.shape[0] * H), dq_sum, dq,
+                    exp_rows, columns[0] if columns is not None else exp_rows, *dq_sum.stride()[:3], H, TOTAL_Q,
+                    exp_rows.shape[-1],
+                    sm_scale, HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=HOPPER_DQ_FINISH_ROWS, PACKED=packed is not None,
+                    num_warps=4, bind=_plan_site(plan, "hopper dq finish fixed"))
+        else:
+            _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale,
+                    dq.numel() // 8, BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
+        return dq, dk, dv, self.rt._summed_input_grads(grads, tensors), dsink
 
+    def _dq_bound(self, k, v, dropout=None):
+        """The deterministic dQ's bound (Portable._row_terms' dq_bound): K's and V's min and max, made on the
+        device (no sync), and log2 of the bound on |d score'/d score| times P's row sum (at most 1: a softmax,
+        sinks included). With `dropout` (the forward's) the kept dP are dO . V / (1 - p): V's extremes are
+        scaled by 1 / (1 - p) to bound them, so the fixed-point sum keeps its headroom."""
+        bound = self.rt.facts.score_grad_bound
+        extremes = torch.stack([*torch.aminmax(k), *torch.aminmax(v)]).float()
+        if dropout is not None:
+            extremes[2:] *= 1.0 / (1.0 - dropout[1])
+        return extremes, math.log2(bound) if bound > 0 else float("-inf")
+
+
+# The class the runtime serves a spec's Attention with (runtime.families).
+FAMILY = HopperFamily
 
 
 # --- device helpers the Hopper kernels call (no spec expression in them; every module of this family
-# imports them: emit.module.SHARED_KERNEL_NAMES) -------------------------------------------------
+# imports them: its emit side's DEVICE_HELPERS) -------------------------------------------------
 @gluon.jit
 def _hopper_round_pairs(x, dtype: gl.constexpr):
     # fp32 to dtype, two neighbours (the pair one wgmma A-operand register holds) in one packed cvt. With
@@ -294,6 +346,17 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
     else:
         return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.float16,
                                          is_pure=True, pack=2)
+
+
+@gluon.jit
+def _hopper_sigmoid2(s2):
+    # sigmoid(score') of a base-2 score s2 = score' * log2(e): 1 / (1 + 2^-s2) in two MUFU ops, ex2 and rcp
+    # (relative error of a few ulps; Triton's division would add a range check and a rescale to each element,
+    # which the argument 1 + 2^-s2 >= 1 never needs). 2^-s2 = inf (s2 = -inf on a masked key, or a very
+    # negative score) gives rcp(inf) = 0. The tanh form, one MUFU op, cancels catastrophically for the small
+    # weights sigmoid attention's -log(n) bias makes common.
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + gl.exp2(-s2)], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -363,6 +426,71 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
     offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
     dq = tl.load(DqSum + offs, mask=(groups < n_groups)[:, None]) * scale
     tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
+
+
+@triton.jit
+def _pow2(e):
+    # 2**e as float32, exactly, for integer-valued e in [-126, 127]: its bits (libdevice's exp2 is approximate).
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hopper_fixed_scale(e, sign):
+    # 2**(sign * e) of a row's scale exponent e (kernels' DQ_BOUND: an integer in [-250, 250], or NaN for a
+    # row whose terms have no finite bound), as two float32 factors, each a power of two in float32's range;
+    # (0, 0) for a NaN row, whose terms then add nothing.
+    half = tl.floor(e * 0.5)
+    ok = e == e
+    high = tl.where(ok, _pow2(tl.where(ok, sign * half, 0.0)), 0.0)
+    low = tl.where(ok, _pow2(tl.where(ok, sign * (e - half), 0.0)), 0.0)
+    return high, low
+
+
+@gluon.jit
+def _hopper_dq_add_fixed(DqFixed, dq, DqExp, exp_row, head, stride_row, first_row, length, WIDTH: gl.constexpr,
+                         ROWS: gl.constexpr, WIDTH_PAD: gl.constexpr, layout: gl.constexpr):
+    # Deterministic mode's dQ_i (fp32, in its wgmma accumulator `layout`) into the int64 fixed-point dQ: row r
+    # times 2**s_r (its exponent in DqExp at exp_row + r: the row terms' pass made |sum of a row's terms| *
+    # 2**s_r < 2**58), truncated to an integer, added by an atomic per element. Integer adds are exact, so
+    # the sum is the same whatever order the key tiles add in. Rows below `length` and columns below WIDTH.
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, WIDTH_PAD, layout=gl.SliceLayout(0, layout))
+    # The exponents come padded to whole query tiles: every row of the tile has one.
+    high, low = _hopper_fixed_scale(gl.load(DqExp + exp_row + rows), 1.0)
+    scaled = dq * gl.expand_dims(high, 1) * gl.expand_dims(low, 1)
+    # Within the bound |scaled| < 2**58; the test keeps NaN (a row with NaN terms has a NaN exponent and
+    # scale 0) from the conversion.
+    fixed = gl.where(gl.abs(scaled) < 4.611686018427388e18, scaled, 0.0).to(gl.int64)
+    ptrs = DqFixed + head + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
+    gl.atomic_add(ptrs, fixed, mask=gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < WIDTH, 0), sem="relaxed")
+
+
+@triton.jit
+def _hopper_dq_finish_fixed(DqFixed, Dq, DqExp, Columns, stride_z, stride_h, stride_m, H, Q_LEN, exp_rows, scale,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                            PACKED: tl.constexpr):
+    # dQ = scale * the fixed-point sum * 2**-s of each row (deterministic mode), rounded to dQ's dtype; NaN
+    # for a row whose exponent is NaN (its terms had no finite bound: inputs holding inf or NaN). Both sums
+    # lie in q's layout (strides in elements). A packed call's exponents lie at its tokens' columns
+    # (_hopper_sequence_columns), read from Columns.
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM_PAD)
+    ok = rows < Q_LEN
+    if PACKED:
+        exp_cols = tl.load(Columns + rows, mask=ok, other=0)
+        e = tl.load(DqExp + off_h.to(tl.int64) * exp_rows + exp_cols, mask=ok, other=0.0)
+    else:
+        e = tl.load(DqExp + off_bh.to(tl.int64) * exp_rows + rows, mask=ok, other=0.0)
+    high, low = _hopper_fixed_scale(e, -1.0)
+    offs = (off_b.to(tl.int64) * stride_z + off_h.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_m
+            + cols[None, :])
+    tile_ok = ok[:, None] & (cols[None, :] < HEAD_DIM)
+    dq = tl.load(DqFixed + offs, mask=tile_ok, other=0).to(tl.float32) * high[:, None] * low[:, None] * scale
+    dq = tl.where((e == e)[:, None], dq, float("nan"))
+    tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=tile_ok)
 
 
 @gluon.jit

@@ -1,0 +1,148 @@
+"""The Hopper family's emit side: the Gluon spellings of the spec's score and mask on the wgmma
+accumulators, the hooks and signatures of its forward and backward kernels, and its declaration."""
+
+from __future__ import annotations
+
+from attngen import ir
+from attngen.analysis import Analysis
+from attngen.emit.expressions import Spelling
+from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
+                                _mask_hook, _reads, _score_hook, _tile_range_hook)
+from attngen.emit.signatures import (DQ_FIXED, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE,
+                                     SIZES, TILE_RANGE, Signature, SpecParams, _strides, signature)
+from attngen.analysis.gathers import NO_OFFSET
+
+# What the module hands to the family's runtime (families/hopper/runtime.py), by keyword.
+DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, "
+               "dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE")
+# The device helpers its kernels import from its runtime side: the ones no spec changes.
+DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
+                  "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
+                  "_hopper_bwd_sequence", "_pow2", "_hopper_fixed_scale", "_hopper_dq_add_fixed",
+                  "_hopper_dq_finish_fixed")
+# What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
+_HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
+
+# The Hopper family's forward (Gluon) runs the forward's hooks on a consumer warpgroup's S accumulator:
+# tl's elementwise code runs unchanged on Gluon tensors, only a new tile needs a layout (s_layout). Its
+# scores call tanh.approx.f32 (one MUFU op; the family takes 16-bit inputs only, where its 1e-5 relative
+# error is far below their rounding); its masks keep the exact tanh, whose decisions must not move.
+HOPPER_MASK = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims,
+                       zeros="gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)", sizes=NO_OFFSET)
+# Their score hooks know the tile's corners (the consumer's first row off_m, the key tile's start_n), for
+# point loads.
+HOPPER_SCORE = Spelling(names=FORWARD_ROWS.names, dims=FORWARD_ROWS.dims, zeros=HOPPER_MASK.zeros,
+                        tanh="_tanh_approx",
+                        corners=("off_m", "off_m + BLOCK_M - 1", "start_n", "start_n + BLOCK_N - 1"),
+                        corner_names=("off_m", "start_n"), sizes=NO_OFFSET)
+# Its backward works on transposed (key, query) tiles, as the portable dK/dV kernel does, and recomputes
+# the scores with the forward's tanh, so P is the one the forward's LSE normalised.
+HOPPER_BWD_MASK = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims,
+                           zeros="gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)", rows="n", sizes=NO_OFFSET)
+HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=HOPPER_BWD_MASK.zeros,
+                            tanh="_tanh_approx", rows="n",
+                            corners=("start_m", "start_m + BLOCK_M - 1",
+                                     "start_n * BLOCK_N", "start_n * BLOCK_N + BLOCK_N - 1"),
+                            corner_names=("start_m", "start_n"), sizes=NO_OFFSET)
+
+
+def _hopper_hooks(facts: Analysis) -> dict[str, Hook]:
+    """Hooks of the Hopper family's forward: the forward's tile range (one per CTA, whose BLOCK_M rows
+    its consumer warpgroups share), and its score and mask in the Gluon spellings; `plain_score` says
+    the spec has no score expression (the kernel may then scale the scores after their row max)."""
+    tile_range = _tile_range_hook(facts, "k", "q_off")
+    return {"score": _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc")),
+            "mask": _mask_hook(facts, HOPPER_MASK), "tile_range": tile_range,
+            "plain_score": facts.spec.score is None or facts.spec.score == ir.Score(),
+            "reads_q_off": _reads(tile_range.code, "q_off")}
+
+
+def _hopper_backward_hooks(facts: Analysis) -> dict:
+    """Hooks of the Hopper family's backward: a CTA per key tile computes its dK and dV and its share of
+    dQ and of the learnable inputs' gradients, on transposed S tiles, over the dK/dV kernel's tile
+    range (for the family's own tiles). `remask`: dS needs the mask again after the score's derivative
+    or for a learnable input's gradient unless each of them is a finite constant (P = 0 has zeroed dS
+    where the mask is off, and a constant keeps it 0)."""
+    em = _emitter(facts, HOPPER_BWD_SCORE, "sc")
+    score = _score_hook(facts.spec, em)
+    learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
+    derivatives = [d for _, d in facts.learnable_derivatives]
+    if facts.score_derivative is not None:
+        derivatives.append(facts.score_derivative)
+    return {"score": score, "mask": _mask_hook(facts, HOPPER_BWD_MASK), "tile_range": _tile_range_hook(facts, "q"),
+            "learnable": learnable, "dscore": _dscore_hook(facts, em, score, "dsT"),
+            "remask": not all(_is_constant(d, facts) for d in derivatives)}
+
+
+def context(facts: Analysis) -> dict:
+    """What its template (kernels.py.jinja) fills in for this spec: its forward's and its backward's hooks."""
+    return dict(hopper=_hopper_hooks(facts), hopper_bwd=_hopper_backward_hooks(facts))
+
+
+def signatures(p: SpecParams) -> dict[str, Signature]:
+    """Its kernels' signatures, for a spec's parameters."""
+    sig, inputs, grads, table, sink = signature, p.inputs, p.grads, p.table, p.sink
+    lse = ROW_TERMS[:1] if p.softmax else ()
+    # The row terms as the backward's producer and consumers hold them: TMA descriptors, shared buffers.
+    row_descriptors, row_buffers = (("lse_desc", "delta_desc"), ("lse_bufs", "delta_bufs")) if p.softmax else ((), ())
+    return {
+        # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
+        # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
+        "hopper_fwd": sig("_hopper_fwd_kernel", (
+            "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
+            "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
+             "VARLEN", "DROPOUT")),
+        # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
+        # _hopper_fwd_work says which tile and key tiles item `work` is.
+        "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES, "CuSeqlensQ", "CuSeqlensK"),
+                           ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE", "VARLEN")),
+        "hopper_producer": sig("_hopper_producer", (
+            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty",
+            "v_ready", "v_empty", "work_ids", "work_counter", "n_work", "n_m", *inputs, *table, *SIZES,
+            "CuSeqlensQ", "CuSeqlensK"),
+            ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
+        "hopper_consumer": sig("_hopper_consumer", (
+            "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
+            "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
+            *DROPOUT, *inputs, *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
+             "NUM_CONSUMERS", "VARLEN", "DROPOUT")),
+        "hopper_loop": sig("_hopper_consumer_loop", (
+            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
+            "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
+            *inputs, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
+             "o_layout", "p_layout", "WG", "NUM_CONSUMERS", "DROPOUT")),
+        "hopper_step": sig("_hopper_softmax_step", (
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
+        # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
+        # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
+        # and the tile range of one query head of the group.
+        "hopper_bwd": sig("_hopper_bwd_kernel", (
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED, "sm_scale", "qk_scale", *DROPOUT, *inputs,
+            *grads, *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
+             "DROPOUT")),
+        "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
+                                ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
+        "hopper_bwd_producer": sig("_hopper_bwd_producer", (
+            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "q_bufs", "do_bufs", *row_buffers,
+            "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
+            "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
+            ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
+        "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
+            "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
+            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED,
+            "start_n", "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK",
+            *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
+                                       "VARLEN", "DETERMINISTIC", "DROPOUT")),
+        "hopper_bwd_steps": sig("_hopper_bwd_steps", (
+            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
+            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", *DQ_FIXED, "start_n", "n_masked", *TILE_RANGE,
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "row_start", *inputs, *grads, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
+             "dk_layout", "dv_layout", "DROPOUT")),
+    }
