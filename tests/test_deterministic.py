@@ -13,6 +13,7 @@ import functools
 import itertools
 import math
 import random
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ import attngen
 from attngen import api, reference, testing
 from attngen.analysis import analyze
 from attngen.runtime.helpers import EXACT_WORDS, _exact_add
-from attngen.families.hopper.runtime import _hopper_dq_finish_fixed
+from attngen.families.hopper.runtime import HopperFamily, _hopper_dq_finish_fixed
 from attngen.runtime.kernels import _exact_finish
 from conftest import CPU_CALLS, SPECS
 
@@ -200,6 +201,46 @@ def test_a_deterministic_packed_call_gives_the_same_bits_and_the_reference(shuff
     testing.check_against_reference(attn.spec, attn, q, k, v, {"slopes": slopes}, packed=packed)
 
 
+@CPU_CALLS
+def test_a_deterministic_backward_with_dropout_gives_the_same_bits_in_any_program_order(shuffled_programs):
+    # The keep-mask is a function of the call's words alone (the same generator state: the same mask), so
+    # deterministic mode repeats a dropout call's gradients as it does a plain call's; dense and packed.
+    attn = attngen.build(ALIBI_LEARNED, deterministic=True)
+    case = _case(attn.spec, B=1)
+    grads = []
+    for seed in range(3):
+        shuffled_programs(seed)
+        grads.append(_gradients(attn, case, dropout_p=0.3, generator=torch.Generator().manual_seed(5)))
+    assert _same_bits(grads[0], grads[1]) and _same_bits(grads[0], grads[2])
+    # The default backward's learnable gradient moves with the order under dropout too, so the above could fail;
+    # and another generator state drops other weights.
+    default = []
+    for seed in (0, 7):
+        shuffled_programs(seed)
+        default.append(_gradients(attn, case, dropout_p=0.3, generator=torch.Generator().manual_seed(5),
+                                  deterministic=False)[-1])
+    assert not torch.equal(*default)
+    assert not torch.equal(_gradients(attn, case, dropout_p=0.3, generator=torch.Generator().manual_seed(6))[0],
+                           grads[0][0])
+    testing.check_against_reference(attn.spec, attn, *case[:4], seed=5, dropout_p=0.3)
+    lengths = [21, 5, 34]
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(sum(lengths), heads, 16) for heads in (4, 2, 2))
+    slopes = torch.rand(4)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    leaves = [t.requires_grad_() for t in (q, k, v, slopes)]
+    dout = torch.randn(sum(lengths), 4, 16)
+    packed_grads = []
+    for seed in range(2):
+        shuffled_programs(seed)
+        out = attn(q, k, v, slopes=slopes, dropout_p=0.4, generator=torch.Generator().manual_seed(1), **packed)
+        packed_grads.append(torch.autograd.grad(out, leaves, dout))
+    assert _same_bits(*packed_grads)
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"slopes": slopes}, packed=packed, seed=1,
+                                    dropout_p=0.4)
+
+
 def test_a_call_argument_may_not_name_an_input():
     with pytest.raises(attngen.SpecError, match="'deterministic' is an argument of the attention call"):
         attngen.parse_spec("attention t\ninput deterministic: f32[H]\nscore: score + deterministic[h]\n")
@@ -291,6 +332,56 @@ def test_the_fixed_point_dq_sums_to_the_reference_with_its_bound_kept(spec, buil
 
 
 @CPU_CALLS
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # delta = 0: log2 is -inf, as meant
+def test_the_fixed_point_dq_bound_takes_dropout_s_scale():
+    """With dropout the kept dP are dO . V / (1 - p), beyond the |dO|_1 max|V| a row's exponent assumes without
+    dropout: the Hopper family's bound (HopperFamily._dq_bound) scales V's extremes by 1 / (1 - p). Data made to
+    reach it: q = 0 gives each row uniform P, dO = 1 and V = +-0.5 by key give every |dP| its bound, and a
+    row of few keys, kept with both signs, has delta near 0. The scaled exponents keep every row's terms below
+    2**57 and sum to the reference's dQ with the call's mask; unscaled ones would not keep them so."""
+    attn = attngen.build(SPECS / "causal.attn")
+    rt = attn.module.ATTENTION
+    B, H, N, D, tile, q_rows, p = 2, 4, 48, 16, 16, 64, 0.9
+    q = torch.zeros(B, H, N, D)
+    k = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(0))
+    v = torch.where(torch.arange(N) % 2 == 0, 0.5, -0.5)[None, None, :, None].expand(B, H, N, D).contiguous()
+    g = torch.Generator().manual_seed(2)
+    state = g.get_state()
+    keep = attn.dropout_mask(q, k, v, dropout_p=p, generator=g)
+    g.set_state(state)
+    out, lse = attn(q, k, v, return_lse=True, dropout_p=p, generator=g)
+    dout = torch.ones_like(out)
+    q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
+    q64.requires_grad_()
+    scores = reference.modified_scores(attn.spec, q64, k64, v64, {})
+    prob = torch.softmax(scores.detach(), -1)
+    dp = keep * (dout64 @ v64.transpose(-1, -2)) / (1 - p)
+    ds = prob * (dp - (dout64 * out.double()).sum(-1, keepdim=True))
+    magnitude = ds.abs() @ k64.abs()
+
+    def exponents(dropout):
+        bound = HopperFamily._dq_bound(types.SimpleNamespace(rt=rt), k, v, dropout)
+        return rt._row_terms(out, dout, None, lse, q_rows, torch.empty(B, H, N, D, dtype=torch.int64),
+                             dq_bound=bound)[3]
+    scaled, unscaled = exponents((None, p)), exponents(None)
+    assert float((magnitude * 2.0 ** scaled[..., :N, None].double()).max()) < 2.0 ** 57
+    assert float((magnitude * 2.0 ** unscaled[..., :N, None].double()).max()) >= 2.0 ** 57
+    scale = rt.facts.softmax_scale(D)
+    fixed = torch.zeros(B, H, N, D, dtype=torch.int64)
+    for start in range(0, N, tile):  # one key tile's dQ_i at a time, as _hopper_dq_add_fixed adds them
+        columns = torch.zeros_like(ds)
+        columns[..., start:start + tile] = ds[..., start:start + tile]
+        part = torch.autograd.grad(scores, q64, columns, retain_graph=True)[0] / scale
+        fixed += (part.float().double() * 2.0 ** scaled[..., :N, None].double()).to(torch.int64)
+    dq = torch.empty(B, H, N, D)
+    _hopper_dq_finish_fixed[(triton.cdiv(N, 16), B * H)](fixed, dq, scaled, scaled, *fixed.stride()[:3], H, N, q_rows,
+                                                          scale, HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_M=16, PACKED=False)
+    out64 = reference.evaluate(attn.spec, q64, k64, v64, {}, dropout_p=p, dropout_mask=keep)[0]
+    truth = torch.autograd.grad((out64 * dout64).sum(), q64)[0]
+    torch.testing.assert_close(dq.double(), truth, rtol=1e-4, atol=1e-5)
+
+
+@CPU_CALLS
 def test_rows_whose_bound_is_not_finite_give_nan_and_empty_rows_zero():
     attn = attngen.build(SPECS / "causal.attn")
     rt = attn.module.ATTENTION
@@ -342,6 +433,33 @@ def test_deterministic_backward_is_bitwise_repeatable_on_gpu(spec, D, family, dt
         again = torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("spec, D", [("learned_rel_bias", 128), ("causal", 64), ("causal", 256)])
+def test_a_deterministic_hopper_backward_with_dropout_is_repeatable_and_right(spec, D):
+    # dQ's fixed-point rows scaled from a bound that takes dropout's 1 / (1 - p) (p = 0.8: kept dP five times
+    # the undropped bound); the same generator state every run, so the same mask.
+    attn = attngen.build(SPECS / f"{spec}.attn", deterministic=True)
+    B, H, HKV, N, p = 2, 8, 2, 1000, 0.8
+    torch.manual_seed(0)
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
+    leaves = [q, k, v, *(inputs[i.name] for i in attn.spec.learnable_inputs)]
+    for t in leaves:
+        t.requires_grad_()
+    assert attn.forward_family(q, k, v, dropout_p=p, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def grads():
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        return torch.autograd.grad(attn(q, k, v, dropout_p=p, generator=generator, **inputs), leaves, dout)
+    first = grads()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, seed=3, dropout_p=p)
 
 
 @pytest.mark.gpu

@@ -455,6 +455,8 @@ HOPPER_CASES = [(name, (2, 8, 2, 1000, 1000, 128))
                 for name in ("causal", "full", "learned_rel_bias", "document_causal", "gpt_oss_sinks")]
 HOPPER_CASES += [("causal", (1, 4, 4, 257, 700, 64)), ("learned_rel_bias", (1, 4, 4, 257, 700, 64)),
                  ("full", (1, 4, 2, 300, 300, 256)), ("learned_rel_bias", (1, 4, 2, 300, 300, 256))]
+# Sigmoid attention's weights dropped (no row sum; dS = P * (1 - P) * dP' from the undropped P), unsplit and split.
+HOPPER_CASES += [("sigmoid_alibi", (2, 8, 2, 1000, 1000, 128)), ("sigmoid_alibi", (1, 4, 2, 300, 300, 256))]
 
 
 @pytest.mark.gpu
@@ -462,12 +464,15 @@ HOPPER_CASES += [("causal", (1, 4, 4, 257, 700, 64)), ("learned_rel_bias", (1, 4
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name, shape", HOPPER_CASES, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
 def test_dropout_through_the_hopper_family_on_gpu(name, dtype, shape):
-    """The Hopper forward drops P after its softmax sum and its backward regenerates the mask (256: the split
-    head-dim backward): out, LSE and every gradient against the float64 reference with the call's mask."""
+    """The Hopper forward drops P after its softmax sum (or its sigmoid) and its backward regenerates the mask
+    (256: the split head-dim backward): out, LSE and every gradient against the float64 reference with the
+    call's mask."""
     B, H, HKV, N, M, D = shape
     attn = attngen.build(f"specs/{name}.attn")
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype, device="cuda")
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M, device="cuda")
+    if "slopes" in inputs:  # ALiBi's own slopes, 2^(-8 (h + 1) / H): positive, as a model uses them
+        inputs["slopes"] = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
     assert attn.forward_family(q, k, v, dropout_p=0.2, **inputs) == "hopper"
     assert attn.backward_family(q, k, v, **inputs) == "hopper"
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, seed=1, dropout_p=0.2)

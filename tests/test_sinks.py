@@ -415,6 +415,28 @@ def test_gradients_through_infinite_sinks_match_the_reference(variant):
 
 
 @CPU_CALLS
+@pytest.mark.parametrize("variant", sorted(SPECIAL))
+def test_infinite_and_nan_sinks_with_dropout_match_the_reference(variant):
+    # Dropout drops the keys' weights after the softmax the sink takes part in: a +inf row keeps O = 0 and
+    # LSE = +inf (all its weight is the sink's, which has no value to drop), a NaN row stays NaN, -inf is no
+    # sink; out, LSE and every gradient (the sink's through LSE and delta) as the reference with the call's mask.
+    attn = attngen.build(SPECIAL[variant])
+    B, H, HKV, N, D = 2, 4, 2, 21, 16
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.float32)
+    with torch.no_grad():
+        inputs = {"bias": torch.tensor(SPECIAL_BIAS)}
+        mask = attn.dropout_mask(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(2), **inputs)
+        got = attn(q, k, v, return_lse=True, dropout_p=0.5, generator=torch.Generator().manual_seed(2), **inputs)
+        _assert_rows_match(got, reference.evaluate(attn.spec, q, k, v, inputs, dropout_p=0.5, dropout_mask=mask))
+        assert (got[0][0, 1] == 0).all() and torch.isposinf(got[1][0, 1]).all() and got[0][0, 3].isnan().all()
+    finite = {"bias": torch.tensor([[0.5, INF, -INF, 1.0], [-1.0, INF, 2.0, -INF]])}
+    testing.check_against_reference(attn.spec, attn, q, k, v, finite, seed=2, dropout_p=0.5)
+    pq, pk, pv, _, packed = _packed_case(attn)
+    packed_bias = {"bias": torch.tensor([[INF, 0.5, -INF, 1.0], [-1.0, 1.0, INF, 2.0], [-INF, INF, 0.0, 3.0]])}
+    testing.check_against_reference(attn.spec, attn, pq, pk, pv, packed_bias, packed=packed, seed=3, dropout_p=0.3)
+
+
+@CPU_CALLS
 def test_a_sink_read_at_the_head_is_its_input_viewed_with_no_copy():
     attn = attngen.build("attention per_head\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n")
     q, k, v = testing.random_qkv(2, 4, 2, 9, 9, 16, 16, torch.float32)
@@ -532,6 +554,7 @@ def test_infinite_and_nan_sinks_through_the_hopper_and_decode_families_on_gpu(va
         torch.testing.assert_close(out.double(), want_out, equal_nan=True, rtol=2e-2, atol=2e-2)
     finite = {"bias": torch.tensor([[0.5, INF, -INF, 1.0], [-1.0, INF, 2.0, -INF]], device="cuda")}
     testing.check_against_reference(attn.spec, attn, q, k, v, finite)
+    testing.check_against_reference(attn.spec, attn, q, k, v, finite, seed=2, dropout_p=0.3)
 
 
 @pytest.mark.gpu
