@@ -41,6 +41,15 @@ def merge(outs, lses):
                                 f"tensor on {first.device}; got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
     if not torch.compiler.is_compiling() and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_lse_values(lses)
+    out, lse = combine(outs, lses)
+    return out.to(first.dtype), lse
+
+
+def combine(outs, lses):
+    """`merge`'s arithmetic without its checks, for callers whose parts come from the kernels (finite or -inf
+    LSEs): (out, lse), both in the working dtype (float32, or float64 when some part is float64), so a caller
+    that merges part after part (a ring of context-parallel shards) rounds to its output dtype once."""
+    first = outs[0]
     work = functools.reduce(torch.promote_types, [first.dtype, *(lse.dtype for lse in lses)], torch.float32)
     lse_parts = torch.stack([lse.to(work) for lse in lses])
     # logsumexp by hand: torch.logsumexp's gradient on a row of -infs is NaN (exp(-inf - -inf)).
@@ -54,7 +63,7 @@ def merge(outs, lses):
     # exp(-inf - finite) = 0; a row with no key anywhere has lse = -inf, so shift it by 0 instead.
     weights = torch.exp(lse_parts - torch.where(some, lse, 0.0))
     out = (weights.unsqueeze(-1) * torch.stack([o.to(work) for o in outs])).sum(dim=0)
-    return out.to(first.dtype), lse
+    return out, lse
 
 
 def _check_lse_values(lses) -> None:
