@@ -172,18 +172,17 @@ def _case_id(case):
     return "{}-{}-{}-B{}H{}KV{}-N{}".format(*case) + "".join(f"-{x}" for x in case[7:])
 
 
-def _check_call(case, world, rank):
+def _check_call(case, world, rank, device, dtype, D):
     """One case on this rank: cp on the shards against the float64 reference of the whole sequence."""
     from attngen.distributed import context_parallel, shard, unshard
 
     name, balance, schedule, B, H, HKV, N, *layout = case
-    D = 16
     spec = _spec(name)
     attn = attngen.build(spec)
     cp = context_parallel(attn, load_balance=balance, schedule=schedule)
     assert cp.plan(*(torch.empty(B, h, N // world, D) for h in (H, HKV, HKV))).schedule == schedule
-    q, k, v = random_qkv(B, H, HKV, N, N, D, D, torch.float32, seed=7, layout=layout[0] if layout else "dense")
-    inputs = random_inputs(spec, B, H, HKV, N, N, seed=7)
+    q, k, v = random_qkv(B, H, HKV, N, N, D, D, dtype, device, seed=7, layout=layout[0] if layout else "dense")
+    inputs = random_inputs(spec, B, H, HKV, N, N, device=device, seed=7)
     learnable = [i.name for i in spec.learnable_inputs]
     split = lambda x: shard(x, dim=2, load_balance=balance)  # noqa: E731
     local = [split(x).requires_grad_() for x in (q, k, v)]
@@ -193,12 +192,12 @@ def _check_call(case, world, rank):
     assert out.stride() == _empty_in_layout(local[0], D).stride()
     whole_out, whole_lse = (unshard(x.detach(), dim=2, load_balance=balance) for x in (out, lse))
     g = torch.Generator().manual_seed(11)
-    dout = torch.randn(whole_out.shape, generator=g)
-    dlse = torch.where(torch.isfinite(whole_lse), torch.randn(whole_lse.shape, generator=g), 0.0)
+    dout = torch.randn(whole_out.shape, generator=g).to(device, dtype)
+    dlse = torch.where(torch.isfinite(whole_lse), torch.randn(whole_lse.shape, generator=g).to(device), 0.0)
     torch.autograd.backward([out, lse], [split(dout), split(dlse)])
     assert all(x.grad.stride() == _empty_in_layout(x, D).stride() for x in local)
 
-    ref = reference_error(spec, q, k, v, inputs, torch.float32, dout=dout, dlse=dlse)
+    ref = reference_error(spec, q, k, v, inputs, dtype, dout=dout, dlse=dlse)
     scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse)
     scales["lse"] = 1.0 + math.sqrt(N)
     effects = output_error_effect(spec, q, k, v, inputs, whole_out, dout)
@@ -216,15 +215,13 @@ def _check_call(case, world, rank):
     assert again.grad_fn is None and torch.equal(again, out.detach())
 
 
-def _check_shards(world, rank):
+def _check_shards(world, rank, device):
     """shard and unshard are inverses, along any dim; unshard's gradient sums every rank's."""
     from attngen.distributed import shard, unshard
 
-    x = torch.arange(2 * 3 * 8 * world, dtype=torch.float32).view(2, 3, 8 * world)
+    x = torch.arange(4 * world * 3 * 8 * world, dtype=torch.float32, device=device).view(4 * world, 3, 8 * world)
     for balance in schedules.LOAD_BALANCES:
-        for dim in (2, -1, 0 if world == 2 else 2):
-            if x.shape[dim] % (2 * world):
-                continue
+        for dim in (0, 2, -1):
             piece = shard(x, dim=dim, load_balance=balance)
             assert piece.shape[dim] == x.shape[dim] // world
             assert torch.equal(unshard(piece, dim=dim, load_balance=balance), x)
@@ -233,15 +230,20 @@ def _check_shards(world, rank):
         assert torch.equal(piece.grad, world * shard(x, load_balance=balance))
 
 
-def _worker(rank, world, init_file, out_dir, cases):
+def _worker(rank, world, init_file, out_dir, cases, device, dtype, D):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
     results = {}
     try:
         for case in cases:
             try:
-                _check_shards(world, rank) if case == "shards" else _check_call(case, world, rank)
+                if case == "shards":
+                    _check_shards(world, rank, device)
+                else:
+                    _check_call(case, world, rank, device, getattr(torch, dtype), D)
                 results[_case_id(case) if case != "shards" else case] = None
             except Exception:  # every case is reported, whichever fails
                 results[_case_id(case) if case != "shards" else case] = traceback.format_exc()
@@ -250,11 +252,13 @@ def _worker(rank, world, init_file, out_dir, cases):
         dist.destroy_process_group()
 
 
-def _run(world, cases, tmp_path):
+def _run(world, cases, tmp_path, device="cpu", dtype="float32", D=16):
+    """Runs the cases in `world` processes (gloo on the CPU; NCCL, one GPU each, on CUDA), every rank checking its
+    shards; fails with every failed case's traceback."""
     out_dir = tmp_path / "results"
     out_dir.mkdir()
-    mp.start_processes(_worker, args=(world, str(tmp_path / "init"), str(out_dir), cases), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, str(tmp_path / "init"), str(out_dir), cases, device, dtype, D),
+                       nprocs=world, start_method="spawn")
     failures = []
     for rank in range(world):
         results = json.loads((out_dir / f"rank{rank}.json").read_text())
@@ -284,3 +288,26 @@ def test_four_ranks_give_the_single_process_results_for_the_catalog(tmp_path):
     cases = [(name, schedules.LOAD_BALANCES[n % 2], ("ring", "allgather")[n // 2 % 2], 1, 2, 1, 64)
              for n, name in enumerate(SLOW_SPECS)]
     _run(4, cases, tmp_path)
+
+
+# On GPUs: bf16, the Hopper family's kernels where the GPU has them (D = 64), lengths whose chunks span many tiles.
+GPU_CASES = [
+    ("causal", "zigzag", "ring", 1, 4, 2, 2048),
+    ("document_causal", "zigzag", "allgather", 1, 4, 2, 2048),
+    ("sliding_window", "contiguous", "ring", 1, 4, 4, 2048),
+    ("alibi_causal", "contiguous", "allgather", 2, 4, 4, 1024),
+    ("learned_rel_bias", "zigzag", "ring", 1, 4, 4, 1024),
+    ("gpt_oss_sinks", "zigzag", "ring", 1, 4, 4, 1024, "transposed"),
+]
+
+
+@pytest.mark.gpu
+def test_one_gpu_as_a_group_of_one_gives_the_single_process_results(tmp_path):
+    """NCCL's collectives and the schedules on one GPU (a group of one: its zigzag shard is two chunks)."""
+    _run(1, GPU_CASES, tmp_path, "cuda", "bfloat16", 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpus_give_the_single_process_results(tmp_path):
+    _run(min(torch.cuda.device_count(), 4), ["shards", *GPU_CASES], tmp_path, "cuda", "bfloat16", 64)

@@ -142,3 +142,26 @@ def test_the_closed_form_tiles_of_a_block_are_those_of_the_whole_sequence(name, 
                 assert (m.grid[r, c] != EMPTY) == bool(tile.any()), (b, r, c)
                 if m.grid[r, c] == FULL:
                     assert bool(tile.all()), (b, r, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document_causal", "alibi_causal", "learned_rel_bias",
+                                  "chunked_causal"])
+def test_a_blocks_kernels_match_the_reference_in_bf16_on_the_gpu(name):
+    """The kernels of the spec with global positions (the Hopper family's on sm_90) on a block deep in a sequence,
+    bf16, against the float64 reference of that spec, which is the original's at those positions."""
+    from attngen import testing
+    from attngen.frontend.positions import without_sink
+
+    spec = _spec(name)
+    s = shifted(spec)
+    part = attngen.build(without_sink(s.spec))
+    B, H, N, D = 1, 4, 4096, 64
+    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda", seed=2)
+    inputs = {**random_inputs(spec, B, H, H, N, N, device="cuda", seed=2),
+              **{n: t.cuda() for n, t in _positions(s, 2048, 1024, N, N).items()}}
+    qb, kb, vb = q[:, :, 2048:3072], k[:, :, 1024:3072], v[:, :, 1024:3072]
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert part.forward_family(qb, kb, vb, **inputs) == "hopper"
+        assert part.backward_family(qb, kb, vb, **inputs) == "hopper"
+    testing.check_against_reference(part.spec, part, qb, kb, vb, inputs)
