@@ -66,6 +66,21 @@ def combine(outs, lses):
     return out, lse
 
 
+def accumulate(out, lse, part_out, part_lse) -> None:
+    """Merges one more part into a running result in place, as `combine` of the two would: `out` (B, H, Q_LEN, DV)
+    and `lse` (B, H, Q_LEN) float32 (or float64) tensors hold the parts so far (a row with none yet: 0 and -inf),
+    `part_out` in any float dtype, `part_lse` the kernels' (finite or -inf). Not differentiable: for callers that
+    add part after part (a ring of context-parallel shards), at about a third of combine's memory traffic."""
+    total = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    # A row with no key in either (-inf twice) keeps 0 and -inf: its weights are 0, not exp(nan).
+    some = torch.isfinite(total)
+    shift = torch.where(some, total, 0.0)
+    old = torch.where(some, torch.exp(lse - shift), 0.0)
+    new = torch.where(some, torch.exp(part_lse.to(lse.dtype) - shift), 0.0)
+    out.mul_(old.unsqueeze(-1)).addcmul_(part_out, new.unsqueeze(-1))
+    lse.copy_(total)
+
+
 def _check_lse_values(lses) -> None:
     """Every part's LSE is finite or -inf (an empty row): +inf or NaN would make the merge +-inf or NaN.
     One flag per part, read in one sync; the message, only on failure, reads the offending value."""

@@ -13,7 +13,7 @@ from attngen.api import Attention, build
 from attngen.emit.module import sink_literal
 from attngen.errors import ArgumentError
 from attngen.frontend.positions import shifted, without_sink
-from attngen.merge import combine
+from attngen.merge import accumulate
 from attngen.plan.targets import PRESETS
 from attngen.runtime.checks import _autocast
 from attngen.runtime.reductions import reduced_inputs
@@ -22,8 +22,6 @@ from attngen.runtime.sinks import sink_rows
 from attngen.distributed import schedule as schedules
 from attngen.distributed.schedule import Chunk, Sizes
 from attngen.distributed.shards import _gather_into, _peer, _reduce_scatter_into, _rows, _world
-
-
 
 
 class ContextParallel:
@@ -40,8 +38,10 @@ class ContextParallel:
             raise ArgumentError(f"load_balance must be one of {', '.join(map(repr, schedules.LOAD_BALANCES))}, "
                                 f"got {load_balance!r}")
         if schedule not in schedules.SCHEDULES:
-            raise ArgumentError(f"schedule must be one of {', '.join(map(repr, schedules.SCHEDULES))}, got {schedule!r}")
+            raise ArgumentError(f"schedule must be one of {', '.join(map(repr, schedules.SCHEDULES))}, "
+                                f"got {schedule!r}")
         spec = attn.spec
+        # Parts of a row merge by their LSE: a spec normalised otherwise (whose rows would be plain sums) is refused.
         normalize = getattr(spec, "normalize", "softmax")
         if normalize != "softmax":
             raise ArgumentError(f"{spec.name}: context_parallel needs normalize: softmax, got normalize: {normalize} "
@@ -176,7 +176,7 @@ def _call(cp: ContextParallel, q, k, v, return_lse, dropout_p, inputs):
     tensors = [inputs[name] for name in cp.inputs]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *tensors)):
         for name, t in zip(cp.inputs, tensors):
-            if t.requires_grad and name not in cp.learnable:
+            if isinstance(t, torch.Tensor) and t.requires_grad and name not in cp.learnable:
                 cp._fail(f"input '{name}' requires grad, but the spec does not declare it learnable")
         out, lse = _ContextParallelFunction.apply(run, q, k, v, *tensors)
     else:
@@ -226,26 +226,22 @@ class _Run:
 
     def forward(self, q, k, v, inputs):
         """This rank's (out in q's dtype, LSE float32), its sink merged once per row."""
-        parts = self._ring_forward(q, k, v, inputs) if self.plan.schedule == "ring" else \
-            self._allgather_forward(q, k, v, inputs)
         B, H, rows, _ = q.shape
-        # O in q's layout, as one process's call lays it out (a row no key reaches stays 0, its LSE -inf).
+        # O in q's layout, as one process's call lays it out, summed in fp32 (a row no key reaches: 0 and LSE -inf).
         out = _empty_in_layout(q, v.shape[3], torch.float32).zero_()
         lse = torch.full((B, H, rows), -torch.inf, dtype=torch.float32, device=q.device)
-        for a, chunk in enumerate(self.plan.q_chunks[self.rank]):
-            o, l = parts[a] if parts[a] is not None else (None, None)
-            if self.cp.sink is not None:
+        if self.plan.schedule == "ring":
+            self._ring_forward(q, k, v, inputs, out, lse)
+        else:
+            self._allgather_forward(q, k, v, inputs, out, lse)
+        if self.cp.sink is not None:
+            for chunk in self.plan.q_chunks[self.rank]:
                 sink = self.cp._sink_rows(q, chunk, self.plan.sizes, inputs)
-                o, l = (combine([o, torch.zeros_like(o)], [l, sink]) if o is not None
-                        else (torch.zeros_like(_rows(out, chunk)), sink))
-            if o is not None:
-                _rows(out, chunk).copy_(o)
-                _rows(lse, chunk).copy_(l)
+                accumulate(_rows(out, chunk), _rows(lse, chunk), torch.zeros_like(_rows(out, chunk)), sink)
         return out.to(q.dtype), lse
 
-    def _ring_forward(self, q, k, v, inputs):
+    def _ring_forward(self, q, k, v, inputs, out, lse):
         plan, r = self.plan, self.rank
-        parts = [None] * len(plan.q_chunks[r])
         kv = (k.contiguous(), v.contiguous())
         for s in range(plan.world):
             # The next step's shard travels while this step's kernels run.
@@ -253,13 +249,12 @@ class _Run:
             shard = plan.holds(r, s)
             if shard is not None:
                 for a, b, _ in plan.pairs(r, shard):
-                    chunk = plan.kv_chunks[shard][b]
+                    chunk, rows = plan.kv_chunks[shard][b], plan.q_chunks[r][a]
                     o, l = self._part_forward(q, a, _rows(kv[0], chunk), _rows(kv[1], chunk), chunk.start, inputs)
-                    parts[a] = (o.float(), l) if parts[a] is None else combine([parts[a][0], o], [parts[a][1], l])
+                    accumulate(_rows(out, rows), _rows(lse, rows), o, l)
             for w in work:
                 w.wait()
             kv = received.get("kv")
-        return parts
 
     def _gathered(self, x):
         """The whole sequence of every rank's shard of x (B, heads, rows, ...), in sequence order."""
@@ -281,18 +276,15 @@ class _Run:
             return None
         return min(c.start for c in found), max(c.end for c in found)
 
-    def _allgather_forward(self, q, k, v, inputs):
+    def _allgather_forward(self, q, k, v, inputs, out, lse):
         whole_k, whole_v = self._gathered(k), self._gathered(v)
-        parts = []
-        for a in range(len(self.plan.q_chunks[self.rank])):
+        for a, chunk in enumerate(self.plan.q_chunks[self.rank]):
             hull = self._hull(a)
-            if hull is None:
-                parts.append(None)
-                continue
-            lo, hi = hull
-            o, l = self._part_forward(q, a, whole_k[:, :, lo:hi], whole_v[:, :, lo:hi], lo, inputs)
-            parts.append((o.float(), l))
-        return parts
+            if hull is not None:
+                lo, hi = hull
+                o, l = self._part_forward(q, a, whole_k[:, :, lo:hi], whole_v[:, :, lo:hi], lo, inputs)
+                _rows(out, chunk).copy_(o)
+                _rows(lse, chunk).copy_(l)
 
     # --- backward -------------------------------------------------------------------------------------------
 

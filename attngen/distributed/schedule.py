@@ -47,8 +47,8 @@ def chunks(length: int, world: int, rank: int, load_balance: str) -> tuple[Chunk
         raise ArgumentError(f"load_balance must be one of {', '.join(map(repr, LOAD_BALANCES))}, got {load_balance!r}")
     parts = world if load_balance == "contiguous" else 2 * world
     if length % parts:
-        raise ArgumentError(f"a {load_balance} shard of a sequence over {world} ranks needs its length to be a multiple of "
-                            f"{parts}, got {length}")
+        raise ArgumentError(f"a {load_balance} shard of a sequence over {world} ranks needs its length to be a "
+                            f"multiple of {parts}, got {length}")
     c = length // parts
     if load_balance == "contiguous":
         return (Chunk(rank * c, c, 0),)
@@ -191,7 +191,8 @@ def _pair_weight(spec: ir.Spec, q: Chunk, k: Chunk, cls: intervals.TileClass, si
     qs = [Chunk(q.start + i * q.length // n, (i + 1) * q.length // n - i * q.length // n, 0) for i in range(n)]
     ks = [Chunk(k.start + i * k.length // n, (i + 1) * k.length // n - i * k.length // n, 0) for i in range(n)]
     share = {intervals.TileClass.FULL: 1.0, intervals.TileClass.PARTIAL: 0.5, intervals.TileClass.EMPTY: 0.0}
-    return sum(share[pair_class(spec, a, b, sizes)] * a.length * b.length for a in qs for b in ks) / (q.length * k.length)
+    allowed = sum(share[pair_class(spec, a, b, sizes)] * a.length * b.length for a in qs for b in ks)
+    return allowed / (q.length * k.length)
 
 
 def _pair_flops(spec: ir.Spec, sizes: Sizes, q: Chunk, k: Chunk, cls: intervals.TileClass) -> float:
