@@ -79,3 +79,15 @@ def test_accumulating_parts_one_by_one_is_merging_them(dtype):
     torch.testing.assert_close(out, expected_out, **tolerance)
     torch.testing.assert_close(lse, expected_lse, **tolerance)
     assert (lse[..., 2] == -math.inf).all() and (out[..., 2, :] == 0).all()
+
+
+def test_importing_the_merge_module_leaves_attngen_merge_the_function():
+    """attngen/merge.py is a submodule of the same name as the public function: importing it first (as
+    attngen.distributed does) must not bind the module over attngen.merge."""
+    import subprocess
+    import sys
+
+    code = ("from attngen.merge import accumulate\nimport attngen\n"
+            "assert callable(attngen.merge) and attngen.merge.__name__ == 'merge', attngen.merge\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
