@@ -23,6 +23,7 @@ from attngen.runtime.shared import _empty_in_layout
 from attngen.testing import random_inputs, random_qkv
 from attngen.testing.tolerances import (FLOOR_ULPS, FP32_EPS, assert_matches_reference, default_floor,
                                         output_error_effect, reference_error, summation_scales)
+from conftest import CPU_CALLS
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SMALL = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
@@ -181,7 +182,7 @@ def _check_call(case, world, rank, device, dtype, D):
     attn = attngen.build(spec)
     reduce_input_grads = "local_input_grads" not in options
     cp = context_parallel(attn, load_balance=balance, schedule=schedule, reduce_input_grads=reduce_input_grads)
-    assert cp.plan(*(torch.empty(B, h, N // world, D) for h in (H, HKV, HKV))).schedule == schedule
+    assert cp.plan(*(torch.empty(B, h, N // world, D, dtype=dtype) for h in (H, HKV, HKV))).schedule == schedule
     layout = "transposed" if "transposed" in options else "dense"
     q, k, v = random_qkv(B, H, HKV, N, N, D, D, dtype, device, seed=7, layout=layout)
     inputs = random_inputs(spec, B, H, HKV, N, N, device=device, seed=7)
@@ -272,16 +273,19 @@ def _run(world, cases, tmp_path, device="cpu", dtype="float32", D=16):
     assert not failures, "\n".join(failures)
 
 
+@CPU_CALLS
 def test_two_ranks_give_the_single_process_results(tmp_path):
     _run(2, ["shards", *TWO_RANKS], tmp_path)
 
 
+@CPU_CALLS
 def test_four_ranks_give_the_single_process_results(tmp_path):
     _run(4, ["shards", *FOUR_RANKS], tmp_path)
 
 
 # The slow tier: the rest of the catalog, each spec with both sharding and both schedules over the two tests.
 @pytest.mark.slow
+@CPU_CALLS
 @pytest.mark.parametrize("schedule", ["ring", "allgather"])
 def test_two_ranks_give_the_single_process_results_for_the_catalog(schedule, tmp_path):
     _run(2, [(name, schedules.LOAD_BALANCES[(n + (schedule == "ring")) % 2], schedule, 1, 4, 2, 64)
@@ -289,6 +293,7 @@ def test_two_ranks_give_the_single_process_results_for_the_catalog(schedule, tmp
 
 
 @pytest.mark.slow
+@CPU_CALLS
 def test_four_ranks_give_the_single_process_results_for_the_catalog(tmp_path):
     cases = [(name, schedules.LOAD_BALANCES[n % 2], ("ring", "allgather")[n // 2 % 2], 1, 2, 1, 64)
              for n, name in enumerate(SLOW_SPECS)]
