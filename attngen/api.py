@@ -76,6 +76,12 @@ class Attention:
                                            deterministic=self.deterministic if deterministic is None else deterministic,
                                            **inputs)
 
+    def gradients(self, q, k, v, out, lse, do, dlse=None, **inputs):
+        """The backward kernels alone: (dq, dk, dv, {name: gradient} of the learnable inputs) of a training call
+        given `out`, `lse` and the upstream `do` (and `dlse`). With the output and LSE of an attention over
+        more keys than k holds (partial results merged by LSE), this part's share of its gradients."""
+        return self.module.gradients(q, k, v, out, lse, do, dlse, **inputs)
+
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
         return self.module.visit_counts(q, k, v, **inputs)

@@ -336,8 +336,11 @@ def _load(expr: Load, env: Env) -> Tensor:
     name = expr.input
     if name not in env.inputs:
         raise ArgumentError(f"input {name!r} must be given")
-    x = env.inputs[name]
-    index = [evaluate_expr(i, env) for i in expr.index]
+    return _read(name, env.inputs[name], [evaluate_expr(i, env) for i in expr.index], expr.type, env)
+
+
+def _read(name: str, x: Tensor, index: list[Tensor], type_: ValueType, env: Env) -> Tensor:
+    """x (input `name`, or its reduction) at the evaluated `index`, checked, as the load's type."""
     assert len(index) == x.dim(), f"input {name!r} has {x.dim()} dims, indexed with {len(index)}"
     for dim, (i, size) in enumerate(zip(index, x.shape)):
         assert not i.is_floating_point(), f"float index into {name!r}"
@@ -345,14 +348,14 @@ def _load(expr: Load, env: Env) -> Tensor:
             raise IndexOutOfRange(f"input {name!r} indexed out of range in dim {dim}: "
                                 f"got indices in [{int(i.min())}, {int(i.max())}], size {size}")
     value = x[tuple(index)] if index else x
-    if expr.type == "float":
+    if type_ == "float":
         return _to_float(value, env)
-    return value.long() if expr.type == "int" else value.bool()
+    return value.long() if type_ == "int" else value.bool()
 
 
 def _reduce(expr: Reduce, env: Env) -> Tensor:
     """op(input[..., :, ...]): the input reduced over its ':' dims (floats in the reference's precision, ints and
-    bools exactly), then read at the other indices as a load is."""
+    bools exactly), then read at the other indices as a load is (which may read other inputs: `prefix[b]`)."""
     name = expr.input
     if name not in env.inputs:
         raise ArgumentError(f"input {name!r} must be given")
@@ -367,8 +370,8 @@ def _reduce(expr: Reduce, env: Env) -> Tensor:
         raise ArgumentError(str(e)) from None
     if expr.op == "mean" and not reduced.dtype.is_floating_point:
         reduced = _to_float(reduced, env)
-    kept = tuple(i for i in expr.index if i is not None)
-    return _load(Load(type=expr.type, input=name, index=kept), replace(env, inputs={name: reduced}))
+    kept = [evaluate_expr(i, env) for i in expr.index if i is not None]
+    return _read(name, reduced, kept, expr.type, env)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:

@@ -102,9 +102,8 @@ def _rows(cases, B, H, N, D):
         for name, spec, build_options, keywords in (("with", with_it, options, call), ("without", without, {}, {})):
             attn = attngen.build(spec, **build_options)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
-            for t in inputs.values():
-                if t.is_floating_point():
-                    t.requires_grad_()
+            for decl in attn.spec.learnable_inputs:  # the others are data: no gradient
+                inputs[decl.name].requires_grad_()
             row[f"{name} families"] = (attn.forward_family(q, k, v, **inputs, **keywords),
                                        attn.backward_family(q, k, v, **inputs))
             for part, backward in (("fwd", False), ("fwd+bwd", True)):

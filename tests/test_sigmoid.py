@@ -445,13 +445,16 @@ def test_sigmoid_through_the_hopper_family_on_gpu(name, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["sigmoid_alibi", "rows", "document"])
 def test_sigmoid_through_the_portable_and_decode_families_on_gpu(name, dtype):
-    # D = 48, which the Hopper family does not take: the portable forward and backward (bf16 dots, which the
-    # interpreter cannot check); then a decoding step and a chunk of prefill over the cache, by the decode family.
+    # D = 48, which the Hopper family does not take: the portable backward (bf16 dots, which the interpreter
+    # cannot check) and the forward the decode family's rule picks for these shapes on this GPU (its model may
+    # predict the split kernel faster for a spec without tables); then a decoding step and a chunk of prefill
+    # over the cache, by the decode family.
     attn = attngen.build(HOPPER_SPECS[name])
     B, H, HKV, N, D = 2, 8, 2, 300, 48
     q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
     inputs = _gpu_inputs(attn, B, H, HKV, N, N)
-    assert attn.forward_family(q, k, v, **inputs) == "portable" and attn.backward_family(q, k, v, **inputs) == "portable"
+    assert attn.forward_family(q, k, v, **inputs) in {"portable", "decode"}
+    assert attn.backward_family(q, k, v, **inputs) == "portable"
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
     kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
     for n in (1, 4):

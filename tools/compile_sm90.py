@@ -2,7 +2,10 @@
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
     python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--head-dim 64] [--ptx DIR]
-                                 [--json]
+                                 [--json] [--context-parallel]
+
+With --context-parallel it compiles instead the spec each rank of a context-parallel call runs (global
+positions read from scalar inputs, no sink: attngen.frontend.positions).
 
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
@@ -242,12 +245,15 @@ def main() -> None:
     parser.add_argument("--family", nargs="*", help="only these families' kernels (e.g. hopper)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
     parser.add_argument("--head-dim", type=int, default=128, help="D = DV of the launches (a power of two)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="compile the specs with global positions that context-parallel calls run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(compile_module(args.child, args.ptx, args.family, args.head_dim)))
         return
     import attngen
+    from attngen.frontend.positions import shifted, without_sink
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     failed = 0
@@ -257,7 +263,10 @@ def main() -> None:
             if args.only and path.stem not in args.only:
                 continue
             module = Path(folder) / f"{path.stem}.py"
-            module.write_text(attngen.compile_source(path.read_text(), target="h200"))
+            source = path.read_text()
+            if args.context_parallel:
+                source = without_sink(shifted(attngen.parse_spec(source)).spec)
+            module.write_text(attngen.compile_source(source, target="h200"))
             ptx = ["--ptx", str(Path(args.ptx).resolve())] if args.ptx else []
             if args.ptx:
                 Path(args.ptx).mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,74 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
                                             plan, sink, dropout)
         return (out, lse) if return_lse else out
 
+    def gradients(self, q, k, v, out, lse, do, dlse=None, *, deterministic=False, **inputs):
+        """The backward kernels of a training call of these q, k, v and inputs, given `out` and `lse` and the
+        upstream gradients `do` (and `dlse`, None for none): (dq, dk, dv, {name: gradient} of each learnable
+        input), in q's, k's, v's and each input's dtype; eager only, nothing differentiable.
+
+        `out` (B, H, Q_LEN, DV) and `lse` (B, H, Q_LEN) float32 need not be this call's: the kernels
+        recompute P = exp(score' - lse) and read delta = rowsum(dO * out) - dLSE, so given the output and LSE
+        of an attention over more keys than k holds (this call's keys one part of them, the parts' results
+        merged by their LSE: context-parallel shards, cascade attention) they return this part's share of
+        that attention's gradients, and the shares of the parts add up to them. A spec with a sink counts
+        its sink in `lse` and gets its gradient here (-exp(sink - lse) * delta per row). Reductions of inputs
+        (`sum(x[b, :])`) pass their gradients on to the inputs they reduce. A sigmoid spec has no LSE: `lse`
+        is None there (each key's weight is its own, so the parts' gradients add up as they are).
+        `deterministic` (or torch.use_deterministic_algorithms(True)): the same bits every run, as for attn."""
+        self._check_tensors(q, k, v)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+        if (lse is None) != self.facts.sigmoid:
+            self._fail("lse must be None for a spec with normalize: sigmoid, which has no LSE, and given for a softmax "
+                       f"spec, got {'None' if lse is None else 'a tensor'}")
+        learnable = [name for name, (_, _, is_learnable) in self.facts.inputs.items() if is_learnable]
+        # Learnable inputs read through a reduction or a sink get their gradient by autograd through the torch
+        # code that computes those from them: leaves here, detached from any graph of the caller's.
+        leaves = {name: t.detach().requires_grad_() for name, t in inputs.items()
+                  if name in learnable and isinstance(t, torch.Tensor) and t.is_floating_point()}
+        with torch.enable_grad():
+            reduced = self._reduced({**inputs, **leaves})
+            plan = self._call_plan(q, k, v, reduced, deterministic)
+            B, H, _, Q_LEN, _, _, DV = plan.sizes
+            for name, t, shape in (("out", out, (B, H, Q_LEN, DV)), ("do", do, (B, H, Q_LEN, DV)),
+                                   ("lse", lse, (B, H, Q_LEN)), ("dlse", dlse, (B, H, Q_LEN))):
+                if name in ("lse", "dlse") and t is None:
+                    continue
+                if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.device == q.device
+                        and t.is_floating_point()):
+                    self._fail(f"{name} must be a float tensor of shape {shape} on {q.device}, got "
+                               + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                                  else type(t).__name__))
+            if out.dtype != q.dtype or (lse is not None and lse.dtype != torch.float32):
+                self._fail(f"out must have q's dtype {q.dtype} and lse float32, got {out.dtype} and "
+                           f"{lse.dtype if lse is not None else None}")
+            sink = self._sink_rows(q, k, reduced)
+        tensors = [reduced[name].detach().contiguous() for name in self.facts.inputs]
+        # The kernels read LSE as a dense (B, H, Q_LEN) array (a slice of a longer one is not), dO in q's dtype; a
+        # sigmoid spec's kernels read none, and a placeholder stands in for it.
+        out, do = out.detach(), do.detach().to(q.dtype)
+        lse = lse.detach().contiguous() if lse is not None else out.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        dlse = dlse.detach().float() if dlse is not None else None
+        wanted_sink = sink.detach() if sink is not None and sink.requires_grad else None
+        dq, dk, dv, kernel_grads, dsink = self._backward_with_tables(
+            q.detach(), k.detach(), v.detach(), out, lse, do, dlse, tensors, {},
+            self._builder(_sizes(q, k), q.device, tensors, plan), plan, deterministic, wanted_sink)
+        grads = {name: g for name, g in zip(self.facts.inputs, kernel_grads) if g is not None}
+        # What reaches the user's inputs through torch code: the reductions' values and the sink rows.
+        through = [(reduced[name], grads.pop(name)) for name, *_ in self.facts.reductions
+                   if name in grads and reduced[name].requires_grad]
+        if wanted_sink is not None:
+            through.append((sink, dsink))
+        result = {name: grads.get(name) for name in learnable if name in inputs}
+        if through and leaves:
+            chained = torch.autograd.grad([t for t, _ in through], list(leaves.values()), [g for _, g in through],
+                                          allow_unused=True)
+            for (name, leaf), g in zip(leaves.items(), chained):
+                if g is not None:
+                    result[name] = g if result.get(name) is None else result[name] + g.to(result[name].dtype)
+        result = {name: (g if g is not None else torch.zeros_like(inputs[name])).to(inputs[name].dtype)
+                  for name, g in result.items()}
+        return dq, dk, dv, result
+
     def _sink_rows(self, q, k, inputs, cache=None, packed=None):
         """The sink of every query row of a checked call, which the forward kernels start each row's softmax
         at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), in any strides (a `sinks[h]` is its input
