@@ -39,10 +39,15 @@ CASES = [
     # No score expression: the scale applied in exp2's argument (DEFER_SCALE) on both sides.
     ("sigmoid on plain causal attention", "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
      "specs/causal.attn", {}),
-    # The same build with and without deterministic mode (its options: attngen.build's keywords).
+    # The same build with and without deterministic mode (its options: attngen.build's keywords, for the build
+    # with the feature and, if a fifth element gives them, for the one without).
     ("deterministic backward (causal)", "specs/causal.attn", "specs/causal.attn", {"deterministic": True}),
     ("deterministic backward (learned_rel_bias: a learned table's exact sums)", "specs/learned_rel_bias.attn",
      "specs/learned_rel_bias.attn", {"deterministic": True}),
+    # The portable family's own cost of it (planned for an A100: the portable kernels alone), whose backward
+    # writes dQ, dK and dV once a tile either way.
+    ("deterministic backward on the portable family (causal)", "specs/causal.attn", "specs/causal.attn",
+     {"deterministic": True, "target": "a100"}, {"target": "a100"}),
 ]
 
 
@@ -76,9 +81,10 @@ def _rows(cases, B, H, N, D):
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without, options in cases:
+    for feature, with_it, without, options, *without_options in cases:
         row = {"feature": feature, "shape": [B, H, N, D]}
-        for name, spec, build_options in (("with", with_it, options), ("without", without, {})):
+        for name, spec, build_options in (("with", with_it, options),
+                                          ("without", without, without_options[0] if without_options else {})):
             attn = attngen.build(spec, **build_options)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
             for decl in attn.spec.learnable_inputs:  # the others are data: no gradient
