@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,33 +28,48 @@ import attngen
 from attngen import testing
 
 DROPOUT_P = 0.1
-# (feature, spec with it, the same spec without it, attngen.build's keywords with it, the call's keywords with
-# it)
+
+
+class Case(NamedTuple):
+    """A feature's row: the spec with it and the same spec without it, attngen.build's keywords for each, and
+    the keywords of the call with it."""
+    feature: str
+    with_spec: str
+    without_spec: str
+    options: dict = {}
+    call: dict = {}
+    without_options: dict = {}
+
+
 CASES = [
-    ("sink (gpt_oss_sinks: window 128, a learned sink per head)",
-     "specs/gpt_oss_sinks.attn",
-     "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n", {}, {}),
-    ("sink on causal attention",
-     "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
-     "specs/causal.attn", {}, {}),
+    Case("sink (gpt_oss_sinks: window 128, a learned sink per head)",
+         "specs/gpt_oss_sinks.attn",
+         "attention gpt_oss_no_sink\nparam window = 128\nmask: causal and q - k < window\n"),
+    Case("sink on causal attention",
+         "attention causal_sink\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n",
+         "specs/causal.attn"),
     # Sigmoid against softmax of the very same scores (the -log(KV_LEN) bias changes no softmax, but costs the
     # same), and against the catalog's ALiBi, which lacks that term.
-    ("sigmoid (sigmoid_alibi against the same spec with softmax)",
-     "specs/sigmoid_alibi.attn",
-     "attention softmax_alibi_log\ninput slopes: f32[H]\nmask: causal\n"
-     "score: score + slopes[h] * (k - q) - log(KV_LEN)\n", {}, {}),
-    ("sigmoid (sigmoid_alibi against alibi_causal)", "specs/sigmoid_alibi.attn", "specs/alibi_causal.attn", {}, {}),
+    Case("sigmoid (sigmoid_alibi against the same spec with softmax)",
+         "specs/sigmoid_alibi.attn",
+         "attention softmax_alibi_log\ninput slopes: f32[H]\nmask: causal\n"
+         "score: score + slopes[h] * (k - q) - log(KV_LEN)\n"),
+    Case("sigmoid (sigmoid_alibi against alibi_causal)", "specs/sigmoid_alibi.attn", "specs/alibi_causal.attn"),
     # No score expression: the scale applied in exp2's argument (DEFER_SCALE) on both sides.
-    ("sigmoid on plain causal attention", "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
-     "specs/causal.attn", {}, {}),
+    Case("sigmoid on plain causal attention", "attention sigmoid_causal\nnormalize: sigmoid\nmask: causal\n",
+         "specs/causal.attn"),
     # The same build with and without deterministic mode (its options: attngen.build's keywords).
-    ("deterministic backward (causal)", "specs/causal.attn", "specs/causal.attn", {"deterministic": True}, {}),
-    ("deterministic backward (learned_rel_bias: a learned table's exact sums)", "specs/learned_rel_bias.attn",
-     "specs/learned_rel_bias.attn", {"deterministic": True}, {}),
+    Case("deterministic backward (causal)", "specs/causal.attn", "specs/causal.attn", {"deterministic": True}),
+    Case("deterministic backward (learned_rel_bias: a learned table's exact sums)", "specs/learned_rel_bias.attn",
+         "specs/learned_rel_bias.attn", {"deterministic": True}),
+    # The portable family's own cost of it (planned for an A100: the portable kernels alone), whose backward
+    # writes dQ, dK and dV once a tile either way.
+    Case("deterministic backward on the portable family (causal)", "specs/causal.attn", "specs/causal.attn",
+         {"deterministic": True, "target": "a100"}, without_options={"target": "a100"}),
     # The same spec, its call with dropout_p and without.
-    (f"dropout {DROPOUT_P} on causal attention", "specs/causal.attn", "specs/causal.attn", {},
-     {"dropout_p": DROPOUT_P}),
-    (f"dropout {DROPOUT_P} on full attention", "specs/full.attn", "specs/full.attn", {}, {"dropout_p": DROPOUT_P}),
+    Case(f"dropout {DROPOUT_P} on causal attention", "specs/causal.attn", "specs/causal.attn",
+         call={"dropout_p": DROPOUT_P}),
+    Case(f"dropout {DROPOUT_P} on full attention", "specs/full.attn", "specs/full.attn", call={"dropout_p": DROPOUT_P}),
 ]
 # SDPA's backends that take dropout_p, timed beside attngen's dropout rows (plain attention: causal or full).
 SDPA_BACKENDS = {"sdpa flash": SDPBackend.FLASH_ATTENTION, "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -97,9 +113,11 @@ def _rows(cases, B, H, N, D):
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda"))
     dout = torch.randn_like(q)
     rows = []
-    for feature, with_it, without, options, call in cases:
+    for case in cases:
+        feature, call = case.feature, case.call
         row = {"feature": feature, "shape": [B, H, N, D]}
-        for name, spec, build_options, keywords in (("with", with_it, options, call), ("without", without, {}, {})):
+        for name, spec, build_options, keywords in (("with", case.with_spec, case.options, call),
+                                                    ("without", case.without_spec, case.without_options, {})):
             attn = attngen.build(spec, **build_options)
             inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
             for decl in attn.spec.learnable_inputs:  # the others are data: no gradient
@@ -115,7 +133,7 @@ def _rows(cases, B, H, N, D):
             print(f"  {part:8s} with {row[f'with {part} ms']:.3f} ms, without {row[f'without {part} ms']:.3f} ms: "
                   f"{row[f'{part} ratio']:.3f}x", flush=True)
         if "dropout_p" in call:
-            _sdpa_columns(row, "causal" in with_it, call["dropout_p"], q, k, v, dout)
+            _sdpa_columns(row, "causal" in case.with_spec, call["dropout_p"], q, k, v, dout)
         rows.append(row)
     return rows
 
