@@ -161,6 +161,7 @@ TWO_RANKS = [
     ("learned_rel_bias", "zigzag", "ring", 1, 2, 1, 64, "local_input_grads"),
     ("gpt_oss_sinks", "contiguous", "allgather", 1, 2, 1, 64),
     ("alibi_causal", "zigzag", "allgather", 2, 4, 2, 32),
+    ("sigmoid_alibi", "zigzag", "ring", 1, 2, 1, 64),
 ]
 FOUR_RANKS = [
     ("sliding_window", "contiguous", "ring", 1, 2, 1, 64),
@@ -190,21 +191,34 @@ def _check_call(case, world, rank, device, dtype, D):
     split = lambda x: shard(x, dim=2, load_balance=balance)  # noqa: E731
     local = [split(x).requires_grad_() for x in (q, k, v)]
     mine = {n: x.clone().requires_grad_(n in learnable) for n, x in inputs.items()}
-    out, lse = cp(*local, return_lse=True, **mine)
+    softmax = spec.normalize == "softmax"  # a sigmoid spec's rows have no LSE: its parts add
+    if softmax:
+        out, lse = cp(*local, return_lse=True, **mine)
+    else:
+        out, lse = cp(*local, **mine), None
+        with pytest.raises(ArgumentError, match="return_lse=True needs a softmax spec"):
+            cp(*local, return_lse=True, **mine)
     # O in q's layout and the gradients in q's, k's and v's, by the rule of one process's calls.
     assert out.stride() == _empty_in_layout(local[0], D).stride()
-    whole_out, whole_lse = (unshard(x.detach(), dim=2, load_balance=balance) for x in (out, lse))
+    whole_out = unshard(out.detach(), dim=2, load_balance=balance)
     g = torch.Generator().manual_seed(11)
     dout = torch.randn(whole_out.shape, generator=g).to(device, dtype)
-    dlse = torch.where(torch.isfinite(whole_lse), torch.randn(whole_lse.shape, generator=g).to(device), 0.0)
-    torch.autograd.backward([out, lse], [split(dout), split(dlse)])
+    if softmax:
+        whole_lse = unshard(lse.detach(), dim=2, load_balance=balance)
+        dlse = torch.where(torch.isfinite(whole_lse), torch.randn(whole_lse.shape, generator=g).to(device), 0.0)
+        torch.autograd.backward([out, lse], [split(dout), split(dlse)])
+    else:
+        dlse = None
+        out.backward(split(dout))
     assert all(x.grad.stride() == _empty_in_layout(x, D).stride() for x in local)
 
     ref = reference_error(spec, q, k, v, inputs, dtype, dout=dout, dlse=dlse)
     scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse)
     scales["lse"] = 1.0 + math.sqrt(N)
     effects = output_error_effect(spec, q, k, v, inputs, whole_out, dout)
-    actual = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+    actual = {"out": out, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+    if softmax:
+        actual["lse"] = lse
     actual |= {f"d_{n}": mine[n].grad for n in learnable}  # summed over the ranks: the whole gradient
     if not reduce_input_grads:
         for n in learnable:

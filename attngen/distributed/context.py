@@ -41,11 +41,8 @@ class ContextParallel:
             raise ArgumentError(f"schedule must be one of {', '.join(map(repr, schedules.SCHEDULES))}, "
                                 f"got {schedule!r}")
         spec = attn.spec
-        # Parts of a row merge by their LSE: a spec normalised otherwise (whose rows would be plain sums) is refused.
-        normalize = spec.normalize
-        if normalize != "softmax":
-            raise ArgumentError(f"{spec.name}: context_parallel needs normalize: softmax, got normalize: {normalize} "
-                                f"(its shards' rows would be sums, not merged by LSE; not supported yet)")
+        # Parts of a softmax row merge by their LSEs; a sigmoid row (each key's weight its own, no LSE) is their sum.
+        self.sigmoid = spec.normalize == "sigmoid"
         self.attn, self.group, self.load_balance = attn, group, load_balance
         self.schedule, self.reduce_input_grads = schedule, reduce_input_grads
         self.shifted = shifted(spec)
@@ -163,6 +160,9 @@ class ContextParallel:
 
 
 def _call(cp: ContextParallel, q, k, v, return_lse, dropout_p, inputs):
+    if return_lse and cp.sigmoid:
+        cp._fail("return_lse=True needs a softmax spec, got one with normalize: sigmoid, which has no LSE; call "
+                 "without return_lse")
     if dropout_p:
         cp._fail(f"dropout_p must be 0, got {dropout_p}: dropout draws its keep-mask from each call's local indices, "
                  f"so the shards would not draw the single-process mask")
@@ -197,13 +197,15 @@ class _Run:
     def _part_forward(self, q, a: int, k, v, k_start: int, inputs):
         chunk = self.plan.q_chunks[self.rank][a]
         positions = self.cp._positions(chunk, k_start, self.plan.sizes, q.device)
+        if self.cp.sigmoid:
+            return self.cp.part(_rows(q, chunk), k, v, **inputs, **positions), None
         return self.cp.part(_rows(q, chunk), k, v, return_lse=True, **inputs, **positions)
 
     def _part_backward(self, q, a: int, k, v, k_start: int, out, lse, do, dlse, inputs):
         chunk = self.plan.q_chunks[self.rank][a]
         positions = self.cp._positions(chunk, k_start, self.plan.sizes, q.device)
-        return self.cp.part.gradients(_rows(q, chunk), k, v, _rows(out, chunk), _rows(lse, chunk), _rows(do, chunk),
-                                      _rows(dlse, chunk) if dlse is not None else None, **inputs, **positions)
+        return self.cp.part.gradients(_rows(q, chunk), k, v, _rows(out, chunk), _optional_rows(lse, chunk),
+                                      _rows(do, chunk), _optional_rows(dlse, chunk), **inputs, **positions)
 
     # --- transfers ------------------------------------------------------------------------------------------
 
@@ -225,11 +227,11 @@ class _Run:
     # --- forward --------------------------------------------------------------------------------------------
 
     def forward(self, q, k, v, inputs):
-        """This rank's (out in q's dtype, LSE float32), its sink merged once per row."""
+        """This rank's (out in q's dtype, LSE float32, None for a sigmoid spec), its sink merged once per row."""
         B, H, rows, _ = q.shape
         # O in q's layout, as one process's call lays it out, summed in fp32 (a row no key reaches: 0 and LSE -inf).
         out = _empty_in_layout(q, v.shape[3], torch.float32).zero_()
-        lse = torch.full((B, H, rows), -torch.inf, dtype=torch.float32, device=q.device)
+        lse = None if self.cp.sigmoid else torch.full((B, H, rows), -torch.inf, dtype=torch.float32, device=q.device)
         if self.plan.schedule == "ring":
             self._ring_forward(q, k, v, inputs, out, lse)
         else:
@@ -251,7 +253,10 @@ class _Run:
                 for a, b, _ in plan.pairs(r, shard):
                     chunk, rows = plan.kv_chunks[shard][b], plan.q_chunks[r][a]
                     o, l = self._part_forward(q, a, _rows(kv[0], chunk), _rows(kv[1], chunk), chunk.start, inputs)
-                    accumulate(_rows(out, rows), _rows(lse, rows), o, l)
+                    if l is None:
+                        _rows(out, rows).add_(o)
+                    else:
+                        accumulate(_rows(out, rows), _rows(lse, rows), o, l)
             for w in work:
                 w.wait()
             kv = received.get("kv")
@@ -284,7 +289,8 @@ class _Run:
                 lo, hi = hull
                 o, l = self._part_forward(q, a, whole_k[:, :, lo:hi], whole_v[:, :, lo:hi], lo, inputs)
                 _rows(out, chunk).copy_(o)
-                _rows(lse, chunk).copy_(l)
+                if l is not None:
+                    _rows(lse, chunk).copy_(l)
 
     # --- backward -------------------------------------------------------------------------------------------
 
@@ -441,3 +447,8 @@ class _ContextParallelFunction(torch.autograd.Function):
         dq, dk, dv, grads = run.backward(q, k, v, out, lse, dout, dlse, inputs)
         return (None, dq, dk, dv, *[grads.get(name) if ctx.needs_input_grad[4 + i] else None
                                     for i, name in enumerate(run.cp.inputs)])
+
+
+def _optional_rows(x, chunk: Chunk):
+    """x's rows of the chunk, or None where the call has no such tensor (a sigmoid spec's LSE, an unused dLSE)."""
+    return None if x is None else _rows(x, chunk)
