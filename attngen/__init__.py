@@ -3,6 +3,7 @@
 import importlib as _importlib
 import os as _os
 import sys as _sys
+import types as _types
 
 from attngen.version import __version__
 
@@ -52,6 +53,19 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted([*globals(), *_PUBLIC])
+
+
+class _Package(_types.ModuleType):
+    """The package itself. A submodule's first import binds it on the package under its name, and one public
+    name is also a submodule's (attngen.merge, the function, in attngen/merge.py): the function keeps the name."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, _types.ModuleType) and _PUBLIC.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 
 __all__ = ["Attention", "ArgumentError", "Spec", "SpecError", "build", "compile_source", "merge",

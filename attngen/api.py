@@ -21,17 +21,33 @@ from attngen.runtime import shared
 @dataclass(frozen=True)
 class Attention:
     """A built attention variant: call it as attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None,
-    return_lse=False, tile_tables=None, **inputs)."""
+    return_lse=False, tile_tables=None, dropout_p=0.0, generator=None, deterministic=None, **inputs).
+    `deterministic` (build's): every call's backward gives the same bits run after run; a call's own
+    deterministic=True or False overrides it, and torch.use_deterministic_algorithms(True) turns it on for
+    every call."""
     spec: ir.Spec
     plan: Plan
     module: ModuleType
     path: Path
+    deterministic: bool = False
 
     def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None, **inputs):
+                 max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None,
+                 dropout_p: float = 0.0, generator=None, deterministic: bool | None = None, **inputs):
         return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables, **inputs)
+                                max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables,
+                                dropout_p=dropout_p, generator=generator,
+                                deterministic=self.deterministic if deterministic is None else deterministic, **inputs)
+
+    def dropout_mask(self, q, k, v, *, dropout_p: float, generator=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                     max_seqlen_q=None, max_seqlen_k=None, **inputs):
+        """The keep-mask (B, H, Q_LEN, KV_LEN) bool that a call with these arguments, made with the generator
+        in its present state, applies (a packed call's (B, H, max_seqlen_q, max_seqlen_k)); it draws from
+        the generator as that call would. For tests at small shapes: attngen.reference.evaluate takes it."""
+        return self.module.dropout_mask(q, k, v, dropout_p=dropout_p, generator=generator, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, **inputs)
 
     def tile_tables(self, q, k, v, **inputs):
         """The tile tables of these mask inputs, to pass as attn(q, k, v, tile_tables=..., **inputs)
@@ -40,20 +56,31 @@ class Attention:
         return self.module.tile_tables(q, k, v, **inputs)
 
     def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **inputs) -> str:
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
+                       **inputs) -> str:
         """The kernel family whose forward kernel a call with these arguments runs ("decode", "hopper"
         or "portable"): each family's rule on the call's shapes and device picks it (`attngen explain`
         lists them); a packed call runs the portable kernels."""
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **inputs)
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                                          **inputs)
 
     def backward_family(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, **inputs) -> str:
+                        max_seqlen_k=None, deterministic: bool | None = None, **inputs) -> str:
         """The kernel family whose backward kernels a training call with these arguments runs
-        ("hopper" or "portable"), by the same kind of per-call rule as forward_family."""
+        ("hopper" or "portable"), by the same kind of per-call rule as forward_family; `deterministic` as
+        for a call."""
         return self.module.backward_family(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **inputs)
+                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                           deterministic=self.deterministic if deterministic is None else deterministic,
+                                           **inputs)
+
+    def gradients(self, q, k, v, out, lse, do, dlse=None, **inputs):
+        """The backward kernels alone: (dq, dk, dv, {name: gradient} of the learnable inputs) of a training call
+        given `out`, `lse` and the upstream `do` (and `dlse`). With the output and LSE of an attention over
+        more keys than k holds (partial results merged by LSE), this part's share of its gradients."""
+        return self.module.gradients(q, k, v, out, lse, do, dlse, **inputs)
 
     def visit_counts(self, q, k, v, **inputs):
         """Which tiles each kernel visits, with mask code (1) or without (16); see the module's doc."""
@@ -117,8 +144,13 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
     return Explanation(facts.source, *report(facts, kernel_plan, q_len, kv_len, head_dim, head_dim_v, dtype))
 
 
-def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None) -> Attention:
-    """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk."""
+def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None,
+          deterministic: bool = False) -> Attention:
+    """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk. deterministic=True:
+    its backward gives the same bits run after run (as torch.use_deterministic_algorithms(True) asks of
+    every call); the kernels are the same, so the module is shared with a build without it."""
+    if not isinstance(deterministic, bool):
+        raise ArgumentError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     facts, text, tgt, kernel_plan = _prepare(spec, params, target)
     problem = interpreter_problem() if tgt.interpreter else None
     if problem:
@@ -128,4 +160,4 @@ def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | 
     # same name and meaning but other text never shares a module with it.
     key = cache.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
     module, path = cache.load(parsed.name, key, lambda: render(facts, kernel_plan, text))
-    return Attention(parsed, kernel_plan, module, path)
+    return Attention(parsed, kernel_plan, module, path, deterministic)

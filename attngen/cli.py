@@ -213,6 +213,14 @@ def explain_command(
     head_dim_v: Annotated[Optional[int], typer.Option(help="DV, the value head dim (default: D).")] = None,
     dtype: Annotated[str, typer.Option(help="bf16, f16 or f32.")] = "bf16",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the tile maps into this image (needs matplotlib).")] = None,
+    context_parallel: Annotated[Optional[int], typer.Option(
+        "--context-parallel", metavar="W",
+        help="Also show a context-parallel call over W ranks: the chunk pairs computed, the ring's paths, the schedule and why.")] = None,
+    load_balance: Annotated[str, typer.Option(help="With --context-parallel: zigzag or contiguous.")] = "zigzag",
+    schedule: Annotated[str, typer.Option(help="With --context-parallel: auto, ring or allgather.")] = "auto",
+    heads: Annotated[int, typer.Option(help="With --context-parallel: H, the query heads (the schedule's model).")] = 16,
+    kv_heads: Annotated[Optional[int], typer.Option(help="With --context-parallel: HKV (default: H).")] = None,
+    batch: Annotated[int, typer.Option(help="With --context-parallel: B.")] = 1,
 ) -> None:
     """Show the IR, the plan and why, the tile map, and the FLOPs and HBM traffic it implies."""
     _read_spec_first(spec, define)
@@ -223,17 +231,35 @@ def explain_command(
 
     for option, value, most in (("--q-len", q_len, MAX_LENGTH), ("--kv-len", kv_len, MAX_LENGTH),
                                 ("--head-dim", head_dim, HEAD_DIMS[-1]),
-                                ("--head-dim-v", head_dim_v, HEAD_DIMS[-1])):
+                                ("--head-dim-v", head_dim_v, HEAD_DIMS[-1]), ("--context-parallel", context_parallel, None),
+                                ("--heads", heads, None), ("--kv-heads", kv_heads, None), ("--batch", batch, None)):
         _check_size(option, value, most)
     if dtype not in DTYPES:
         _usage_error(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if context_parallel is not None:
+        from attngen.distributed.schedule import LOAD_BALANCES, SCHEDULES
+
+        if load_balance not in LOAD_BALANCES:
+            _usage_error(f"--load-balance must be one of {', '.join(LOAD_BALANCES)}, got {load_balance!r}")
+        if schedule not in SCHEDULES:
+            _usage_error(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if heads % (kv_heads or heads):
+            _usage_error(f"--heads must be a multiple of --kv-heads, got {heads} and {kv_heads}")
     _check_output("--plot", plot)
     kv_len = kv_len if kv_len is not None else q_len
     try:
         result = api.explain(spec, params=_defines(define), target=target, q_len=q_len, kv_len=kv_len,
                              head_dim=head_dim, head_dim_v=head_dim_v if head_dim_v is not None else head_dim,
                              dtype=dtype)
-        typer.echo(result.text)
+        parallel = ""
+        if context_parallel is not None:
+            from attngen.distributed import schedule as schedules
+
+            dv = head_dim_v if head_dim_v is not None else head_dim
+            sizes = schedules.Sizes(batch, heads, kv_heads or heads, q_len, kv_len, head_dim, dv,
+                                    4 if dtype == "f32" else 2)
+            parallel = "\n\n" + schedules.plan(result.spec, context_parallel, load_balance, sizes, schedule).explain()
+        typer.echo(result.text + parallel)
         if plot is not None:
             explain.plot(result.maps, f"{result.spec.name}: Q_LEN={q_len} KV_LEN={kv_len}", plot)
             typer.echo(f"\nwrote {plot}")
@@ -327,7 +353,8 @@ def check_command(
         outputs = "out" if attn.spec.sigmoid else "out and lse"  # sigmoid attention has no LSE
         calls = f"; KV-cache calls too ({', '.join(c for c in caches if c != 'none')}: {outputs})"
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
-                   f"float64 reference: {outputs.replace(' and ', ', ')} and every gradient{calls}{skipped}")
+                   f"float64 reference: {outputs.replace(' and ', ', ')} and every gradient, with dropout and without"
+                   f"{calls}{skipped}")
         return
     failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"

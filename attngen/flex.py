@@ -32,6 +32,8 @@ What a Flex user should know when comparing (torch 2.13; checked in tests/test_f
 - Positions: `q` and `k` are the row indices of the call (the training call of DSL.md).
 - Sinks: a spec with a `sink:` item is refused: Flex's mods change the scores of keys, and a sink is a
   softmax term with no key.
+- Dropout is an argument of attngen's calls (dropout_p), not of the spec; flex_attention has none, so a
+  call here with dropout_p above 0 is refused.
 - Sigmoid attention: a spec with `normalize: sigmoid` is refused: Flex always takes the softmax of each
   row's modified scores (no mod replaces it), and no score_mod turns a softmax into per-key sigmoids.
 """
@@ -168,13 +170,17 @@ class FlexVariant:
                     enable_gqa=q.shape[1] != k.shape[1])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, /, *, block_mask=None, return_lse: bool = False,
-                 kernel: Callable | None = None, **inputs: Tensor):
+                 kernel: Callable | None = None, dropout_p: float = 0.0, **inputs: Tensor):
         """FlexAttention running the spec: `out`, or `(out, lse)` with return_lse (natural log, -inf on
         rows with no allowed key). `kernel` is flex_attention (the default, eager) or a compiled one,
         e.g. torch.compile(flex_attention); `block_mask` one made by `self.block_mask` for these sizes and
-        input values (made here when None and the spec has a mask)."""
+        input values (made here when None and the spec has a mask). `dropout_p` must be 0: flex_attention
+        has no dropout (attngen's kernels do)."""
         from torch.nn.attention.flex_attention import flex_attention
 
+        if dropout_p != 0:
+            raise ArgumentError(f"dropout_p must be 0 for FlexAttention, which has no dropout argument, got "
+                                f"{dropout_p!r}: run the spec with attngen.build for dropout")
         _check_qkv(q, k, v)
         kwargs = self.kwargs(q, k, block_mask=block_mask, **inputs)
         if return_lse:

@@ -17,9 +17,11 @@ local_size) is refused with the point where it differs (see _recognised).
 Positions are transformers' own: query row i is at q_offset + i, key j at kv_offset + j (a
 sliding-window cache layer keeps only the newest keys, so its kv_offset grows). The specs read
 `offset = q_offset - kv_offset` as an `i32[]` input, so one kernel serves prefill and every
-decoding step, with no N x N mask and no device sync. Whatever a spec cannot express exactly
-(dropout while training, a prepared 4-D mask, attention weights as output, other mask
-patterns) is refused with an error naming the argument. A query row that sees no key (a left-padding
+decoding step, with no N x N mask and no device sync. The attention dropout a model passes while
+training (its config's attention_dropout) is the call's dropout_p, drawn from torch's default
+generator (so torch.manual_seed repeats a training step); in eval mode, as in transformers' eager
+attention, none. Whatever a spec cannot express exactly (a prepared 4-D mask, attention weights as
+output, other mask patterns) is refused with an error naming the argument. A query row that sees no key (a left-padding
 token) gets 0, as with sdpa; eager averages every key there. Only padding positions see no key.
 gpt-oss's learned attention sinks (the `s_aux` argument, one logit per query head) become the spec's
 `sink: sinks[h]`, their gradient flowing back into the model's parameter.
@@ -463,10 +465,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q (B, H, Q_LEN, D) and k, v (B, HKV, KV_LEN, D) to
     (attn_output (B, Q_LEN, H, D) contiguous, None); GQA runs natively, k and v are not repeated.
-    A packed batch (one row of documents, from the mask or FlashAttention's varlen kwargs) is one packed call."""
-    if dropout and module.training:
-        raise _refused(f"dropout must be 0 while training (attngen kernels have no dropout), got "
-                            f"{dropout!r}: call model.eval() or set the config's attention_dropout to 0")
+    A packed batch (one row of documents, from the mask or FlashAttention's varlen kwargs) is one packed call.
+    `dropout` applies while the module trains, as in transformers' eager attention."""
+    dropout_p = dropout if module.training else 0.0
     lengths = {name: kwargs.pop(name) for name in _VARLEN_KWARGS if kwargs.get(name) is not None}
     sinks = _sinks(kwargs.pop("s_aux", None), query)
     active = sorted(n for n, v in kwargs.items() if n not in _INERT_KWARGS and v is not None and v is not False)
@@ -485,10 +486,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     inputs = ({"offset": offset} if causal else {}) | ({"keep": keep.to(query.device)} if keep is not None else {})
     inputs |= {"sinks": sinks} if sinks is not None else {}
     if packed is not None:
-        return _packed_attention(attn, query, key, value, inputs, *packed), None
+        return _packed_attention(attn, query, key, value, inputs, *packed, dropout_p), None
     # transformers' projections reach here as transposed (B, N, H, D) views, and O follows q's layout:
     # the transpose back is then already contiguous, and contiguous() copies nothing.
-    return attn(query, key, value, **inputs).transpose(1, 2).contiguous(), None
+    return attn(query, key, value, dropout_p=dropout_p, **inputs).transpose(1, 2).contiguous(), None
 
 
 def _sinks(s_aux, query):
@@ -508,12 +509,13 @@ def _sinks(s_aux, query):
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _packed_attention(attn, query, key, value, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _packed_attention(attn, query, key, value, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p=0.0):
     """One packed call over the documents of the batch's one row, as (1, TOTAL, H, D) contiguous."""
     # The row's (1, heads, TOTAL, D) tensors are FlashAttention's varlen (TOTAL, heads, D) as views.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     out = attn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-               max_seqlen_k=max_seqlen_k, **inputs)
+               max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, **inputs)
     return out.unsqueeze(0).contiguous()
 
 

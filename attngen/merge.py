@@ -55,6 +55,15 @@ def merge(outs, lses=None, *, normalize: str = "softmax"):
                                 f"tensor on {first.device}; got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
     if not torch.compiler.is_compiling() and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_lse_values(lses)
+    out, lse = combine(outs, lses)
+    return out.to(first.dtype), lse
+
+
+def combine(outs, lses):
+    """`merge`'s arithmetic without its checks, for callers whose parts come from the kernels (finite or -inf
+    LSEs): (out, lse), both in the working dtype (float32, or float64 when some part is float64), so a caller
+    that merges part after part (a ring of context-parallel shards) rounds to its output dtype once."""
+    first = outs[0]
     work = functools.reduce(torch.promote_types, [first.dtype, *(lse.dtype for lse in lses)], torch.float32)
     lse_parts = torch.stack([lse.to(work) for lse in lses])
     # logsumexp by hand: torch.logsumexp's gradient on a row of -infs is NaN (exp(-inf - -inf)).
@@ -68,7 +77,22 @@ def merge(outs, lses=None, *, normalize: str = "softmax"):
     # exp(-inf - finite) = 0; a row with no key anywhere has lse = -inf, so shift it by 0 instead.
     weights = torch.exp(lse_parts - torch.where(some, lse, 0.0))
     out = (weights.unsqueeze(-1) * torch.stack([o.to(work) for o in outs])).sum(dim=0)
-    return out.to(first.dtype), lse
+    return out, lse
+
+
+def accumulate(out, lse, part_out, part_lse) -> None:
+    """Merges one more part into a running result in place, as `combine` of the two would: `out` (B, H, Q_LEN, DV)
+    and `lse` (B, H, Q_LEN) float32 (or float64) tensors hold the parts so far (a row with none yet: 0 and -inf),
+    `part_out` in any float dtype, `part_lse` the kernels' (finite or -inf). Not differentiable: for callers that
+    add part after part (a ring of context-parallel shards), at about a third of combine's memory traffic."""
+    total = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    # A row with no key in either (-inf twice) keeps 0 and -inf: its weights are 0, not exp(nan).
+    some = torch.isfinite(total)
+    shift = torch.where(some, total, 0.0)
+    old = torch.where(some, torch.exp(lse - shift), 0.0)
+    new = torch.where(some, torch.exp(part_lse.to(lse.dtype) - shift), 0.0)
+    out.mul_(old.unsqueeze(-1)).addcmul_(part_out, new.unsqueeze(-1))
+    lse.copy_(total)
 
 
 def _check_output(n, o, first) -> None:

@@ -118,9 +118,10 @@ def evaluate_expr(expr: Expr, env: Env) -> Tensor:
 
 def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
              kv_len: Tensor | None = None, q_offset: Tensor | None = None,
-             row: PackedRow | None = None) -> tuple[Tensor, Tensor | None]:
-    """(O, LSE) of the spec, exactly as DSL.md defines them (a sink included); differentiable in q, k, v and
-    the inputs. A sigmoid spec (`normalize: sigmoid`) has no LSE: (O, None).
+             row: PackedRow | None = None, dropout_p: float = 0.0,
+             dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(O, LSE) of the spec, exactly as DSL.md defines them (a sink and dropout included); differentiable in
+    q, k, v and the inputs. A sigmoid spec (`normalize: sigmoid`) has no LSE: (O, None).
 
     q: (B, H, Q_LEN, D), k: (B, HKV, KV_LEN, D), v: (B, HKV, KV_LEN, DV). The score arithmetic runs in
     q's dtype, or in float32 for half dtypes (as the kernels do); the matmuls run in the inputs' dtype.
@@ -130,29 +131,62 @@ def evaluate(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, T
     0 without kv_len); the mask and score see those positions as q and kv_len[b] as KV_LEN, and
     `causal_bottom_right` lets row i see keys k <= i + kv_len[b] - Q_LEN (with the default offset, `causal`).
     `row`: q, k and v (a batch of one) are that sequence of a packed call (evaluate_packed).
+    Dropout: `dropout_mask` (B, H, Q_LEN, KV_LEN) bool says which P a call keeps (a kernel call's, from
+    its `dropout_mask` method) and `dropout_p` the probability it drew them with; kept P are divided by
+    1 - dropout_p, the others are 0, after the softmax or the sigmoid (LSE is unchanged).
     """
     where = dict(kv_len=kv_len, q_offset=q_offset, row=row)
     p, lse = _weights(spec, modified_scores(spec, q, k, v, inputs, **where),
                       sink_logits(spec, q, k, v, inputs, **where))
+    p = dropped(p, dropout_p, dropout_mask)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (p.to(v.dtype) @ v).to(q.dtype), lse
 
 
+def dropped(p: Tensor, dropout_p: float = 0.0, dropout_mask: Tensor | None = None) -> Tensor:
+    """P after dropout (DSL.md): where `dropout_mask` (P's shape, bool) keeps it, P / (1 - dropout_p), else 0;
+    P itself without a mask. The scale is computed in float64 and applied in P's dtype."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ArgumentError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_mask is None:
+        if dropout_p:
+            raise ArgumentError(f"dropout_mask must be given with dropout_p={dropout_p} (the keep-mask of the call "
+                                f"to compare with: its dropout_mask method gives it)")
+        return p
+    if not (isinstance(dropout_mask, Tensor) and dropout_mask.dtype == torch.bool
+            and tuple(dropout_mask.shape) == tuple(p.shape)):
+        got = (f"{dropout_mask.dtype} {tuple(dropout_mask.shape)}" if isinstance(dropout_mask, Tensor)
+               else type(dropout_mask).__name__)
+        raise ArgumentError(f"dropout_mask must be a bool tensor of shape {tuple(p.shape)} (B, H, Q_LEN, KV_LEN), "
+                            f"got {got}")
+    return torch.where(dropout_mask.to(p.device), p * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
 def evaluate_packed(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None, *,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int) -> tuple[Tensor, Tensor | None]:
+                    max_seqlen_k: int, dropout_p: float = 0.0,
+                    dropout_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(O (TOTAL_Q, H, DV), LSE (H, TOTAL_Q), None for a sigmoid spec) of a packed call, as DSL.md defines it: q (TOTAL_Q, H, D),
     k (TOTAL_K, HKV, D), v (TOTAL_K, HKV, DV); sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     of q (and by cu_seqlens_k of k and v), evaluated on its own as a batch row: positions from 0, `b` its
     index, Q_LEN and KV_LEN its lengths; inputs are the call's (a dim declared Q_LEN or KV_LEN is
-    max_seqlen_q or max_seqlen_k long). Differentiable, as `evaluate`."""
+    max_seqlen_q or max_seqlen_k long). Differentiable, as `evaluate`. Dropout as in `evaluate`, the mask
+    (B, H, max_seqlen_q, max_seqlen_k): sequence b's is mask[b, :, :Q_LEN, :KV_LEN] of its lengths."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     B = len(starts_q) - 1
+    H = q.shape[1]
+    if dropout_mask is not None and tuple(dropout_mask.shape) != (B, H, max_seqlen_q, max_seqlen_k):
+        raise ArgumentError(f"dropout_mask must have shape (B, H, max_seqlen_q, max_seqlen_k) = "
+                            f"{(B, H, max_seqlen_q, max_seqlen_k)} in a packed call, got {tuple(dropout_mask.shape)}")
     outs, lses = [], []
     for b in range(B):
         rows = [t[s:e].transpose(0, 1).unsqueeze(0) for t, s, e in
                 ((q, starts_q[b], starts_q[b + 1]), (k, starts_k[b], starts_k[b + 1]), (v, starts_k[b], starts_k[b + 1]))]
-        out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k))
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[b:b + 1, :, :starts_q[b + 1] - starts_q[b], :starts_k[b + 1] - starts_k[b]]
+        out, lse = evaluate(spec, *rows, inputs, row=PackedRow(b, B, max_seqlen_q, max_seqlen_k), dropout_p=dropout_p,
+                            dropout_mask=mask)
         outs.append(out[0].transpose(0, 1))
         if lse is not None:
             lses.append(lse[0])
@@ -235,9 +269,15 @@ def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]
     # then has exp(-inf) = 0 everywhere, O = 0 and LSE = -inf, and its gradients are 0, never NaN.
     # Detaching the shift is exact: softmax and LSE - shift do not depend on it.
     # A sink (B, H, Q_LEN) is one more key with no value: a column of the softmax that P drops, so a
-    # row with no allowed key has O = 0 and LSE = sink.
+    # row with no allowed key has O = 0 and LSE = sink. A sink of +inf takes all of its row's weight (P = 0
+    # on every key: O = 0, LSE = +inf) and a NaN one makes its row NaN: those rows are computed as rows
+    # without a sink (no inf - inf in their values or gradients), then given those values, LSE the sink
+    # itself (so the sink gets LSE's gradient: d LSE / d sink is that weight, 1).
+    special = None
     if sink is not None:
-        score = torch.cat([score, sink.to(score.dtype)[..., None]], dim=-1)
+        sink = sink.to(score.dtype)
+        special = ~(sink < math.inf)
+        score = torch.cat([score, torch.where(special, -math.inf, sink)[..., None]], dim=-1)
     B, H, Q_LEN, KV_LEN = score.shape
     row_max = score.detach().amax(-1, keepdim=True) if KV_LEN else score.new_zeros(B, H, Q_LEN, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
@@ -247,7 +287,10 @@ def _softmax(score: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]
     total = torch.where(nonempty, total, 1.0)
     lse = torch.where(nonempty, row_max + torch.log(total), -math.inf).squeeze(-1)
     p = e / total
-    return (p[..., :-1] if sink is not None else p), lse
+    if sink is None:
+        return p, lse
+    weight = torch.where(sink == math.inf, 0.0, math.nan).to(p.dtype)
+    return torch.where(special[..., None], weight[..., None], p[..., :-1]), torch.where(special, sink, lse)
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -293,8 +336,11 @@ def _load(expr: Load, env: Env) -> Tensor:
     name = expr.input
     if name not in env.inputs:
         raise ArgumentError(f"input {name!r} must be given")
-    x = env.inputs[name]
-    index = [evaluate_expr(i, env) for i in expr.index]
+    return _read(name, env.inputs[name], [evaluate_expr(i, env) for i in expr.index], expr.type, env)
+
+
+def _read(name: str, x: Tensor, index: list[Tensor], type_: ValueType, env: Env) -> Tensor:
+    """x (input `name`, or its reduction) at the evaluated `index`, checked, as the load's type."""
     assert len(index) == x.dim(), f"input {name!r} has {x.dim()} dims, indexed with {len(index)}"
     for dim, (i, size) in enumerate(zip(index, x.shape)):
         assert not i.is_floating_point(), f"float index into {name!r}"
@@ -302,14 +348,14 @@ def _load(expr: Load, env: Env) -> Tensor:
             raise IndexOutOfRange(f"input {name!r} indexed out of range in dim {dim}: "
                                 f"got indices in [{int(i.min())}, {int(i.max())}], size {size}")
     value = x[tuple(index)] if index else x
-    if expr.type == "float":
+    if type_ == "float":
         return _to_float(value, env)
-    return value.long() if expr.type == "int" else value.bool()
+    return value.long() if type_ == "int" else value.bool()
 
 
 def _reduce(expr: Reduce, env: Env) -> Tensor:
     """op(input[..., :, ...]): the input reduced over its ':' dims (floats in the reference's precision, ints and
-    bools exactly), then read at the other indices as a load is."""
+    bools exactly), then read at the other indices as a load is (which may read other inputs: `prefix[b]`)."""
     name = expr.input
     if name not in env.inputs:
         raise ArgumentError(f"input {name!r} must be given")
@@ -324,8 +370,8 @@ def _reduce(expr: Reduce, env: Env) -> Tensor:
         raise ArgumentError(str(e)) from None
     if expr.op == "mean" and not reduced.dtype.is_floating_point:
         reduced = _to_float(reduced, env)
-    kept = tuple(i for i in expr.index if i is not None)
-    return _load(Load(type=expr.type, input=name, index=kept), replace(env, inputs={name: reduced}))
+    kept = [evaluate_expr(i, env) for i in expr.index if i is not None]
+    return _read(name, reduced, kept, expr.type, env)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:

@@ -180,7 +180,7 @@ def host_overhead():
     rows = {}
     with torch.no_grad():
         rows["attngen eager"] = host_us(lambda: attn(q, k, v))
-        rows["attngen eager via custom op"] = host_us(lambda: attn.module.OPERATORS[1](q, k, v, [], [], []))
+        rows["attngen eager via custom op"] = host_us(lambda: attn.module.OPERATORS[1](q, k, v, [], [], [], [], 0.0))
         compiled = torch.compile(lambda q, k, v: attn(q, k, v), fullgraph=True)
         rows["attngen torch.compile"] = host_us(lambda: compiled(q, k, v))
         graphs = torch.compile(lambda q, k, v: attn(q, k, v), mode="reduce-overhead", fullgraph=True)

@@ -1,7 +1,8 @@
 """Inputs that once gave silently wrong answers: upstream gradients in any layout (losses of the LSE
 alone too), double backward and gradients asked of inputs not declared learnable (refused by
 name), mask inputs written behind the version counter or made under inference mode (tile tables are
-built on every call unless the caller passes its own), and bf16 in Triton's interpreter.
+built on every call unless the caller passes its own), and bf16 in Triton's interpreter. And the backward
+kernels alone (attn.gradients), given a call's out and LSE or those of more keys than it holds.
 """
 
 from __future__ import annotations
@@ -171,3 +172,53 @@ def test_bf16_matches_the_reference(name):
     q, k, v = testing.random_qkv(B, H, HKV, N, N, D, DV, torch.bfloat16, DEVICE)
     inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device=DEVICE)
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+GATED = """
+attention gated
+input gate: f32[H] learnable
+input table: f32[H, 5] learnable
+score: score * gate[h] + max(table[h, :])
+"""
+
+
+@pytest.mark.parametrize("text", [GATED, SPECS / "gpt_oss_sinks.attn", SPECS / "document_causal.attn"])
+def test_gradients_given_out_and_lse_are_the_autograd_ones(text):
+    """attn.gradients runs the backward kernels of a call from its out, LSE and dO: through reductions
+    (max(table[h, :])) and sinks to the inputs, as autograd of the call gives them."""
+    attn = attngen.build(text, params={"window": 7} if "oss" in str(text) else None)
+    B, H, HKV, N, D = 1, 2, 1, 40, 16
+    q, k, v = (x.requires_grad_() for x in testing.random_qkv(B, H, HKV, N, N, D, D, torch.float32, DEVICE, seed=3))
+    inputs = {n: x.requires_grad_(attn.spec.input(n).learnable)
+              for n, x in testing.random_inputs(attn.spec, B, H, HKV, N, N, device=DEVICE, seed=3).items()}
+    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    g = torch.Generator().manual_seed(4)
+    do, dlse = (torch.randn(x.shape, generator=g).to(DEVICE) for x in (out, lse))
+    leaves = [q, k, v, *(x for x in inputs.values() if x.requires_grad)]
+    expected = torch.autograd.grad([out, lse], leaves, [do, dlse])
+    dq, dk, dv, grads = attn.gradients(q, k, v, out, lse, do, dlse, **inputs)
+    assert list(grads) == [i.name for i in attn.spec.learnable_inputs]
+    for got, want in zip([dq, dk, dv, *grads.values()], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gradients_of_parts_of_the_keys_add_up_to_the_whole():
+    """Given the output and LSE of all keys, each part of the keys gets its share of the gradients: dq and
+    the learnable inputs' add up over the parts, dk and dv are the parts' rows."""
+    attn = attngen.build(GATED)
+    B, H, N, D = 1, 2, 40, 16
+    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.float32, DEVICE, seed=5)
+    inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device=DEVICE, seed=5)
+    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    g = torch.Generator().manual_seed(6)
+    do, dlse = (torch.randn(x.shape, generator=g).to(DEVICE) for x in (out, lse))
+    whole = attn.gradients(q, k, v, out, lse, do, dlse, **inputs)
+    parts = [attn.gradients(q, k[:, :, s], v[:, :, s], out, lse, do, dlse, **inputs)
+             for s in (slice(0, 17), slice(17, N))]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], whole[0])
+    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], dim=2), whole[1])
+    torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], dim=2), whole[2])
+    for name in ("gate", "table"):
+        torch.testing.assert_close(parts[0][3][name] + parts[1][3][name], whole[3][name])
+    with pytest.raises(ValueError, match=r"lse must be a float tensor of shape \(1, 2, 40\)"):
+        attn.gradients(q, k, v, out, lse[:, :, :3], do, **inputs)

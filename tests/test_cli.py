@@ -165,6 +165,20 @@ def test_explain_says_which_tile_list_the_kernels_follow_and_why():
     assert hull.groups() == tuple(str(n) for n in (256, empty, full - 31, full + partial))
 
 
+def test_explain_shows_a_context_parallel_call():
+    result = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "sliding_window.attn"), "--q-len", "65536",
+                  "-D", "window=4096", "--context-parallel", "4", "--load-balance", "contiguous", "--target", "h200")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "context parallel over 4 rank(s), contiguous sharding (rank r holds chunk r)" in text
+    assert "  q chunk   2 (rank 2): . P P ." in text  # a window shorter than a shard sees the shard before it
+    assert "ring: how far each rank's K/V shard travels: 0: 1 step(s), 1: 1 step(s), 2: 1 step(s), 3: home only" in text
+    assert "schedule: ring (modelled ring" in text
+    bad = _run("-m", "attngen.cli", "explain", str(ROOT / "specs" / "causal.attn"), "--q-len", "100",
+               "--context-parallel", "3")
+    assert bad.returncode == 2 and not bad.stdout and "needs its length to be a multiple of 6, got 100" in bad.stderr
+
+
 def test_check_fuzzes_a_spec_and_reruns_one_case():
     spec = str(ROOT / "specs" / "sliding_window.attn")
     ok = _run("-m", "attngen.cli", "check", spec, "-D", "window=5", "--examples", "4", "--device", "cpu")
@@ -269,6 +283,9 @@ def test_a_bad_case_says_what_a_case_looks_like(monkeypatch, capsys, case, why):
     (["explain", CAUSAL, "--q-len", "8", "--head-dim", "0"], "--head-dim must be at least 1, got 0"),
     (["explain", CAUSAL, "--q-len", "8", "--head-dim-v", "257"], "--head-dim-v must be at most 256, got 257"),
     (["check", CAUSAL, "--examples", "0"], "--examples must be at least 1, got 0"),
+    (["explain", CAUSAL, "--q-len", "8", "--context-parallel", "0"], "--context-parallel must be at least 1, got 0"),
+    (["explain", CAUSAL, "--q-len", "8", "--context-parallel", "2", "--schedule", "tree"],
+     "--schedule must be one of auto, ring, allgather, got 'tree'"),
     (["explain", CAUSAL, "--q-len", "8", "--target", "b200"],
      "target must be one of a100, h100, h200, interpreter, got 'b200'"),
 ])

@@ -209,15 +209,15 @@ def test_opcheck(name):
         torch.library.opcheck(table_op, (q, k, tensors, *key))
         tables = list(table_op(q, k, tensors, *key))
     learnable = [t.requires_grad_() for t, i in zip(tensors, attn.spec.inputs) if i.learnable]
-    torch.library.opcheck(forward_op, ([x.requires_grad_() for x in (q, k, v)] + [tensors, tables, []]))
+    torch.library.opcheck(forward_op, ([x.requires_grad_() for x in (q, k, v)] + [tensors, tables, [], [], 0.0]))
     with torch.no_grad():
-        out, lse = forward_op(q, k, v, tensors, tables, [])
+        out, lse = forward_op(q, k, v, tensors, tables, [], [], 0.0)
     module = attn.module
     backward_tables = module._resolve([1, 2], q, v, {}, module._builder(arguments._sizes(q, k), q.device, tensors))
     for t in (q, k, v, *learnable):
         t.requires_grad_(False)
     torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse),
-                                        tensors, [t for table in backward_tables for t in table]))
+                                        tensors, [t for table in backward_tables for t in table], [], 0.0))
 
 
 def _import(path, name):

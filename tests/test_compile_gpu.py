@@ -123,10 +123,10 @@ def test_opcheck_on_non_contiguous_inputs_on_gpu(name):
         key = attn.module._table_key(q, v, 0)
         torch.library.opcheck(table_op, (q, k, tensors, *key))
         tables = list(table_op(q, k, tensors, *key))
-    torch.library.opcheck(forward_op, (q, k, v, tensors, tables, []))
+    torch.library.opcheck(forward_op, (q, k, v, tensors, tables, [], [], 0.0))
     with torch.no_grad():
-        out, lse = forward_op(q, k, v, tensors, tables, [])
+        out, lse = forward_op(q, k, v, tensors, tables, [], [], 0.0)
     do = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    torch.library.opcheck(backward_op, (q, k, v, out, lse, do, torch.randn_like(lse), tensors, []))
+    torch.library.opcheck(backward_op, (q, k, v, out, lse, do, torch.randn_like(lse), tensors, [], [], 0.0))
     kv_len = torch.full((B,), N, dtype=torch.int32, device="cuda")
     torch.library.opcheck(cache_op, (q[:, :, :4], k, v, tensors, [kv_len], kv_len - 4, [], []))

@@ -272,3 +272,12 @@ def test_compiled_flex_on_the_gpu_matches_the_reference_with_gradients(name):
 def test_a_sink_is_refused():
     with pytest.raises(ArgumentError, match=r"must have no 'sink:' to run as FlexAttention, got 'sink: sinks\[h\]'"):
         attngen.to_flex(str(ROOT / "specs" / "gpt_oss_sinks.attn"))
+
+
+def test_dropout_is_refused_and_none_is_the_plain_call():
+    flex = attngen.to_flex(str(ROOT / "specs" / "causal.attn"))
+    q, k, v = testing.random_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32)
+    with pytest.raises(ArgumentError, match="dropout_p must be 0 for FlexAttention, which has no dropout argument, "
+                                            "got 0.1"):
+        flex(q, k, v, dropout_p=0.1)
+    assert torch.equal(flex(q, k, v, dropout_p=0.0), flex(q, k, v))

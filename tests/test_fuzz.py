@@ -251,7 +251,7 @@ def test_fuzz_finds_a_kernel_that_ignores_strides():
 
     def ignores_strides(q, k, v, **kwargs):
         return attn(*[x.as_strided(x.shape, torch.empty(x.shape).stride()) for x in (q, k, v)], **kwargs)
-    report = fuzz.fuzz_spec(spec, ignores_strides, examples=10, device=DEVICE, dtypes=["f32"])
+    report = fuzz.fuzz_spec(spec, ignores_strides, examples=10, device=DEVICE, dtypes=["f32"], dropouts=(0,))
     assert report.failure is not None and report.failure.case.layout == "transposed"
 
 

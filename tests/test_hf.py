@@ -25,7 +25,7 @@ from transformers import (CompileConfig, Gemma2Config, Gemma2ForCausalLM, GptOss
 from transformers import masking_utils as mu
 
 import attngen.hf as hf
-from attngen import testing
+from attngen import reference, testing
 from conftest import CPU_CALLS
 
 hf.register()
@@ -372,14 +372,55 @@ def test_register_says_when_triton_was_imported_before_attngen():
     assert run.returncode != 0 and "import attngen.hf first" in run.stderr
 
 
-def test_dropout_while_training_is_refused(models):
+@CPU_CALLS
+def test_attention_dropout_applies_while_training(monkeypatch):
+    """A training forward passes the config's attention_dropout to every call (eval mode none): each call's output
+    is the float64 reference's with the mask that call applied; torch.manual_seed repeats a training step bitwise,
+    another seed does not."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(LlamaConfig(attention_dropout=0.1, **SIZES), attn_implementation="attngen")
-    ids, _ = _inputs(8, None)
-    with pytest.raises(attngen.ArgumentError, match="dropout must be 0 while training"):
-        model.train()(input_ids=ids)
+    model = LlamaForCausalLM._from_config(LlamaConfig(attention_dropout=0.3, **SIZES), attn_implementation="attngen")
+    ids, mask = _inputs(8, "left")
+    calls, kernels = [], hf._kernels
+
+    class Recorded:
+        """A call's kernels that also keep the call and the mask it applied, from the same generator state."""
+
+        def __init__(self, attn):
+            self.attn = attn
+
+        def __call__(self, q, k, v, dropout_p=0.0, **inputs):
+            state = torch.get_rng_state()
+            out = self.attn(q, k, v, dropout_p=dropout_p, **inputs)
+            after = torch.get_rng_state()
+            torch.set_rng_state(state)
+            drop = self.attn.dropout_mask(q, k, v, dropout_p=dropout_p, **inputs)
+            torch.set_rng_state(after)  # the run's draws go on as without the recording
+            calls.append((self.attn.spec, [t.detach() for t in (q, k, v, out)], inputs, dropout_p, drop))
+            return out
+
+    monkeypatch.setattr(hf, "_kernels", lambda *args: Recorded(kernels(*args)))
+    torch.manual_seed(1)
+    model.train()(input_ids=ids, attention_mask=mask)
+    assert len(calls) == 2 and all(call[3] == 0.3 for call in calls)
+    for spec, (q, k, v, out), inputs, p, drop in calls:
+        assert 0 < drop.float().mean() < 1
+        want = reference.evaluate(spec, q.double(), k.double(), v.double(), inputs, dropout_p=p, dropout_mask=drop)[0]
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    calls.clear()
     with torch.no_grad():
-        model.eval()(input_ids=ids)  # the same model in eval mode passes dropout=0
+        model.eval()(input_ids=ids, attention_mask=mask)
+    assert [call[3] for call in calls] == [0.0, 0.0]
+    monkeypatch.setattr(hf, "_kernels", kernels)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        model.zero_grad()
+        logits = model.train()(input_ids=ids, attention_mask=mask).logits
+        logits.square().mean().backward()
+        return [logits.detach(), *(p.grad.clone() for p in model.parameters())]
+    first, again, other = step(1), step(1), step(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0])
 
 
 @pytest.mark.parametrize("refused", ["4-D mask", "output_attentions", "packed sequences in two rows"])

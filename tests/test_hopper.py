@@ -101,7 +101,7 @@ def test_the_spec_runs_in_the_gluon_backward():
     # on: a bias per key (varies along rows, the keys) is summed over the columns (axis 1).
     learned = _hopper_backward_steps(attngen.compile_source(
         "attention key_bias\ninput bias: f32[KV_LEN] learnable\nscore: score + bias[k]\n", target="h200"))
-    assert "tl.atomic_add(bias_grad + " in learned and "tl.sum(g0, 1)[:, None]" in learned
+    assert "_grad_add(bias_grad, " in learned and "tl.sum(g0, 1)[:, None]" in learned
     per_query = _hopper_backward_steps(attngen.compile_source(
         "attention query_bias\ninput bias: f32[Q_LEN] learnable\nscore: score + bias[q]\n", target="h200"))
     assert "tl.sum(g0, 0)[None, :]" in per_query
@@ -179,14 +179,21 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             shared = kernels[kernel]["shared"]
             assert shared <= SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
-        # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
+        # With dropout too: its keep-mask lands on the accumulators' layout without moving data (the kernels
+        # convert it with assert_trivial, so a conversion that moved data would not compile); and a softmax
+        # spec's deterministic backward with dropout (its fixed-point dQ's bound takes dropout's scale).
         sigmoid = "normalize: sigmoid" in (SPECS / f"{spec}.attn").read_text()
-        for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
+        dropped = ["_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"]
+        for kernel in dropped + ([] if sigmoid else ["_hopper_bwd_kernel_dropout_deterministic"]):
+            assert kernels[kernel]["wgmma"] and kernels[kernel]["shared"] <= SM90_SHARED_BYTES, (spec, kernel)
+        # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
+        for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel", *dropped):
             assert kernels[kernel]["rcp_approx"] == sigmoid, f"{spec}: {kernel}'s rcp.approx"
     for spec, kernels in _compile_sm90(wide, 256).items():
-        for instruction in ("wgmma", "tma", "setmaxnreg"):
-            assert kernels["_hopper_bwd_kernel"][instruction], f"{spec}: no {instruction} in the D=256 backward"
-        assert kernels["_hopper_bwd_kernel"]["shared"] <= SM90_SHARED_BYTES, spec
+        for kernel in ("_hopper_bwd_kernel", "_hopper_bwd_kernel_dropout"):
+            for instruction in ("wgmma", "tma", "setmaxnreg"):
+                assert kernels[kernel][instruction], f"{spec}: no {instruction} in the D=256 {kernel}"
+            assert kernels[kernel]["shared"] <= SM90_SHARED_BYTES, spec
 
 
 class _Tensor:

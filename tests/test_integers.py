@@ -274,9 +274,11 @@ _COMPILE = textwrap.dedent('''
                      HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16,  # cache calls, paged
                      n_rows=1, BLOCK_R=16,  # one row to merge (found by attngen check on an H200)
                      VARLEN=False,  # packed calls' launches: tools/compile_sm90.py compiles them
-                     HAS_SINK=True)  # the decode merge's part for a sink (fp32 rows)
+                     HAS_SINK=True,  # the decode merge's part for a sink (fp32 rows)
+                     DROPOUT=True)  # the kernels that form P, with dropout's Philox draws beside the spec's ints
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
-            "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32"}
+            "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32",
+            "Rng": "*i64"}
     SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q")
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, module._decode_combine):
         signature = {}
@@ -287,7 +289,7 @@ _COMPILE = textwrap.dedent('''
                 signature[name] = ints[name]
             elif name.startswith(("stride_", "size_")) or name in SIZES:
                 signature[name] = "i32"
-            elif name in ("sm_scale", "qk_scale"):
+            elif name in ("sm_scale", "qk_scale", "dropout_p"):
                 signature[name] = "fp32"
             else:
                 signature[name] = "*fp16"

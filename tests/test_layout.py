@@ -26,7 +26,9 @@ ORDER = [
     "analysis",  # Spec -> Analysis
     "plan",  # Analysis -> Plan
     "emit",  # Analysis + Plan -> module source (the spec's kernels and declaration), and its bundle
-    "cache", "report", "testing", "merge", "api", "flex", "__init__", "bench", "hf", "cli",  # on top
+    "cache", "report", "testing", "merge", "api", "flex",  # on top
+    "distributed",  # context parallelism: builds the spec with global positions (api), merges (merge)
+    "__init__", "bench", "hf", "cli",
 ]
 
 

@@ -61,3 +61,33 @@ def test_an_lse_that_is_not_finite_or_minus_inf_is_refused(bad):
     lses[1][0, 1, 2] = bad
     with pytest.raises(ArgumentError, match=rf"merge: LSE 1 must be finite or -inf, got {bad}"):
         attngen.merge(outs, lses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_accumulating_parts_one_by_one_is_merging_them(dtype):
+    """merge.accumulate adds part after part into a running (out, lse) in place, as merge does all at once; rows
+    with no key in a part, or in any, included (row 1 only in part 1, row 2 in none)."""
+    from attngen.merge import accumulate
+
+    outs, lses = _parts({0: [1, 2], 1: [2]}, dtype)
+    out = torch.zeros(B, H, Q_LEN, DV, dtype=dtype)
+    lse = torch.full((B, H, Q_LEN), -math.inf, dtype=dtype)
+    for o, l in zip(outs, lses):
+        accumulate(out, lse, o.detach().to(torch.float16 if dtype == torch.float32 else dtype), l.detach())
+    expected_out, expected_lse = attngen.merge([o.detach() for o in outs], [l.detach() for l in lses])
+    tolerance = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    torch.testing.assert_close(lse, expected_lse, **tolerance)
+    assert (lse[..., 2] == -math.inf).all() and (out[..., 2, :] == 0).all()
+
+
+def test_importing_the_merge_module_leaves_attngen_merge_the_function():
+    """attngen/merge.py is a submodule of the same name as the public function: importing it first (as
+    attngen.distributed does) must not bind the module over attngen.merge."""
+    import subprocess
+    import sys
+
+    code = ("from attngen.merge import accumulate\nimport attngen\n"
+            "assert callable(attngen.merge) and attngen.merge.__name__ == 'merge', attngen.merge\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

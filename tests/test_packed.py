@@ -243,9 +243,10 @@ def test_opcheck_of_the_packed_operators(build_small):
     forward_op, backward_op = attn.module.OPERATORS[4:6]
     args = (packed["cu_seqlens_q"], packed["cu_seqlens_k"], packed["max_seqlen_q"], packed["max_seqlen_k"])
     tensors = [inputs["table"]]
-    torch.library.opcheck(forward_op, (q, k, v, tensors, *args, []), test_utils=("test_schema", "test_faketensor"))
-    out, lse = forward_op(q, k, v, tensors, *args, [])
-    torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse), tensors, *args),
+    torch.library.opcheck(forward_op, (q, k, v, tensors, *args, [], [], 0.0), test_utils=("test_schema", "test_faketensor"))
+    out, lse = forward_op(q, k, v, tensors, *args, [], [], 0.0)
+    torch.library.opcheck(backward_op, (q, k, v, out, lse, torch.randn_like(out), torch.randn_like(lse), tensors, *args,
+                                        [], 0.0),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -54,6 +54,25 @@ def test_the_reference_reduces_then_indexes():
     assert torch.equal(got, expected)
 
 
+def test_a_reduction_read_at_an_index_from_another_input():
+    """The kept index of a reduction may read other inputs (prefix[b]), in the reference as in the kernels."""
+    spec = attngen.parse_spec("attention r\ninput x: f32[H, 5]\ninput prefix: i32[B]\n"
+                              "score: mean(x[:, prefix[b]]) + sum(x[h, :])")
+    x = torch.arange(10, dtype=torch.float64).reshape(2, 5)
+    prefix = torch.tensor([1, 4], dtype=torch.int32)
+    env = make_env(spec, B=2, H=2, HKV=1, Q_LEN=1, KV_LEN=1, D=4, inputs={"x": x, "prefix": prefix},
+                   float_dtype=torch.float64)
+    got = evaluate_expr(spec.score, env).reshape(2, 2)
+    expected = x.mean(0)[prefix.long()].reshape(2, 1) + x.sum(1).reshape(1, 2)
+    assert torch.equal(got, expected)
+
+
+@CPU_CALLS
+def test_a_reduction_read_at_an_index_from_another_input_matches_the_kernels():
+    _check("attention red_at\ninput x: f32[H, 21] learnable\ninput prefix: i32[B]\nmask: q >= k\n"
+           "score: score + mean(x[:, min(prefix[b], 20)]) * (q - k) * 0.1")
+
+
 @pytest.mark.parametrize("text, where", [
     ("score: score + x[b, :]", "4:21"),
     ("score: score + sum(x[b, 1])", "4:16"),

@@ -78,7 +78,7 @@ def test_host_launches_follow_the_declared_signatures(name, monkeypatch):
     bwd = Recorder()
     monkeypatch.setattr(module.ATTENTION, "kernels", dataclasses.replace(module.ATTENTION.kernels, backward=bwd))
     do = torch.randn_like(out)
-    dq, dk, dv, _ = module._portable_backward(q, k, v, out, lse, do, None, tensors, tables[1:])
+    dq, dk, dv, _, _ = module._portable_backward(q, k, v, out, lse, do, None, tensors, tables[1:])
     for args, kwargs in bwd.calls:
         bound = _bound(signatures["bwd_kernel"], args, kwargs)
         _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v"), "DO": (do, "do"),

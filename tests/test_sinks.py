@@ -335,8 +335,8 @@ def test_opcheck_of_the_operators_with_a_sink(rows):
     _, forward_op, _, cache_op, packed_op, _, sink_grad_op = rows.module.OPERATORS
     tensors = [inputs[i.name] for i in rows.spec.inputs]
     sink = runtime._sink_rows(q, k, inputs)
-    torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink]), test_utils=("test_schema", "test_faketensor"))
-    out, lse = forward_op(q, k, v, tensors, [], [sink])
+    torch.library.opcheck(forward_op, (q, k, v, tensors, [], [sink], [], 0.0), test_utils=("test_schema", "test_faketensor"))
+    out, lse = forward_op(q, k, v, tensors, [], [sink], [], 0.0)
     do = torch.randn(2, 4, 16, 12).transpose(2, 3)  # dO in another layout than O's
     for dlse in ([], [torch.randn_like(lse)]):
         torch.library.opcheck(sink_grad_op, (out, do, dlse, lse, sink))
@@ -349,8 +349,104 @@ def test_opcheck_of_the_operators_with_a_sink(rows):
     tensors = [inputs["bias"]]
     sink = attn.module.ATTENTION._sink_rows(q, k, inputs, packed=(packed["cu_seqlens_q"], packed["cu_seqlens_k"]))
     assert sink.shape == (4, q.shape[0])
-    torch.library.opcheck(attn.module.OPERATORS[4], (q, k, v, tensors, *packed.values(), [sink]),
+    torch.library.opcheck(attn.module.OPERATORS[4], (q, k, v, tensors, *packed.values(), [sink], [], 0.0),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# A sink read at (b, h) alone (its rows are the input viewed, attngen.runtime.sinks.whole_load), and the same
+# sink through the general evaluator; a window of 9 on causal rows.
+SPECIAL = {"whole": "attention special\ninput bias: f32[B, H] learnable\nmask: causal and q - k < 9\nsink: bias[b, h]\n",
+           "evaluated": "attention special_evaluated\ninput bias: f32[B, H] learnable\nmask: causal and q - k < 9\n"
+                        "sink: bias[b, h] + 0.0 * q\n"}
+INF, NAN = float("inf"), float("nan")
+# Per (b, h): finite, +inf (all of the row's weight: O = 0, LSE = +inf), -inf (no sink), NaN (a NaN row).
+SPECIAL_BIAS = [[0.5, INF, -INF, NAN], [NAN, -1.0, INF, 2.0]]
+
+
+def _assert_rows_match(got, want):
+    # Within float32's reach of the float64 reference, with NaN and infinities exactly where it has them.
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x.double(), y.double(), equal_nan=True, rtol=1e-4, atol=1e-5)
+
+
+@CPU_CALLS
+@pytest.mark.parametrize("variant", sorted(SPECIAL))
+def test_infinite_and_nan_sinks_give_the_reference_rows_on_every_path(variant):
+    attn = attngen.build(SPECIAL[variant])
+    assert (attn.module.ATTENTION.sink_load is not None) == (variant == "whole")
+    B, H, HKV, N, M, D = 2, 4, 2, 40, 48, 16
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.float32)
+    inputs = {"bias": torch.tensor(SPECIAL_BIAS)}
+    with torch.no_grad():
+        _assert_rows_match(attn(q, k, v, return_lse=True, **inputs), reference.evaluate(attn.spec, q, k, v, inputs))
+        for n, family in ((1, "decode"), (N, "portable")):  # the decode family's merge, the portable forward
+            cache = {"kv_len": torch.tensor([M, M - 3], dtype=torch.int32)}
+            assert attn.forward_family(q[:, :, :n], k, v, **cache, **inputs) == family
+            _assert_rows_match(attn(q[:, :, :n], k, v, return_lse=True, **cache, **inputs),
+                               reference.evaluate(attn.spec, q[:, :, :n], k, v, inputs, **cache))
+        packed_bias = {"bias": torch.tensor(SPECIAL_BIAS + [[INF, NAN, -INF, 0.0]])}
+        pq, pk, pv, _, packed = _packed_case(attn)
+        _assert_rows_match(attn(pq, pk, pv, return_lse=True, **packed, **packed_bias),
+                           reference.evaluate_packed(attn.spec, pq, pk, pv, packed_bias, **packed))
+    out, lse = attn(q, k, v, return_lse=True, **inputs)
+    assert (out[0, 1] == 0).all() and torch.isposinf(lse[0, 1]).all()
+    assert out[0, 3].isnan().all() and lse[0, 3].isnan().all()
+
+
+@CPU_CALLS
+@pytest.mark.parametrize("variant", sorted(SPECIAL))
+def test_gradients_through_infinite_sinks_match_the_reference(variant):
+    # A +inf row passes no gradient to q, k and v (P = 0 there) and its LSE's to the sink (its weight is 1);
+    # -inf is no sink. (A NaN sink's row is NaN, and so is every gradient it reaches.)
+    attn = attngen.build(SPECIAL[variant])
+    B, H, HKV, N, D = 2, 4, 2, 21, 16
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.float32)
+    inputs = {"bias": torch.tensor([[0.5, INF, -INF, 1.0], [-1.0, INF, 2.0, -INF]])}
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+    pq, pk, pv, _, packed = _packed_case(attn)
+    packed_bias = {"bias": torch.tensor([[INF, 0.5, -INF, 1.0], [-1.0, 1.0, INF, 2.0], [-INF, INF, 0.0, 3.0]])}
+    testing.check_against_reference(attn.spec, attn, pq, pk, pv, packed_bias, packed=packed)
+    # The sink's gradient from LSE alone: its weight is 1 on a +inf row, so dLSE itself, and 0 on a -inf one.
+    bias = inputs["bias"].clone().requires_grad_()
+    _, lse = attn(q, k, v, return_lse=True, bias=bias)
+    weights = torch.randn_like(lse)
+    (grad,) = torch.autograd.grad(lse, bias, weights)
+    assert torch.allclose(grad[0, 1], weights[0, 1].sum()) and grad[1, 3] == 0
+
+
+@CPU_CALLS
+@pytest.mark.parametrize("variant", sorted(SPECIAL))
+def test_infinite_and_nan_sinks_with_dropout_match_the_reference(variant):
+    # Dropout drops the keys' weights after the softmax the sink takes part in: a +inf row keeps O = 0 and
+    # LSE = +inf (all its weight is the sink's, which has no value to drop), a NaN row stays NaN, -inf is no
+    # sink; out, LSE and every gradient (the sink's through LSE and delta) as the reference with the call's mask.
+    attn = attngen.build(SPECIAL[variant])
+    B, H, HKV, N, D = 2, 4, 2, 21, 16
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.float32)
+    with torch.no_grad():
+        inputs = {"bias": torch.tensor(SPECIAL_BIAS)}
+        mask = attn.dropout_mask(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(2), **inputs)
+        got = attn(q, k, v, return_lse=True, dropout_p=0.5, generator=torch.Generator().manual_seed(2), **inputs)
+        _assert_rows_match(got, reference.evaluate(attn.spec, q, k, v, inputs, dropout_p=0.5, dropout_mask=mask))
+        assert (got[0][0, 1] == 0).all() and torch.isposinf(got[1][0, 1]).all() and got[0][0, 3].isnan().all()
+    finite = {"bias": torch.tensor([[0.5, INF, -INF, 1.0], [-1.0, INF, 2.0, -INF]])}
+    testing.check_against_reference(attn.spec, attn, q, k, v, finite, seed=2, dropout_p=0.5)
+    pq, pk, pv, _, packed = _packed_case(attn)
+    packed_bias = {"bias": torch.tensor([[INF, 0.5, -INF, 1.0], [-1.0, 1.0, INF, 2.0], [-INF, INF, 0.0, 3.0]])}
+    testing.check_against_reference(attn.spec, attn, pq, pk, pv, packed_bias, packed=packed, seed=3, dropout_p=0.3)
+
+
+@CPU_CALLS
+def test_a_sink_read_at_the_head_is_its_input_viewed_with_no_copy():
+    attn = attngen.build("attention per_head\ninput sinks: f32[H] learnable\nmask: causal\nsink: sinks[h]\n")
+    q, k, v = testing.random_qkv(2, 4, 2, 9, 9, 16, 16, torch.float32)
+    sinks = torch.randn(4)
+    rows = attn.module.ATTENTION._sink_rows(q, k, {"sinks": sinks})
+    assert rows.shape == (2, 4, 9) and rows.stride() == (0, 1, 0) and rows.data_ptr() == sinks.data_ptr()
+    packed = (torch.tensor([0, 4, 9], dtype=torch.int32),) * 2
+    rows = attn.module.ATTENTION._sink_rows(q[0].transpose(0, 1), k[0].transpose(0, 1), {"sinks": sinks}, packed=packed)
+    assert rows.shape == (4, 9) and rows.stride() == (1, 0) and rows.data_ptr() == sinks.data_ptr()
+    testing.check_against_reference(attn.spec, attn, q, k, v, {"sinks": sinks})
 
 
 @CPU_CALLS
@@ -433,6 +529,32 @@ def test_sinks_on_gpu(dtype):
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
     kv_len = torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")
     testing.check_against_reference(attn.spec, attn, q[:, :, :1], k, v, inputs, grads=False, cache={"kv_len": kv_len})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", sorted(SPECIAL))
+def test_infinite_and_nan_sinks_through_the_hopper_and_decode_families_on_gpu(variant, dtype):
+    attn = attngen.build(SPECIAL[variant])
+    B, H, HKV, N, D = 2, 4, 2, 300, 128
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, dtype, device="cuda")
+    inputs = {"bias": torch.tensor(SPECIAL_BIAS, device="cuda")}
+    assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    with torch.no_grad():
+        out, lse = attn(q, k, v, return_lse=True, **inputs)
+        want_out, want_lse = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs)
+        torch.testing.assert_close(lse.double(), want_lse, equal_nan=True, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.double(), want_out, equal_nan=True, rtol=2e-2, atol=2e-2)
+        cache = {"kv_len": torch.tensor([N, N - 37], dtype=torch.int32, device="cuda")}
+        assert attn.forward_family(q[:, :, :1], k, v, **cache, **inputs) == "decode"
+        out, lse = attn(q[:, :, :1], k, v, return_lse=True, **cache, **inputs)
+        want_out, want_lse = reference.evaluate(attn.spec, q[:, :, :1].double(), k.double(), v.double(), inputs, **cache)
+        torch.testing.assert_close(lse.double(), want_lse, equal_nan=True, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.double(), want_out, equal_nan=True, rtol=2e-2, atol=2e-2)
+    finite = {"bias": torch.tensor([[0.5, INF, -INF, 1.0], [-1.0, INF, 2.0, -INF]], device="cuda")}
+    testing.check_against_reference(attn.spec, attn, q, k, v, finite)
+    testing.check_against_reference(attn.spec, attn, q, k, v, finite, seed=2, dropout_p=0.3)
 
 
 @pytest.mark.gpu

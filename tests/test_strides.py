@@ -59,8 +59,8 @@ def _fake_outputs(module, q, k, v):
     """The forward and backward operators' fakes on tensors of q, k and v's strides."""
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)) for t in (q, k, v))
-        out, lse = module.OPERATORS[1](fq, fk, fv, [], [], [])
-        dq, dk, dv, _ = module.OPERATORS[2](fq, fk, fv, out, lse, torch.empty_like(out), lse, [], [])
+        out, lse = module.OPERATORS[1](fq, fk, fv, [], [], [], [], 0.0)
+        dq, dk, dv, _ = module.OPERATORS[2](fq, fk, fv, out, lse, torch.empty_like(out), lse, [], [], [], 0.0)
     return out, lse, dq, dk, dv
 
 
@@ -80,9 +80,9 @@ def test_each_family_returns_the_strides_its_fakes_announce(stubbed, family, lay
         return
     do = torch.empty_like(out)
     if family == "portable":
-        dq, dk, dv, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
+        dq, dk, dv, _, _ = stubbed._portable_backward(q, k, v, out, lse, do, None, [], ((), ()))
     else:
-        dq, dk, dv, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
+        dq, dk, dv, _, _ = stubbed.families["hopper"].backward(q, k, v, out, lse, do, None, [], ())
     assert [_layout(t) for t in (dq, dk, dv)] == [_layout(t) for t in (dq_fake, dk_fake, dv_fake)]
 
 

@@ -107,6 +107,8 @@ def test_names_are_identifiers_in_the_ir_itself():
     ("v", "'v' is an argument of the attention call itself"),
     ("self", "'self' is an argument of the attention call itself"),
     ("return_lse", "'return_lse' is an argument of the attention call itself"),
+    ("dropout_p", "'dropout_p' is an argument of the attention call itself"),
+    ("generator", "'generator' is an argument of the attention call itself"),
     ("class", "'class' is a Python keyword"),
 ])
 def test_input_names_that_could_never_be_passed_are_positioned_errors(name, message):

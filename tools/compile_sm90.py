@@ -2,12 +2,17 @@
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
     python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--head-dim 64] [--ptx DIR]
-                                 [--json] [--folder benchmarks/published]
+                                 [--json] [--folder benchmarks/published] [--context-parallel]
+
+With --context-parallel it compiles instead the spec each rank of a context-parallel call runs (global
+positions read from scalar inputs, no sink: attngen.frontend.positions).
 
 Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`); it
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
 generated module. Parameter types follow the kernels' declared signatures (attngen.emit.signatures):
-pointers by name, ints as i32, the two scales as fp32.
+pointers by name, ints as i32, the scales and dropout_p as fp32. Each kernel that forms P is compiled with
+dropout too (DROPOUT, labelled _dropout), a backward with a deterministic mode also with both
+(_dropout_deterministic), and the runtime's keep-mask kernel once a module.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32"}
-FLOATS = {"sm_scale", "qk_scale", "scale"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "DqFixed": "*i64", "DqExp": "*fp32",
+            "Bounds": "*fp32", "Columns": "*i64", "Words": "*i64", "Rng": "*i64", "Mask": "*u8"}
+FLOATS = {"sm_scale", "qk_scale", "scale", "bound_log2", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
 
@@ -65,19 +71,29 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     plan = module.FACTS.plan[(head_dim, head_dim, "bf16")]
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
                 COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
-                PAGE_SIZE=1, VARLEN=False)
+                PAGE_SIZE=1, VARLEN=False, DROPOUT=False)
     forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.FACTS.tile_table))
     # Also a cache call over pages of 16 keys (no tile table, per-row lengths and offsets) and a packed call.
     launches = [("_fwd_kernel", forward, plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
                                      PAGE_SIZE=16, LABEL="_paged"), plan[0]),
-                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0])]
+                ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0]),
+                ("_fwd_kernel", dict(forward, DROPOUT=True, LABEL="_dropout"), plan[0])]
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
-                    FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False)
+                    FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False, DETERMINISTIC=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
         launches.append(("_bwd_kernel", dict(backward, PARTS=parts), tiles))
     launches.append(("_bwd_kernel", dict(backward, PARTS=3, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                      max(plan[1], plan[2])))
+    for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
+        launches.append(("_bwd_kernel", dict(backward, PARTS=parts, DROPOUT=True, LABEL="_dropout"), tiles))
+    learnable = any(learnable for _, _, learnable in module.FACTS.inputs.values())
+    if learnable:  # deterministic mode: the learnable inputs' gradients summed exactly, and rounded after
+        launches.append(("_bwd_kernel", dict(backward, PARTS=3, DETERMINISTIC=True, LABEL="_deterministic"),
+                         max(plan[1], plan[2])))
+        launches.append(("_bwd_kernel", dict(backward, PARTS=3, DETERMINISTIC=True, DROPOUT=True,
+                                             LABEL="_dropout_deterministic"), max(plan[1], plan[2])))
+        launches.append(("_exact_finish", dict(BLOCK=1024), (0, 0, 4, 1)))
     for family, tiles in module.FACTS.family_tiles.get((head_dim, head_dim, "bf16"), {}).items():
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
@@ -91,22 +107,47 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
-                          tiles)]
+                          tiles),
+                         ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
+                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2],
+                              DETERMINISTIC=False)
             launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
-                          tiles)]
-            # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
-            # scales and rounds it.
+                          tiles),
+                         ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
+            # Its row terms' pass, which also zeros dQ's fp32 sum (deterministic mode: int64, and each row's
+            # scale exponent; a sigmoid spec has none, and its deterministic calls run the portable backward),
+            # and the passes that scale and round it.
             if module.FACTS.normalize != "sigmoid":
-                launches.append(("_bwd_preprocess", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64,
-                                                         HAS_DLSE=True, BASE2_LSE=True, HEAD_DIM=head_dim,
-                                                         HEAD_DIM_PAD=head_dim, ZERO_DQ=True, SINK_GRAD=False),
+                # Deterministic mode: dQ in int64 fixed point, learnable inputs' gradients summed exactly.
+                launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
+                                                         VARLEN=False, DETERMINISTIC=True, LABEL="_deterministic"), tiles),
+                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, DETERMINISTIC=True,
+                                                         LABEL="_packed_deterministic"), tiles),
+                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
+                                                         VARLEN=False, DETERMINISTIC=True, DROPOUT=True,
+                                                         LABEL="_dropout_deterministic"), tiles)]
+                preprocess = dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64, HAS_DLSE=True,
+                                  BASE2_LSE=True, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, ZERO_DQ=True,
+                                  SINK_GRAD=False, DQ_BOUND=False)
+                launches.append(("_bwd_preprocess", preprocess, (0, 0, 4, 1)))
+                launches.append(("_bwd_preprocess", dict(preprocess, DQ_BOUND=True, LABEL="_deterministic"),
                                  (0, 0, 4, 1)))
+                if module.FACTS.sink is not None:  # the sink rows' gradient, in the same pass
+                    launches.append(("_bwd_preprocess", dict(preprocess, SINK_GRAD=True, LABEL="_sink"), (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
+            for packed in (False, True):
+                launches.append(("_hopper_dq_finish_fixed",
+                                 dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, PACKED=packed,
+                                      BLOCK_M=_hopper_runtime(module).HOPPER_DQ_FINISH_ROWS,
+                                      LABEL="_packed" if packed else ""), (0, 0, 4, 1)))
+    # The runtime's kernel of attn.dropout_mask (the keep-mask by the kernels' own helper).
+    launches.append(("_dropout_mask_kernel", dict(BLOCK_M=64, BLOCK_N=64), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
         for name in ("_table_by_query_classify", "_table_by_key_classify"):
             launches.append((name, dict(BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], ROW_STEP=0, ROW_POINTS=1,
@@ -115,8 +156,14 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     for name, constants, tiles in launches:
         if families and not any(name.startswith(f"_{family}") for family in families):
             continue
-        fn = getattr(module, name)
+        fn = getattr(module, name) if hasattr(module, name) else getattr(_runtime_module(module, name), name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
+        if constants.get("DETERMINISTIC"):  # the learnable inputs' gradients are int64 words then
+            signature = {n: "*i64" if n.endswith("_grad") and t == "*fp32" else t for n, t in signature.items()}
+        if name == "_bwd_preprocess" and constants.get("DQ_BOUND"):
+            signature = {**signature, "DqSum": "*i64"}
+        if name == "_exact_finish":
+            signature = {**signature, "Out": "*fp32"}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}
         if name in ("_hopper_fwd_kernel", "_hopper_bwd_kernel"):
             compiled = _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
@@ -141,6 +188,16 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
+
+
+def _runtime_module(module, name):
+    """The runtime module (of the bundle's own copy of attngen.runtime, or of a family's runtime side) that
+    defines kernel `name`, which the generated module does not import (the runtime launches it)."""
+    for part in ("runtime.kernels", "runtime.dropout", "runtime"):
+        found = next((m for key, m in sys.modules.items() if key.endswith(f".{part}") and hasattr(m, name)), None)
+        if found is not None:
+            return found
+    raise LookupError(name)
 
 
 def _hopper_runtime(module):
@@ -189,12 +246,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object: spec -> kernel -> facts")
     parser.add_argument("--head-dim", type=int, default=128, help="D = DV of the launches (a power of two)")
     parser.add_argument("--folder", default=str(ROOT / "specs"), help="the folder of the .attn specs (default specs/)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="compile the specs with global positions that context-parallel calls run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(compile_module(args.child, args.ptx, args.family, args.head_dim)))
         return
     import attngen
+    from attngen.frontend.positions import shifted, without_sink
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     failed = 0
@@ -204,7 +264,10 @@ def main() -> None:
             if args.only and path.stem not in args.only:
                 continue
             module = Path(folder) / f"{path.stem}.py"
-            module.write_text(attngen.compile_source(path.read_text(), target="h200"))
+            source = path.read_text()
+            if args.context_parallel:
+                source = without_sink(shifted(attngen.parse_spec(source)).spec)
+            module.write_text(attngen.compile_source(source, target="h200"))
             ptx = ["--ptx", str(Path(args.ptx).resolve())] if args.ptx else []
             if args.ptx:
                 Path(args.ptx).mkdir(parents=True, exist_ok=True)

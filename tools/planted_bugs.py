@@ -29,6 +29,11 @@ BUGS = {
         "return mul(sub(ONE, mul(expr, expr)), dx)",
         "return mul(sub(ONE, expr), dx)",
         "d tanh(x) = 1 - tanh(x) instead of 1 - tanh(x)^2"),
+    "dropout-unscaled-dq": (
+        "attngen/families/portable/bwd.py.jinja",
+        "dp * dropout_scale, 0.0)",
+        "dp, 0.0)",
+        "dQ's kernel keeps dP where dropout kept P but forgets to divide it by 1 - p (dK and dV stay right)"),
 }
 
 

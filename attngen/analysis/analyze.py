@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +41,9 @@ class Analysis:
     point loads (gathers.score_gathers).
     score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
     each learnable input's load in the score with d score'/d load, for the backward kernels.
+    score_derivative_bound: a bound on |d score'/d score| over every call (interval arithmetic over
+    every score and position), or None where none is known (it reads a float input, or may be
+    infinite or NaN); the deterministic Hopper backward scales its fixed-point dQ by it.
     length_limit, length_culprit: the longest Q_LEN/KV_LEN at which the kernels' ints are exact,
     and the expression that overflows beyond it (None: positions are int32).
     ranges: every int's range at lengths up to length_limit (the kernels' int widths).
@@ -64,6 +68,7 @@ class Analysis:
     score_gathers: tuple[tuple[ir.Load, bool], ...]
     score_derivative: ir.Expr | None
     learnable_derivatives: tuple[tuple[ir.Load, ir.Expr], ...]
+    score_derivative_bound: float | None
     length_limit: int
     length_culprit: ir.Expr | None
     ranges: intervals.Ranges
@@ -91,6 +96,25 @@ def _table_sizes(mask: ir.Expr | None) -> tuple[str, ...]:
     return tuple(n for n in ("B", "H", "HKV", "Q_LEN", "KV_LEN") if n in read)
 
 
+def _derivative_bound(derivative: ir.Expr | None, ranges: intervals.Ranges) -> float | None:
+    """A bound on |d score'/d score| over every call: 1 without a score expression (score' = score), else
+    the interval of the derivative over every finite score (a NaN score makes every gradient of its row NaN
+    whatever the bound), position and size; None where that is unbounded or may be NaN."""
+    if derivative is None:
+        return 1.0
+
+    def value(e: ir.Expr):
+        if isinstance(e, ir.Score):
+            return intervals.Num(-math.inf, math.inf, True, False)
+        return intervals.node_value(e, [value(c) for c in ir.children(e)], ranges.box)
+
+    bound = value(derivative)
+    if not isinstance(bound, intervals.Num) or bound.nan:
+        return None
+    largest = float(max(abs(bound.lo), abs(bound.hi)))
+    return largest if math.isfinite(largest) else None
+
+
 def analyze(spec: ir.Spec) -> Analysis:
     """Every fact about `spec` that planning, emission and the reports use."""
     source = spec
@@ -104,6 +128,7 @@ def analyze(spec: ir.Spec) -> Analysis:
     steps = spans.block_steps(spec.mask, params)
     mask_vars = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Var)} if spec.mask is not None else set()
     ranges = intervals.Ranges(intervals.box(spec, limit, reductions))
+    score_derivative = derivatives.derivative(spec.score, ir.Score()) if spec.score is not None else None
     loop_bounds = {loop: spans.Region(integers.exact_span(region.visit, ranges, limit, inner=False),
                                       integers.exact_span(region.full, ranges, limit, inner=True), region.exact)
                    for loop, region in regions.items()}
@@ -124,8 +149,9 @@ def analyze(spec: ir.Spec) -> Analysis:
         narrow=spans.is_narrow(spec.mask, params, regions, steps),
         gather_bytes=derivatives.gather_bytes(spec),
         score_gathers=gathers.score_gathers(spec, ranges),
-        score_derivative=derivatives.derivative(spec.score, ir.Score()) if spec.score is not None else None,
+        score_derivative=score_derivative,
         learnable_derivatives=tuple((load, derivatives.derivative(spec.score, load)) for load in derivatives.learnable_loads(spec)),
+        score_derivative_bound=_derivative_bound(score_derivative, ranges),
         length_limit=limit,
         length_culprit=culprit,
         ranges=ranges,

@@ -195,8 +195,8 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             is_point, entry = point
             entry_offset, entry_bounds = address(load.input, entry)
             lines += [f"if {is_point}:",
-                      f"    tl.atomic_add({load.input}_grad + {entry_offset}, tl.sum(tl.sum({contribution}, 1), 0), "
-                      f"mask={entry_bounds}, sem=\"relaxed\")",
+                      "    " + _grad_add(f"{load.input}_grad", entry_offset, f"tl.sum(tl.sum({contribution}, 1), 0)",
+                                       entry_bounds),
                       "else:", *indented(index_lines),
                       *indented(_scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n))]
             continue
@@ -207,15 +207,18 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             value = sums[next(iter(dims))].format(contribution)
         else:
             value = f"tl.sum(tl.sum({contribution}, 1), 0)"
-        mask = f", mask={bounds}" if bounds else ""
-        # Relaxed: only the sum after the kernel matters, so no ordering fence per element (the
-        # default, acq_rel, orders every atomic against the program's other memory operations).
-        lines.append(f"tl.atomic_add({load.input}_grad + {offset}, {value}{mask}, sem=\"relaxed\")")
+        lines.append(_grad_add(f"{load.input}_grad", offset, value, bounds))
     return "\n".join(lines) if lines else "# no learnable inputs"
 
 
+def _grad_add(ptr: str, offset: str, value: str, mask: str) -> str:
+    """Adds `value` into the gradient at `ptr + offset` where `mask` holds (always, if empty): an fp32 atomic,
+    or exactly in deterministic mode (runtime.helpers._grad_add)."""
+    return f"_grad_add({ptr}, {offset}, {value}, {mask or 'None'}, DETERMINISTIC)"
+
+
 def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:
-    """Atomically adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds.
+    """Adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds (_grad_add).
 
     An index that varies over the tile may still take few values on it: a clamped relative position
     puts most tiles wholly at the clamp (one address) and the tiles on the band's edge partly so.
@@ -234,16 +237,16 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
         f"                                 tl.where({ok}, {value}, 0.0)), 1, _min_max_sum)",
         f"{lo}, {hi}, {total} = tl.reduce(({lo}, {hi}, {total}), 0, _min_max_sum)",
         f"if {lo} >= {hi}:",
-        f"    tl.atomic_add({ptr} + {lo}, {total}, mask={lo} == {hi}, sem=\"relaxed\")",
+        "    " + _grad_add(ptr, lo, total, f"{lo} == {hi}"),
         "else:",
         f"    {at_lo}, {at_hi} = tl.reduce((tl.where({ok} & ({a} == {lo}), {value}, 0.0),",
         f"                                   tl.where({ok} & ({a} == {hi}), {value}, 0.0)), 1, _sum_pair)",
         f"    {at_lo}, {at_hi} = tl.reduce(({at_lo}, {at_hi}), 0, _sum_pair)",
-        f"    tl.atomic_add({ptr} + {lo}, {at_lo}, sem=\"relaxed\")",
-        f"    tl.atomic_add({ptr} + {hi}, {at_hi}, sem=\"relaxed\")",
+        "    " + _grad_add(ptr, lo, at_lo, ""),
+        "    " + _grad_add(ptr, hi, at_hi, ""),
         f"    {mid} = {ok} & ({a} != {lo}) & ({a} != {hi})",
         f"    if tl.max(tl.max({mid}.to(tl.int32), 1), 0) > 0:",
-        f"        tl.atomic_add({ptr} + {a}, {value}, mask={mid}, sem=\"relaxed\")",
+        "        " + _grad_add(ptr, a, value, mid),
     ]
 
 

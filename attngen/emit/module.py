@@ -27,10 +27,12 @@ from attngen.version import __version__
 # constants its kernels call (attngen/runtime/helpers.py; tests/test_static.py checks the list is whole).
 HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh",
                 "_tanh_approx", "_tan", "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers",
-                "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit")
+                "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit",
+                "EXACT_DIGITS", "EXACT_WORDS", "_exact_add", "_grad_add", "_dropout_state", "_dropout_keep",
+                "_dropout_keep_tile", "_dropout_quarter")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
-SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine")
+SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine", "_exact_finish")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 
@@ -209,6 +211,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     table_families = _python_tuple(f.name for f in entries if f.follows_tables)
     packed_families = _python_tuple(f.name for f in entries if f.packed_forward)
     packed_backward_families = _python_tuple(f.name for f in entries if f.packed_backward)
+    dropout_families = _python_tuple(f.name for f in entries if f.dropout)
     backward_families = _python_tuple((f.name, f.backward_name) for f in entries if f.backward_tiles is not None)
     families_table = ("{" + "".join(f"\n        {f!r}: dict({emit_side(f).DECLARATION})," for f in others) + "\n    }"
                       if others else "{}")
@@ -233,8 +236,10 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         families=plan.families, family_tiles_table=family_tiles_table, families_table=families_table,
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
+        dropout_families=dropout_families,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
         sigmoid=spec.sigmoid,
+        score_grad_bound=repr(facts.score_derivative_bound),
         **kernel_context(facts, plan.families),
     )
     text = _environment().get_template("emit/module.py.jinja").render(**context)

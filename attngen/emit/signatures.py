@@ -87,13 +87,23 @@ PACKED = ("CuSeqlensQ", "CuSeqlensK", "TOTAL_Q")
 # sequence's first query and key rows (off_b, 0 and 0 in an unpacked call; 0 and cu_seqlens[b] in a
 # packed one, whose descriptors see (1, heads, TOTAL, D) views).
 SEQUENCE = ("tma_b", "q_start", "k_start")
-# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32 and laid out as LSE
-# ((B, H, Q_LEN), a packed call's (H, TOTAL_Q)); a spec without one has no such parameter.
-SINK = ("Sink",)
+# A spec with a `sink:` gives its forward kernels the sink of every query row, fp32, as (B, H, Q_LEN) rows
+# in any strides (an expanded `sinks[h]` has 0 for the batch and the rows: attngen.runtime.sinks); a packed
+# call's (H, TOTAL_Q) rows come with batch stride 0, its rows counted from each sequence's first token. A
+# spec without one has no such parameters.
+SINK = ("Sink", "stride_sb", "stride_sh", "stride_sm")
+# The Hopper backward's deterministic dQ (DETERMINISTIC): its int64 fixed-point sum (q's layout, its
+# batch, head and row strides) and each row's scale exponent (rows of dq_rows a head, as its row terms).
+DQ_FIXED = ("DqFixed", "stride_dqz", "stride_dqh", "stride_dqm", "DqExp", "dq_rows")
 # A softmax spec's forward kernels write each row's LSE, and its backward kernels read it and the row term
 # delta = rowsum(dO * O); a sigmoid spec has neither (each key's weight is its own sigmoid(score'), and
 # dS = P * (1 - P) * dP), so its kernels have no such parameters.
 ROW_TERMS = ("Lse", "Delta")
+# Dropout (DROPOUT, a call's dropout_p > 0): the call's Philox words (Rng, int64 [seed, offset]) and p, which
+# each kernel that forms P reads, and the state its programs derive from them once (runtime.helpers'
+# _dropout_state) for the loops that regenerate the keep-mask.
+DROPOUT = ("Rng", "dropout_p")
+DROPOUT_STATE = ("dropout_seed", "dropout_offset", "dropout_threshold", "dropout_scale")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers
 # [masked_lo, masked_hi) skipping `gap` tiles from number `gap_at` on, then without, [full_lo, full_hi);
 # with a tile table (FOLLOW_TABLE) the numbers index the lists at masked_tiles and full_tiles.
@@ -121,18 +131,23 @@ def table_params(prefix: str = "") -> tuple[str, ...]:
 class SpecParams:
     """The parameters a spec adds to its kernels: per input its pointer, strides and sizes (`inputs`), the
     learnable ones' gradients (`grads`), a tile table's (`table`, empty without one) and the sink's rows
-    (`sink`, empty without a sink); `softmax`: whether its kernels have the row terms (ROW_TERMS)."""
+    (`sink`, empty without a sink); `softmax`: whether its kernels have the row terms (ROW_TERMS);
+    `deterministic`: the DETERMINISTIC constexpr of the kernels that add the learnable inputs' gradients, which
+    then sum them exactly (runtime.helpers._grad_add, the same bits in every order), empty without them."""
     inputs: tuple[str, ...]
     grads: tuple[str, ...]
     table: tuple[str, ...]
     sink: tuple[str, ...]
     tile_table: bool
     softmax: bool
+    deterministic: tuple[str, ...]
 
 
 def spec_params(spec: ir.Spec, tile_table: bool) -> SpecParams:
-    return SpecParams(input_params(spec), grad_params(spec), table_params() if tile_table else (),
-                      SINK if spec.sink is not None else (), tile_table, not spec.sigmoid)
+    grads = grad_params(spec)
+    return SpecParams(input_params(spec), grads, table_params() if tile_table else (),
+                      SINK if spec.sink is not None else (), tile_table, not spec.sigmoid,
+                      ("DETERMINISTIC",) if grads else ())
 
 
 def signature(name: str, params: tuple[str, ...], constants: tuple[str, ...] = ()) -> Signature:

@@ -34,6 +34,24 @@ def by_name(name: str) -> Family:
     return next(family for family in _entries() if family.name == name)
 
 
+def deterministic_backward(facts: Analysis, families: tuple[str, ...]) -> str:
+    """Which backward a call in deterministic mode (the same bits run after run) runs, and how, for a module
+    of these families (each entry's `deterministic` rule): what `attngen explain` says of it."""
+    serving, passed = [], []
+    for family in _entries():
+        if family.name in families and family.deterministic is not None:
+            serves, how = family.deterministic(facts)
+            (serving if serves else passed).append((family.name, how))
+    parts = [f"{name} for the calls its rule admits, {how}" for name, how in serving[:-1]]
+    last, how = serving[-1]
+    parts.append(f"{last} for the others ({how})" if parts else f"{last} ({how})")
+    parts += [f"not {name}: {why}" for name, why in passed]
+    if facts.spec.learnable_inputs:
+        parts.append("learnable inputs' gradients summed exactly (int64 words of 24-bit digits), the same in any "
+                     "order of their adds")
+    return "; ".join(parts)
+
+
 def choose_families(facts: Analysis, target: Target) -> tuple[tuple[Family, ...], str]:
     """The families of this spec's module on `target`, in order of preference (the last, which serves
     every call, last), and why (including why a family was passed over)."""

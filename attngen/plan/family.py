@@ -29,7 +29,10 @@ class Family:
     tiles) or decides every element of the mask's hull; `packed_forward` and `packed_backward` whether its
     forward and backward kernels also serve packed calls (sequences in FlashAttention's varlen layout,
     their grid following the sequences); `gathers_every_tile` whether its kernels load a score's input
-    gathers on every tile, not once per tile where the index is constant on it (`attngen explain`)."""
+    gathers on every tile, not once per tile where the index is constant on it (`attngen explain`);
+    `deterministic`, for a family with a backward, (whether its backward runs a spec's deterministic calls,
+    how it sums them so, or why it does not); `dropout` whether its kernels apply dropout (a call's
+    dropout_p > 0, regenerating the keep-mask in its backward; the others pass such calls on)."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
@@ -41,6 +44,8 @@ class Family:
     packed_forward: bool = False
     packed_backward: bool = False
     gathers_every_tile: bool = False
+    deterministic: Callable[[Analysis], tuple[bool, str]] | None = None
+    dropout: bool = False
 
     @property
     def backward_name(self) -> str:

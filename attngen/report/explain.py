@@ -16,6 +16,7 @@ from attngen.errors import ArgumentError
 from attngen.analysis import Analysis
 from attngen.frontend.printer import expr_to_source, to_source
 from attngen.plan import ELEMENT_BYTES, Plan, families, visits
+from attngen.plan.families import deterministic_backward
 from attngen.report.tilemap import (EMPTY, FULL, PARTIAL, TileMap, closed_form_map, describe_bytes, describe_flops,
                                     forward_costs, tile_map)
 
@@ -133,6 +134,8 @@ def report(facts: Analysis, kernel_plan: Plan, q_len: int, kv_len: int, head_dim
               f"  kernel families: {', '.join(kernel_plan.families)} ({kernel_plan.family_reason})",
               f"  forward {entry.fwd.short()}   dK/dV {entry.bwd_dkdv.short()}   dQ {entry.bwd_dq.short()}"]
     lines += [f"  why: {r}" for r in entry.reasons]
+    lines += ["  deterministic backward (attngen.build(..., deterministic=True), attn(..., deterministic=True) or "
+              f"torch.use_deterministic_algorithms(True)): {deterministic_backward(facts, kernel_plan.families)}"]
     lines += [f"  why: the mask is {'narrow' if kernel_plan.narrow else 'dense'} for tiling: "
               f"{spans.NARROW_TEXT if kernel_plan.narrow else spans.DENSE_TEXT}",
               f"  why: {kernel_plan.launch_reason}"]

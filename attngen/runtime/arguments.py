@@ -27,6 +27,12 @@ def _dot_precision(dtype):
     return "tf32"
 
 
+def _sink_strides(sink):
+    """The (batch, head, row) strides the kernels read a sink's rows by: (B, H, Q_LEN) rows in their own
+    strides (an expanded `sinks[h]` has 0s), a packed call's (H, TOTAL_Q) rows with batch stride 0."""
+    return (0, *sink.stride()) if sink.dim() == 2 else sink.stride()
+
+
 def _sizes(q, k):
     """(B, H, HKV, Q_LEN, KV_LEN) of a call."""
     return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
@@ -85,8 +91,3 @@ def _side_stream(device):
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
-
-
-def _in_input_dtypes(grads, tensors):
-    """The summed gradients of _input_grads, each in its input's dtype."""
-    return [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]

@@ -6,6 +6,7 @@ from ..families.portable.runtime import Portable
 from .arguments import _call_sizes, _sizes
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
+from .dropout import Dropout
 from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
@@ -13,13 +14,13 @@ from .operators import Operators, _Attention
 from .packed import Packed, _is_packed
 from .plans import CallPlans
 from .shared import _cdiv, _packed_view, _token_sequences
-from .sinks import sink_rows
+from .sinks import sink_rows, sink_view, whole_load
 from .tables import Tables
 
 
-class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable, Checks):
+class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, Portable, Checks):
     """One spec's attention: attn(q, k, v, ...) and its companions (tile_tables, forward_family,
-    backward_family, visit_counts) over the kernels a generated module hands over.
+    backward_family, visit_counts, dropout_mask) over the kernels a generated module hands over.
 
     `facts` are the spec's facts (SpecFacts), `kernels` its portable kernels (Kernels), `families` the
     kernels of each family beside the portable one that its plan names, by family name
@@ -43,13 +44,16 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         self.call_plans, self.call_plan_keys = {}, 256
         self.table_stats = {"built": 0}  # instrumentation: tables built, so tests can tell passed tables are reused
         self.static_tables = {}  # a mask's tables that depend on no input, kept once built (tables.py)
+        # A sink that is one input at (b, h) (`sinks[h]`): its rows are that input viewed, with no evaluation.
+        self.sink_load = whole_load(facts.sink, facts.inputs) if facts.sink is not None else None
         self.operators = self._operators()
 
     def __repr__(self):
         return f"Attention({self.facts.name}, families={list(self.families)})"
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, **inputs):
+             max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, dropout_p=0.0, generator=None,
+             deterministic=False, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
         sink, if it has one), times V; with `normalize: sigmoid`, sigmoid of each allowed key's score times V.
 
@@ -72,15 +76,28 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         (TOTAL_Q, H, DV) and LSE (H, TOTAL_Q); differentiable; runs without tile tables.
         tile_tables: from tile_tables(q, k, v, **inputs), to reuse the tables of a mask that reads
         inputs across calls (built for these inputs' current values; by default each call builds its own).
+        dropout_p: the probability of dropping each attention weight P after the softmax (LSE keeps them all)
+        or the sigmoid; the kept ones are divided by 1 - dropout_p. Applied whenever it is above 0, as by
+        scaled_dot_product_attention (pass 0 outside training); not in cache calls. Each call draws two
+        Philox words from `generator` (None: the default generator of q's device), so torch.manual_seed
+        repeats it; the backward regenerates the same mask. dropout_mask(q, k, v, ...) returns it.
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
+        deterministic=True, or torch.use_deterministic_algorithms(True) at the time of the call: its backward
+        gives the same bits every time (learnable inputs' gradients summed exactly, dQ in a fixed-point sum or
+        by the portable family, whose programs each write theirs once; the forward always does).
         """
         if return_lse and self.facts.sigmoid:
             self._fail("return_lse=True needs a softmax spec, got one with normalize: sigmoid, which has no LSE (each "
                        "key's weight is sigmoid(score') on its own, with no sum over the row); call without return_lse")
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        self._check_dropout(q, dropout_p, generator)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if dropout_p and (kv_len is not None or q_offset is not None or page_table is not None):
+            self._fail(f"dropout_p must be 0 in a call with kv_len, q_offset or page_table, got {dropout_p}: cache calls "
+                       f"are inference, without a backward pass")
         if _is_packed(*packed):
             if kv_len is not None or q_offset is not None or page_table is not None:
                 self._fail("kv_len, q_offset and page_table must be None in a packed call (cu_seqlens_q=...): "
@@ -88,7 +105,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             if tile_tables is not None:
                 self._fail("tile_tables must be None in a packed call (cu_seqlens_q=...): tables are built for a batch of "
                       "equal lengths, and packed calls run without them")
-            out, lse = self._packed_attention(q, k, v, inputs, *packed)
+            out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator, deterministic=deterministic)
             return (out, lse) if return_lse else out
         if page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
@@ -96,7 +113,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
         else:
-            plan = self._call_plan(q, k, v, inputs)
+            plan = self._call_plan(q, k, v, inputs, deterministic, dropout=dropout_p != 0)
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
@@ -108,23 +125,99 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Portable,
             plan = None  # the user's tables are tensors the plan's facts do not cover: launches bind by their facts
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         sink = self._sink_rows(q, k, inputs)
+        dropout = self._dropout(q, dropout_p, generator)
         if torch.compiler.is_compiling():
-            out, lse = self._compiled_attention(q, k, v, tensors, known, sink)
+            out, lse = self._compiled_attention(q, k, v, tensors, known, sink, deterministic, dropout)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
-            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, *tensors)
+            out, lse = _Attention.apply(self, q, k, v, known, plan, sink, deterministic, dropout, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),
-                                            plan, sink)
+                                            plan, sink, dropout)
         return (out, lse) if return_lse else out
+
+    def gradients(self, q, k, v, out, lse, do, dlse=None, *, deterministic=False, **inputs):
+        """The backward kernels of a training call of these q, k, v and inputs, given `out` and `lse` and the
+        upstream gradients `do` (and `dlse`, None for none): (dq, dk, dv, {name: gradient} of each learnable
+        input), in q's, k's, v's and each input's dtype; eager only, nothing differentiable.
+
+        `out` (B, H, Q_LEN, DV) and `lse` (B, H, Q_LEN) float32 need not be this call's: the kernels
+        recompute P = exp(score' - lse) and read delta = rowsum(dO * out) - dLSE, so given the output and LSE
+        of an attention over more keys than k holds (this call's keys one part of them, the parts' results
+        merged by their LSE: context-parallel shards, cascade attention) they return this part's share of
+        that attention's gradients, and the shares of the parts add up to them. A spec with a sink counts
+        its sink in `lse` and gets its gradient here (-exp(sink - lse) * delta per row). Reductions of inputs
+        (`sum(x[b, :])`) pass their gradients on to the inputs they reduce. A sigmoid spec has no LSE: `lse`
+        is None there (each key's weight is its own, so the parts' gradients add up as they are).
+        `deterministic` (or torch.use_deterministic_algorithms(True)): the same bits every run, as for attn."""
+        self._check_tensors(q, k, v)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+        if (lse is None) != self.facts.sigmoid:
+            self._fail("lse must be None for a spec with normalize: sigmoid, which has no LSE, and given for a softmax "
+                       f"spec, got {'None' if lse is None else 'a tensor'}")
+        learnable = [name for name, (_, _, is_learnable) in self.facts.inputs.items() if is_learnable]
+        # Learnable inputs read through a reduction or a sink get their gradient by autograd through the torch
+        # code that computes those from them: leaves here, detached from any graph of the caller's.
+        leaves = {name: t.detach().requires_grad_() for name, t in inputs.items()
+                  if name in learnable and isinstance(t, torch.Tensor) and t.is_floating_point()}
+        with torch.enable_grad():
+            reduced = self._reduced({**inputs, **leaves})
+            plan = self._call_plan(q, k, v, reduced, deterministic)
+            B, H, _, Q_LEN, _, _, DV = plan.sizes
+            for name, t, shape in (("out", out, (B, H, Q_LEN, DV)), ("do", do, (B, H, Q_LEN, DV)),
+                                   ("lse", lse, (B, H, Q_LEN)), ("dlse", dlse, (B, H, Q_LEN))):
+                if name in ("lse", "dlse") and t is None:
+                    continue
+                if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.device == q.device
+                        and t.is_floating_point()):
+                    self._fail(f"{name} must be a float tensor of shape {shape} on {q.device}, got "
+                               + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                                  else type(t).__name__))
+            if out.dtype != q.dtype or (lse is not None and lse.dtype != torch.float32):
+                self._fail(f"out must have q's dtype {q.dtype} and lse float32, got {out.dtype} and "
+                           f"{lse.dtype if lse is not None else None}")
+            sink = self._sink_rows(q, k, reduced)
+        tensors = [reduced[name].detach().contiguous() for name in self.facts.inputs]
+        # The kernels read LSE as a dense (B, H, Q_LEN) array (a slice of a longer one is not), dO in q's dtype; a
+        # sigmoid spec's kernels read none, and a placeholder stands in for it.
+        out, do = out.detach(), do.detach().to(q.dtype)
+        lse = lse.detach().contiguous() if lse is not None else out.new_empty((B, H, Q_LEN), dtype=torch.float32)
+        dlse = dlse.detach().float() if dlse is not None else None
+        wanted_sink = sink.detach() if sink is not None and sink.requires_grad else None
+        dq, dk, dv, kernel_grads, dsink = self._backward_with_tables(
+            q.detach(), k.detach(), v.detach(), out, lse, do, dlse, tensors, {},
+            self._builder(_sizes(q, k), q.device, tensors, plan), plan, deterministic, wanted_sink)
+        grads = {name: g for name, g in zip(self.facts.inputs, kernel_grads) if g is not None}
+        # What reaches the user's inputs through torch code: the reductions' values and the sink rows.
+        through = [(reduced[name], grads.pop(name)) for name, *_ in self.facts.reductions
+                   if name in grads and reduced[name].requires_grad]
+        if wanted_sink is not None:
+            through.append((sink, dsink))
+        result = {name: grads.get(name) for name in learnable if name in inputs}
+        if through and leaves:
+            chained = torch.autograd.grad([t for t, _ in through], list(leaves.values()), [g for _, g in through],
+                                          allow_unused=True)
+            for (name, leaf), g in zip(leaves.items(), chained):
+                if g is not None:
+                    result[name] = g if result.get(name) is None else result[name] + g.to(result[name].dtype)
+        result = {name: (g if g is not None else torch.zeros_like(inputs[name])).to(inputs[name].dtype)
+                  for name, g in result.items()}
+        return dq, dk, dv, result
 
     def _sink_rows(self, q, k, inputs, cache=None, packed=None):
         """The sink of every query row of a checked call, which the forward kernels start each row's softmax
-        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), laid out as LSE; None for a spec without a
-        sink. Computed by torch from the inputs, so autograd carries its gradient (the kernels' autograd
-        nodes return it) into the learnable ones. `cache`: a cache call's (kv_len, q_offset, whether its
-        cache is paged); `packed`: a packed call's (cu_seqlens_q, cu_seqlens_k, ...)."""
+        at: (B, H, Q_LEN) fp32, or a packed call's (H, TOTAL_Q), in any strides (a `sinks[h]` is its input
+        viewed: sinks.whole_load); None for a spec without a sink. Computed by torch from the inputs, so
+        autograd carries its gradient (the kernels' autograd nodes return it) into the learnable ones.
+        `cache`: a cache call's (kv_len, q_offset, whether its cache is paged); `packed`: a packed call's
+        (cu_seqlens_q, cu_seqlens_k, ...)."""
         if self.facts.sink is None:
             return None
+        if self.sink_load is not None:
+            name, names = self.sink_load
+            if packed is None:
+                return sink_view(inputs[name], names, q.shape[0], q.shape[1], q.shape[2])
+            if names == ("h",):
+                return sink_view(inputs[name], names, 1, q.shape[1], q.shape[0])[0]
         inputs = {name: inputs[name] for name in self.facts.inputs}
         if packed is not None:
             cu_seqlens_q, cu_seqlens_k = packed[0].long(), packed[1].long()

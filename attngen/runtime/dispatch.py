@@ -1,7 +1,9 @@
 """Family dispatch: which family's forward and backward a call runs, with the tile tables that family follows."""
 
+import torch
 
 from .checks import _autocast
+from .operators import _dropout_keywords
 from .packed import _is_packed
 from .plans import _backward_plan
 from .arguments import _kv_layout
@@ -12,7 +14,7 @@ class Dispatch:
     """The family dispatch of an Attention (a mixin)."""
 
     def _forward(self, q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None,
-                 sink=None):
+                 sink=None, dropout=None):
         """Runs the forward pass with the first family whose per-call rule admits this call
         (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
         (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
@@ -20,37 +22,44 @@ class Dispatch:
         `family` the call's (name, launch) when the caller has it already (_forward_family); `plan` the
         call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables); `sink`
         the sink of every query row of a spec with one (_sink_rows), which every family's forward folds into
-        its softmax. Counting visits (visit_counts) follows the portable tiles."""
+        its softmax; `dropout` a call's (Philox words, dropout_p) (Dropout._dropout), None without dropout, which
+        only the families of DROPOUT_FAMILIES and the portable one take. Counting visits (visit_counts) follows
+        the portable tiles."""
         cached = cache is not None or page_table is not None
         if visits is not None:
             family = ("portable", None)
         elif family is None:
-            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)
+            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout is not None)
         name, launch = family
         if launch is not None:
-            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink)
-        return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink)
+            return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink,
+                          **_dropout_keywords(dropout))
+        return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink,
+                                      dropout=dropout)
 
-    def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False):
+    def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False, dropout=False):
         """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
         if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
         (`cached`: a cache call; k holds pages if paged; `packed`: a packed call's (1, heads, TOTAL, D)
-        views, which only PACKED_FAMILIES take); ("portable", None) when none does."""
+        views, which only PACKED_FAMILIES take; `dropout`: a call with dropout, which only DROPOUT_FAMILIES
+        take); ("portable", None) when none does."""
         names = [name for name, _, _ in self.forward_families]
         families = self.forward_families[names.index(after) + 1:] if after is not None else self.forward_families
         return next(((name, launch) for name, serves, launch in families
-                     if (not packed or name in self.facts.packed_families) and serves(q, k, v, HKV, KV_LEN, cached)),
+                     if (not packed or name in self.facts.packed_families)
+                     and (not dropout or name in self.facts.dropout_families) and serves(q, k, v, HKV, KV_LEN, cached)),
                     ("portable", None))
 
-    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None):
+    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None, dropout=None):
         """A training or inference call's forward (no cache), with the tile table of the family that runs
         it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
         decides which table to build and which kernel follows it; a call's _CallPlan has it, and binds the
-        launches. `sink` as for _forward."""
-        family = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False)
+        launches. `sink` and `dropout` as for _forward."""
+        family = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False,
+                                                                           dropout=dropout is not None)
         kernels = self._forward_tables(family[0])
         return self._forward(q, k, v, tensors, dict(zip(kernels, self._resolve(kernels, q, v, known, build))), family=family,
-                        plan=plan, sink=sink)
+                        plan=plan, sink=sink, dropout=dropout)
 
     def _forward_tables(self, name):
         """The kernels whose tile tables a forward call run by the family `name` needs built: the portable
@@ -60,57 +69,71 @@ class Dispatch:
             return []
         return [0] if name == "portable" else [name] if name in self.facts.table_families else []
 
-    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None):
+    def _backward_with_tables(self, q, k, v, out, lse, do, dlse, tensors, known, build, plan=None, deterministic=False,
+                              sink=None, dropout=None):
         """The backward pass by the first family of BACKWARD_FAMILIES whose rule admits the call, else the
         portable one, with the tile tables it follows: known[kernel] (the user's, or the forward's where the
         tiles agree) or build(key). `plan`: the call's _CallPlan, which has the family and binds the
-        launches. Returns dq, dk, dv and one gradient per input (None for inputs that are not learnable)."""
-        _, name, launch = plan.backward_family if plan is not None else self._backward_family(q, k, v)
+        launches (made for the same `deterministic`). `deterministic`: the gradients must be the same bits
+        from run to run (Attention.attn). `sink`: the spec's sink rows, when their gradient is wanted.
+        `dropout`: the forward's (_forward), whose mask the kernels regenerate. Returns dq, dk, dv, one gradient
+        per input (None for inputs that are not learnable) and the sink rows' gradient (None without `sink`)."""
+        if plan is not None:
+            _, name, launch = plan.backward_family
+        else:
+            _, name, launch = self._backward_family(q, k, v, deterministic=deterministic, dropout=dropout is not None)
         kernels = ([1, 2] if launch is None else [name]) if self.facts.tile_table else []
         tables = dict(zip(kernels, self._resolve(kernels, q, v, known, build)))
         plan = _backward_plan(plan, do, dlse)
         if launch is not None:
-            return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan)
+            return launch(q, k, v, out, lse, do, dlse, tensors, tables.get(name, ()), plan=plan,
+                          deterministic=deterministic, sink=sink, **_dropout_keywords(dropout))
         return self._portable_backward(q, k, v, out, lse, do, dlse, tensors, (tables.get(1, ()), tables.get(2, ())),
-                                  plan=plan)
+                                       plan=plan, deterministic=deterministic, sink=sink, dropout=dropout)
 
-    def _backward_family(self, q, k, v, packed=False):
+    def _backward_family(self, q, k, v, packed=False, deterministic=False, dropout=False):
         """(family, backward name, launch) of the first family of BACKWARD_FAMILIES whose rule admits a call
-        of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take);
-        ("portable", "portable", None) when none does."""
+        of these tensors (`packed`: a packed call's views, which only PACKED_BACKWARD_FAMILIES take;
+        `deterministic`: a backward whose gradients must be the same bits from run to run; `dropout`: the
+        backward of a call with dropout, which only DROPOUT_FAMILIES take); ("portable", "portable", None)
+        when none does."""
         return next(((family, name, launch) for family, name, serves, launch in self.backward_families
-                     if (not packed or family in self.facts.packed_backward_families) and serves(q, k, v)),
+                     if (not packed or family in self.facts.packed_backward_families)
+                     and (not dropout or family in self.facts.dropout_families) and serves(q, k, v, deterministic)),
                     ("portable", "portable", None))
 
     def forward_family(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                       max_seqlen_q=None, max_seqlen_k=None, **inputs):
+                       max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, **inputs):
         """The kernel family whose forward kernel a call with these arguments runs ("portable", or a
         family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
         The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
         A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
-        D) views, else the portable one."""
+        D) views, else the portable one; a call with dropout_p > 0 one of DROPOUT_FAMILIES."""
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        self._check_dropout(q, dropout_p, None)
+        dropout = dropout_p != 0
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
             q, k, v = map(_packed_view, (q, k, v))
-            return self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True)[0]
+            return self._forward_family(q, k, v, k.shape[1], k.shape[2], False, packed=True, dropout=dropout)[0]
         if page_table is not None:
             self._check_paged(q, k, v, page_table, kv_len, inputs)
         else:
             self._check(q, k, v, inputs)
         cached = kv_len is not None or q_offset is not None or page_table is not None
-        return self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached)[0]
+        return self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout)[0]
 
     def backward_family(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        **inputs):
+                        deterministic=False, **inputs):
         """The kernel family whose backward kernels a (training) call with these arguments runs: "portable",
         or the family of BACKWARD_FAMILIES whose per-call rule admits it (of PACKED_BACKWARD_FAMILIES for a
-        packed call)."""
+        packed call). `deterministic` as for attn (torch.use_deterministic_algorithms(True) sets it too)."""
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         if _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
             self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
-            return self._backward_family(*map(_packed_view, (q, k, v)), packed=True)[0]
+            return self._backward_family(*map(_packed_view, (q, k, v)), packed=True, deterministic=deterministic)[0]
         self._check(q, k, v, inputs)
-        return self._backward_family(q, k, v)[0]
+        return self._backward_family(q, k, v, deterministic=deterministic)[0]

@@ -39,10 +39,14 @@ class SpecFacts:
     num_warps, num_stages, buffers); softmax_scale(D), the score scale; and the families beside the
     portable one: forward_families in order of preference, table_families those whose forward follows
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
-    packed_families and packed_backward_families those that serve packed calls; sink, the spec's `sink:`
+    packed_families and packed_backward_families those that serve packed calls, dropout_families those whose
+    kernels apply dropout (a call's dropout_p > 0; the portable family does too); sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
     dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
-    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms).
+    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms);
+    score_grad_bound, a bound on |d score'/d score| over every call (1.0 without a score expression), or
+    None where the analysis knows none: the Hopper family's deterministic backward scales its fixed-point
+    dQ by it, and runs only where there is one.
     """
     name: str
     fingerprint: str
@@ -66,10 +70,12 @@ class SpecFacts:
     backward_families: tuple = ()
     packed_families: tuple = ()
     packed_backward_families: tuple = ()
+    dropout_families: tuple = ()
     sink: tuple | None = None
     reductions: tuple = ()
     normalize: str = "softmax"
     static_tables: tuple | None = None
+    score_grad_bound: float | None = 1.0
 
     @property
     def sigmoid(self):

@@ -4,8 +4,9 @@ module hands over by keyword.
 
 A family object has `serves(q, k, v, HKV, KV_LEN, cached)` and `forward(q, k, v, tensors, table,
 cache=None, page_table=None, plan=None[, packed=None])` -> (out, lse); one with a backward also has
-`backward_serves(q, k, v)` and `backward(q, k, v, out, lse, do, dlse, tensors, table, plan=None,
-packed=None)` -> (dq, dk, dv, input grads). Its module is imported only when a spec's plan names it.
+`backward_serves(q, k, v, deterministic=False)` and `backward(q, k, v, out, lse, do, dlse, tensors, table,
+plan=None, packed=None, deterministic=False)` -> (dq, dk, dv, input grads), deterministic asking for the same
+bits run after run. Its module is imported only when a spec's plan names it.
 """
 
 import importlib

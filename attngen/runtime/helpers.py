@@ -1,5 +1,5 @@
 """The Triton helpers every generated kernel calls: Python's integer division, tanh, pow, dots, masked
-tile loads, loop bounds and visit counters."""
+tile loads, loop bounds, visit counters and the gradient adds of learnable inputs."""
 
 import triton
 import triton.language as tl
@@ -193,3 +193,134 @@ def _count_visit(visits, start, BLOCK: tl.constexpr, MASKED: tl.constexpr, COUNT
             tl.atomic_add(visits + start // BLOCK, 1, sem="relaxed")
         else:
             tl.atomic_add(visits + start // BLOCK, 16, sem="relaxed")
+
+
+# --- deterministic sums ------------------------------------------------------------------------
+# A learnable input's gradient gathers terms from many programs, and float addition depends on its
+# order, so atomic float adds differ in the last bits from run to run. In deterministic mode each entry
+# gets EXACT_WORDS int64 words instead: EXACT_DIGITS 24-bit digits of its sum's binary expansion (bits
+# 2**-149 to 2**139, every float32's range, each digit a word with 39 bits of headroom for carries) and
+# counts of its +inf, -inf and NaN terms. Integer addition is associative, so any order of the adds
+# leaves the same words, and the sum they hold is exact; kernels._exact_finish rounds it to float32.
+EXACT_DIGITS = tl.constexpr(12)
+EXACT_WORDS = tl.constexpr(15)
+
+
+@triton.jit
+def _exact_add(Words, value, mask):
+    # value's sign, mantissa and exponent from its bits: |value| = mantissa * 2**(position - 149), the
+    # mantissa 24 bits (denormals: their 23 and position 0), so mantissa << (position % 24) spans at most
+    # two digits, words position // 24 and the one above.
+    bits = value.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 255
+    fraction = bits & 8388607
+    mantissa = tl.where(exponent > 0, fraction | 8388608, fraction)
+    position = tl.maximum(exponent, 1) - 1
+    shifted = mantissa.to(tl.int64) << (position % 24).to(tl.int64)
+    low = shifted & 16777215
+    high = shifted >> 24
+    negative = bits < 0
+    low = tl.where(negative, -low, low)
+    high = tl.where(negative, -high, high)
+    digit = Words + position // 24
+    finite = exponent < 255
+    special = exponent == 255
+    if mask is not None:
+        finite = finite & mask
+        special = special & mask
+    tl.atomic_add(digit, low, mask=finite & (low != 0), sem="relaxed")
+    tl.atomic_add(digit + 1, high, mask=finite & (high != 0), sem="relaxed")
+    # Non-finite terms are counted: an inf fraction is 0, a NaN's is not.
+    count = tl.where(fraction != 0, EXACT_DIGITS + 2, tl.where(negative, EXACT_DIGITS + 1, EXACT_DIGITS))
+    tl.atomic_add(Words + count, tl.where(special, 1, 0).to(tl.int64), mask=special, sem="relaxed")
+
+
+@triton.jit
+def _grad_add(Grad, offset, value, mask, DETERMINISTIC: tl.constexpr):
+    # Adds gradient terms `value` (a scalar or a tile) into a learnable input's gradient at `offset`
+    # where `mask` holds (None: everywhere): an fp32 atomic add (relaxed: only the sum after the kernel
+    # matters, so no ordering fence per element), or in deterministic mode an exact add into the entry's words.
+    if DETERMINISTIC:
+        _exact_add(Grad + tl.cast(offset, tl.int64) * EXACT_WORDS, value, mask)
+    else:
+        tl.atomic_add(Grad + offset, value, mask=mask, sem="relaxed")
+
+
+# --- dropout ---------------------------------------------------------------------------------
+# Dropout keeps P[b, h, q, k] by one Philox4x32-10 draw (Triton's tl.philox, the generator of tl.rand) of
+# the call's two words (Rng: a seed and an offset the host drew from the torch generator) and (b, h, q, k)
+# alone, so every kernel and tile shape regenerates the same bit and the mask is never stored. One draw
+# serves four elements: (q, k) = (16A + 8a + x, 16C + 8c + y) with x, y < 8 takes word 2a + c of the draw
+# at counter (8C + y, 8A + x, b * H + h, offset) under key seed. The four lie in one thread of every MMA
+# accumulator layout (a thread holds rows r and r + 8 of a 16-row slab, and columns c and c + 8), in the
+# forward's (q, k) tiles and the backward's (k, q) ones alike. An element is kept when its word's top 31
+# bits are at least float32(dropout_p) * 2**31: the keep probability is 1 - dropout_p to within
+# 2**-24 * dropout_p + 2**-31.
+@triton.jit
+def _dropout_state(Rng, dropout_p, DROPOUT: tl.constexpr):
+    # A program's (seed, offset, threshold, scale): the call's words (Rng, int64 [seed, offset], the
+    # offset's low word a counter word), the threshold of the kept draws, and 1 / (1 - p), which the
+    # kept P are scaled by; placeholders when DROPOUT is off (then nothing reads them).
+    if DROPOUT:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1).to(tl.int32)
+        # The largest float32 below 2**31 bounds the threshold, so a p within 2**-25 of 1 cannot overflow it.
+        threshold = tl.minimum(dropout_p * 2147483648.0, 2147483520.0).to(tl.int32)
+        scale = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        offset = 0
+        threshold = 0
+        scale = 1.0
+    return seed, offset, threshold, scale
+
+
+@triton.jit
+def _dropout_keep(seed, offset, threshold, bh, q, k):
+    # Whether dropout keeps the elements at queries q and keys k (int32 index tensors that broadcast to
+    # the tile, in any layout) of batch x head bh = b * H + h: the definition above, element by element
+    # (every element runs its own draw: _dropout_keep_tile shares one among four).
+    q_pair = (q // 16) * 8 + q % 8
+    k_pair = (k // 16) * 8 + k % 8
+    w0, w1, w2, w3 = tl.philox(seed, k_pair + q_pair * 0, q_pair + k_pair * 0, bh, offset)
+    low_k = k % 16 < 8
+    word = tl.where(q % 16 < 8, tl.where(low_k, w0, w1), tl.where(low_k, w2, w3))
+    return (word >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_keep_tile(seed, offset, threshold, bh, q, k, KEYS_ALONG_ROWS: tl.constexpr):
+    # _dropout_keep of a tile, one draw for four elements: q and k are its query and key indices (int32,
+    # broadcasting to the tile; (rows, columns) = (queries, keys), or (keys, queries) with KEYS_ALONG_ROWS,
+    # the backward's transposed tiles), each axis consecutive from a multiple of 16. The tile is cut into
+    # its four quarters by the half bit (8) of each axis, which every MMA accumulator layout holds in
+    # registers, so the reshapes, splits and joins move no data: the draws run on one quarter's indices, and
+    # each word lands on its quarter.
+    q = q + k * 0
+    k = k + q * 0
+    ROWS: tl.constexpr = q.shape[0]
+    COLUMNS: tl.constexpr = q.shape[1]
+    q = _dropout_quarter(q, ROWS, COLUMNS)
+    k = _dropout_quarter(k, ROWS, COLUMNS)
+    w0, w1, w2, w3 = tl.philox(seed, (k // 16) * 8 + k % 8, (q // 16) * 8 + q % 8, bh, offset)
+    k0, k1 = (w0 >> 1).to(tl.int32) >= threshold, (w1 >> 1).to(tl.int32) >= threshold
+    k2, k3 = (w2 >> 1).to(tl.int32) >= threshold, (w3 >> 1).to(tl.int32) >= threshold
+    # Word 2a + c goes to the quarter of query half a and key half c: (row half, column half) is (a, c), or
+    # (c, a) on transposed tiles.
+    if KEYS_ALONG_ROWS:
+        keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+    else:
+        keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))
+    # (row pair, column pair, column half, row half) back to (rows, columns)
+    keep = tl.reshape(keep, [ROWS // 16, 8, COLUMNS // 16, 8, 2, 2])
+    return tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), [ROWS, COLUMNS])
+
+
+@triton.jit
+def _dropout_quarter(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    # The quarter of tile x of row half 0 and column half 0, (ROWS // 2, COLUMNS // 2): rows 16A + x of
+    # the tile at row 8A + x, columns alike.
+    x = tl.permute(tl.reshape(x, [ROWS // 16, 2, 8, COLUMNS // 16, 2, 8]), (0, 2, 3, 5, 1, 4))
+    x, _ = tl.split(tl.reshape(x, [ROWS // 2, COLUMNS // 2, 2, 2]))
+    x, _ = tl.split(x)
+    return x

@@ -1,25 +1,38 @@
-"""The kernels every spec shares (no spec expression in them): the backward's row-terms pass and the
-decode family's merge of its key shares. Generated modules import them; their launches are the runtime's."""
+"""The kernels every spec shares (no spec expression in them): the backward's row-terms pass, the decode
+family's merge of its key shares and the rounding of deterministic sums. Generated modules import them; their
+launches are the runtime's."""
 
 import triton
 import triton.language as tl
 
-from .helpers import LOG2E
+from .helpers import EXACT_DIGITS, EXACT_WORDS, LOG2E
 
 
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, stride_oz, stride_oh, stride_om, stride_ok,
-                    stride_doz, stride_doh, stride_dom, stride_dok, H, Q_LEN, Q_ROWS,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, stride_sb, stride_sh, stride_sm, DSink, DqExp, Bounds,
+                    bound_log2, stride_oz, stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom,
+                    stride_dok, H, Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr):
+                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr,
+                    DQ_BOUND: tl.constexpr):
     # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
     # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
     # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
     # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
-    # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
-    # SINK_GRAD: also the gradient DSink of a spec's sink rows Sink (B * H * Q_LEN, laid out as LSE), the
-    # first term of each row's softmax: -exp(sink - LSE) * delta.
+    # memory, not its rows; or int64, deterministic mode's) that a backward then adds dQ into, so that needs
+    # no launch of its own.
+    # SINK_GRAD: also the gradient DSink (B * H * Q_LEN, laid out as LSE) of a spec's sink rows Sink ((B, H,
+    # Q_LEN) in its strides), the first term of each row's softmax: -exp(sink - LSE) * delta, the weight 1
+    # where the sink is +inf (all of the row's weight; LSE is +inf too).
+    # DQ_BOUND: also each row's scale exponent s for a deterministic fixed-point dQ (the Hopper family's),
+    # in DqExp's rows as Delta's: dQ's row sums sum_k dS[q, k] K[k, :] with dS = P (dP - delta) g, g = d score'/d
+    # score, and |dP[q, k]| <= sum_d |dO[q, d]| max|V|, sum_k P[q, k] <= 1, so with |g| <= 2**bound_log2 each
+    # term sum is below B = (|dO[q]|_1 max|V| + |delta|) max|K| 2**bound_log2 (Bounds: min and max of K, of V;
+    # with dropout a kept dP is scaled by 1 / (1 - p), and V's entries of Bounds come scaled by it too).
+    # s = 58 - ceil(log2 2B) keeps it below 2**57, 63 bits leaving room for 32x slack in that sum of P (the
+    # backward's recomputed scores against the forward's LSE) and the truncations; 0 where B = 0 (every term
+    # is 0), NaN where B is not finite (inputs holding inf or NaN: the row's dQ is NaN).
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -41,15 +54,27 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, DSink, stride_
     if SINK_GRAD:
         rows = off_bh.to(tl.int64) * Q_LEN + offs_m
         lse = tl.load(Lse + rows, mask=offs_m < Q_LEN, other=float("-inf"))
-        sink = tl.load(Sink + rows, mask=offs_m < Q_LEN, other=float("-inf"))
+        sink = tl.load(Sink + off_b.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
+                       + offs_m.to(tl.int64) * stride_sm, mask=offs_m < Q_LEN, other=float("-inf"))
         # A row with neither a key nor a sink (LSE = -inf, and so sink = -inf) weighs its sink exp(-inf - 0) = 0,
         # never exp(-inf - -inf).
-        weight = tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse))
+        weight = tl.where(sink == float("inf"), 1.0, tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse)))
         tl.store(DSink + rows, -weight * delta, mask=offs_m < Q_LEN)
+    if DQ_BOUND:
+        l1 = tl.sum(tl.abs(do.to(tl.float32)), 1)
+        k_max = tl.maximum(tl.abs(tl.load(Bounds)), tl.abs(tl.load(Bounds + 1)))
+        v_max = tl.maximum(tl.abs(tl.load(Bounds + 2)), tl.abs(tl.load(Bounds + 3)))
+        size = tl.abs(delta)
+        extremes = tl.zeros_like(l1) + (k_max + v_max)  # a row vector: the interpreter's `&` takes no scalar bool
+        finite = (l1 < float("inf")) & (size < float("inf")) & (extremes < float("inf"))
+        top = tl.maximum(tl.log2(l1) + tl.log2(v_max), tl.log2(size)) + 1.0 + tl.log2(k_max) + bound_log2
+        exponent = tl.where(top == float("-inf"), 0.0, tl.minimum(tl.maximum(58.0 - tl.ceil(top), -250.0), 250.0))
+        tl.store(DqExp + off_bh.to(tl.int64) * Q_ROWS + offs_m, tl.where(finite, exponent, float("nan")),
+                 mask=offs_m < Q_ROWS)
     if ZERO_DQ:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                 tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32),
+                 tl.zeros((BLOCK_M, HEAD_DIM_PAD), DqSum.dtype.element_ty),
                  mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -61,29 +86,36 @@ def _base2_lse(Lse, row, offs, n):
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, H, Q_LEN, n_rows, SPLITS,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                    HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr):
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
+                    H, Q_LEN, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
     # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
-    # of the spec's sink (B, H, Q_LEN), if it has one (HAS_SINK): a part with no value (O = 0, LSE = sink),
-    # the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the first part
-    # rescales its 1 by exp(-inf) = 0). ADD_PARTS (sigmoid attention): each part is its keys' weighted sum,
-    # not normalised, so O is the parts' sum and there is no LSE (LsePart, Lse and Sink are never read).
+    # of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value (O = 0,
+    # LSE = sink), the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the
+    # first part rescales its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN (both
+    # NaN) merges as one without a sink and gets those values at the end. ADD_PARTS (sigmoid attention): each
+    # part is its keys' weighted sum, not normalised, so O is the parts' sum and there is no LSE (LsePart, Lse
+    # and Sink are never read).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    out_rows = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
     if ADD_PARTS:
         for s in range(SPLITS):
             part_row = s * tl.cast(n_rows, tl.int64) + rows
             acc += tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
+        out = acc
     else:
         m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        sink = m
         if HAS_SINK:
-            m = tl.load(Sink + rows, mask=row_ok, other=float("-inf"))
+            sink = tl.load(Sink + out_rows // Q_LEN // H * stride_sb + out_rows // Q_LEN % H * stride_sh
+                           + out_rows % Q_LEN * stride_sm, mask=row_ok, other=float("-inf"))
+            m = tl.where(sink < float("inf"), sink, float("-inf"))
             total += 1.0
         for s in range(SPLITS):
             part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr
@@ -99,9 +131,40 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
         has_keys = total > 0.0
         total_safe = tl.where(has_keys, total, 1.0)
         lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
-        acc = acc / total_safe[:, None]
+        out = acc / total_safe[:, None]
+        if HAS_SINK:
+            out = tl.where((sink < float("inf"))[:, None], out,
+                           tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+            lse = tl.where(sink < float("inf"), lse, sink)
         tl.store(Lse + rows, lse, mask=row_ok)
-    out_rows = rows.to(tl.int64)
     out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
                + out_rows % Q_LEN * stride_om)
-    tl.store(Out + out_row[:, None] + offs_dv[None, :], acc.to(Out.dtype.element_ty), mask=tile_ok)
+    tl.store(Out + out_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit
+def _exact_finish(Words, Out, n, BLOCK: tl.constexpr):
+    # Each of n entries' exact sum (helpers._exact_add's words) as float32: the carries moved up so that
+    # every digit but the top one lies in [-2**23, 2**23) (balanced: a digit's sign never carries through
+    # the words above it, so the top nonzero digit outweighs all below it and their float64 sum cancels
+    # nothing), summed from the bottom in float64 (each digit exact there), then +-inf or NaN where the
+    # entry had such terms (NaN for both infinities, as float addition gives). The same words give the
+    # same bits.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    words = Words + offs.to(tl.int64) * EXACT_WORDS
+    carry = tl.zeros([BLOCK], dtype=tl.int64)
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    scale = tl.full([BLOCK], 2.0 ** -149, dtype=tl.float64)  # the lowest digit's unit
+    for i in tl.static_range(EXACT_DIGITS):
+        digit = tl.load(words + i, mask=ok, other=0) + carry
+        if i < EXACT_DIGITS - 1:
+            carry = (digit + 8388608) >> 24
+            digit -= carry << 24
+        total += digit.to(tl.float64) * scale
+        scale *= 16777216.0
+    plus = tl.load(words + EXACT_DIGITS, mask=ok, other=0) > 0
+    minus = tl.load(words + EXACT_DIGITS + 1, mask=ok, other=0) > 0
+    nan = (tl.load(words + EXACT_DIGITS + 2, mask=ok, other=0) > 0) | (plus & minus)
+    result = tl.where(plus, float("inf"), tl.where(minus, float("-inf"), total.to(tl.float32)))
+    tl.store(Out + offs, tl.where(nan, float("nan"), result), mask=ok)

@@ -25,15 +25,17 @@ def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 class Packed:
     """Packed calls of an Attention (a mixin)."""
 
-    def _packed_attention(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k): checked, then the packed kernels behind
-        _PackedAttention (eager, with the call's plan) or the packed operators (under torch.compile)."""
+    def _packed_attention(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                          generator=None, deterministic=False):
+        """A packed call (attn's cu_seqlens_q/k, max_seqlen_q/k; dropout_p and generator checked): checked, then
+        the packed kernels behind _PackedAttention (eager, with the call's plan) or the packed operators (under
+        torch.compile); `deterministic` as for attn."""
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan = None
             self._check_packed(q, k, v, *packed, inputs)
         else:
-            plan = self._packed_plan(q, k, v, inputs, *packed)
+            plan = self._packed_plan(q, k, v, inputs, *packed, deterministic=deterministic, dropout=dropout_p != 0)
         self._check_learnable(inputs)
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
@@ -45,32 +47,37 @@ class Packed:
                 CHECKED_VALUES.add(offsets, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         sink = self._sink_rows(q, k, inputs, packed=(cu_seqlens_q, cu_seqlens_k))
+        dropout = self._dropout(q, dropout_p, generator)
         if torch.compiler.is_compiling():
             return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     [sink] if sink is not None else [])
+                                     [sink] if sink is not None else [], *self._dropout_operands(dropout), deterministic)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))):
             return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
-                                        plan)
+                                        plan, dropout)
         return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink,
-                                      *tensors)
+                                      deterministic, dropout, *tensors)
 
-    def _packed_plan(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    def _packed_plan(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic=False,
+                     dropout=False):
         """The _CallPlan of a packed call (plans.py): its checks passed and both families chosen once per set
         of facts, a dense call's (_call_facts) and those of the offsets' tensors and the longest lengths,
-        which with them decide every launch's arguments' facts."""
+        which with them decide every launch's arguments' facts (and `deterministic` and `dropout`, as for
+        _call_plan)."""
         facts = _call_facts(q, k, v, inputs)
         offsets = [_offsets_facts(t) for t in (cu_seqlens_q, cu_seqlens_k)]
         if facts is not None and None not in offsets:
             # The lengths' types too: True == 1 as a key, and _check_packed refuses a bool.
-            facts = ("packed", type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, *offsets, *facts)
+            facts = ("packed", deterministic, dropout, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k),
+                     max_seqlen_k, *offsets, *facts)
         else:
             facts = None
 
         def make():
             sizes = self._check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs)
             views = [_packed_view(t) for t in (q, k, v)]
-            return _CallPlan(sizes, self._forward_family(*views, *views[1].shape[1:3], False, packed=True),
-                             self._backward_family(*views, packed=True))
+            return _CallPlan(sizes, self._forward_family(*views, *views[1].shape[1:3], False, packed=True,
+                                                         dropout=dropout),
+                             self._backward_family(*views, packed=True, deterministic=deterministic, dropout=dropout))
         return self._planned(facts, make)
 
     def _check_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):

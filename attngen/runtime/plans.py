@@ -63,14 +63,18 @@ def _plan_site(plan, *site):
 class CallPlans:
     """Call plans of an Attention (a mixin)."""
 
-    def _call_plan(self, q, k, v, inputs):
+    def _call_plan(self, q, k, v, inputs, deterministic=False, dropout=False):
         """The _CallPlan of a call of these tensors: a new one after _check passes, unless a call with the
-        same facts made one already."""
+        same facts made one already. `deterministic`: the call's backward must be (Attention.attn), which
+        may choose another backward family; `dropout`: the call has dropout_p > 0, which the forward family's
+        choice and the launches' arguments depend on."""
         def make():
             sizes = self._check(q, k, v, inputs)
             # Both families once per facts, whether the call then runs a backward (or is a cache call) or not.
-            return _CallPlan(sizes, self._forward_family(q, k, v, sizes[2], sizes[4], False), self._backward_family(q, k, v))
-        return self._planned(_call_facts(q, k, v, inputs), make)
+            return _CallPlan(sizes, self._forward_family(q, k, v, sizes[2], sizes[4], False, dropout=dropout),
+                             self._backward_family(q, k, v, deterministic=deterministic, dropout=dropout))
+        facts = _call_facts(q, k, v, inputs)
+        return self._planned((deterministic, dropout, *facts) if facts is not None else None, make)
 
     def _planned(self, facts, make):
         """The plan kept for these facts, else make()'s, kept for them (facts None: a call checked in full

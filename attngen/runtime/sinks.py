@@ -76,6 +76,37 @@ def _evaluate(node, values, inputs, device):
     return FUNCTIONS[fn](*_promote(*args))
 
 
+# The row axes a whole load may be read along: an input dim declared B indexed by b, or H by h.
+_ROW_AXES = {"b": "B", "h": "H"}
+
+
+def whole_load(tree, inputs):
+    """(input, index names) where a sink is one input read at b and h alone, each indexing a dim declared as
+    its size (`sinks[h]` of an f32[H] input, `bias[b, h]` of f32[B, H]); None for any other sink. Such a sink's
+    rows are the input itself, viewed (sink_view): no evaluation and no copy per call."""
+    if tree[0] != "load" or not tree[3]:
+        return None
+    _, name, type_, index = tree
+    names = tuple(i[1] if i[0] == "var" else None for i in index)
+    dims = inputs[name][1]
+    if (type_ != "float" or len(set(names)) != len(names) or len(dims) != len(names)
+            or any(_ROW_AXES.get(n) != dim for n, dim in zip(names, dims))):
+        return None
+    return name, names
+
+
+def sink_view(x, names, B, H, rows):
+    """The (B, H, rows) sink rows of a whole_load sink: input x (checked: its dims are its declared sizes)
+    along the axes its `names` index, fp32, expanded over the others with no copy; the kernels read its
+    strides (0 along an expanded axis), and its gradient is the rows' gradient summed back by autograd."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if names == ("h", "b"):
+        x = x.t()
+    # One view and one expansion (a view of a dense input; reshape copies one in other strides).
+    return x.reshape(B if "b" in names else 1, H if "h" in names else 1, 1).expand(B, H, rows)
+
+
 def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=None, q_offset=None, kv_len=None):
     """The sink of every query row of a call, fp32, shaped as its `q` positions broadcast with (B, H).
 
@@ -83,6 +114,7 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
     ((B,) ints: row i of batch b sits at position q_offset[b] + i, KV_LEN is kv_len[b]). A packed call
     gives `b` and `q` itself, (TOTAL_Q,) ints (each token's sequence and its position in it), and
     Q_LEN and KV_LEN as (TOTAL_Q,) tensors of that sequence's lengths: the result is then (H, TOTAL_Q).
+    The rows may be an expansion (stride 0 where they do not vary): the kernels read them by their strides.
     """
     # Only the names the sink reads are made (_Values), each a device tensor made by a kernel (torch.full,
     # arange), never copied from the host: a call stays capturable in a CUDA graph and costs few launches.
@@ -113,9 +145,9 @@ def sink_rows(tree, inputs, *, B, H, HKV, Q_LEN, KV_LEN, D, device, b=None, q=No
         whole = {"b": (0, B), "h": (1, H)} | ({"q": (2, Q_LEN)} if q_offset is None else {})
     makers |= {"h": heads, "hkv": lambda: heads() // (H // HKV), "B": lambda: scalar(B), "H": lambda: scalar(H),
                "HKV": lambda: scalar(HKV), "D": lambda: scalar(D)}
-    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor), dense as the kernels read it.
+    # Broadcast onto the rows (a sink of constants alone is one 0-dim tensor), with no copy.
     sink = _float(_evaluate(tree, _Values(makers, whole), inputs, device)).expand(*shape, 1)[..., 0]
-    return (sink[0] if b is not None else sink).contiguous()
+    return sink[0] if b is not None else sink
 
 
 class _Values(dict):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from attngen import ir
 from attngen.errors import IndexOutOfRange
-from attngen.testing.strategies import Case, cases, check_case
+from attngen.testing.strategies import DROPOUTS, Case, cases, check_case
 
 @dataclass(frozen=True)
 class Failure:
@@ -25,13 +25,14 @@ class FuzzReport:
 
 
 def fuzz_spec(spec: ir.Spec, fn, *, examples: int, device: str, dtypes, seed: int | None = None,
-              on_example=None, caches=("none",)) -> FuzzReport:
+              on_example=None, caches=("none",), dropouts=DROPOUTS) -> FuzzReport:
     """Fuzz one spec's kernels (`fn`) over random cases.
 
     A case whose sizes make the spec index an input out of range (`doc[q]` with a KV_LEN-sized doc
     and Q_LEN > KV_LEN) is outside what the spec defines: it is skipped and counted, not failed.
     Hypothesis shrinks a failure to the smallest case it can and runs it once more at the end,
-    so the last failure recorded is the one to report. `caches`: the calls to try (strategies.CACHES).
+    so the last failure recorded is the one to report. `caches`: the calls to try (strategies.CACHES);
+    `dropouts`: the dropout percentages plain calls are drawn with (those above 0 need `fn.dropout_mask`).
     """
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as with_seed
@@ -42,7 +43,7 @@ def fuzz_spec(spec: ir.Spec, fn, *, examples: int, device: str, dtypes, seed: in
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
               phases=[Phase.explicit, Phase.generate, Phase.shrink])
-    @given(case=cases(dtypes=tuple(dtypes), caches=tuple(caches)))
+    @given(case=cases(dtypes=tuple(dtypes), caches=tuple(caches), dropouts=tuple(dropouts)))
     def run(case: Case) -> None:
         if on_example is not None:
             on_example(case)

@@ -162,14 +162,17 @@ def specs(max_depth: int = 3, with_mask: bool | None = None) -> st.SearchStrateg
 # contiguous cache or a paged one (pages of 16 or 32 keys, shuffled).
 CACHES = ("none", "contiguous", "paged16", "paged32")
 # The fields a case may leave out, and their values then (the cases before them read as they did).
-_CASE_DEFAULTS = {"cache": "none", "layout": "dense"}
+_CASE_DEFAULTS = {"cache": "none", "layout": "dense", "dropout": "0"}
+# Dropout probabilities a plain call is drawn with, in percent (0: none, the most often).
+DROPOUTS = (0, 0, 0, 15, 60)
 
 
 @dataclass(frozen=True)
 class Case:
     """One problem: sizes, dtype, the seed of q, k, v, dO, the inputs and a cache call's lengths and
     offsets, how the kernels are called (`cache`, one of CACHES; cache calls are forward only) and how
-    q, k, v lie in memory (`layout`, one of tolerances.LAYOUTS)."""
+    q, k, v lie in memory (`layout`, one of tolerances.LAYOUTS) and the dropout probability of a plain call,
+    in percent (`dropout`: 0 to 99; 0 without dropout)."""
     B: int
     H: int
     HKV: int
@@ -181,10 +184,11 @@ class Case:
     seed: int
     cache: str = "none"
     layout: str = "dense"
+    dropout: int = 0
 
     def __str__(self) -> str:
-        # A plain call on dense tensors reads as before cache calls and layouts existed.
-        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if _CASE_DEFAULTS.get(k) != v)
+        # A plain call on dense tensors without dropout reads as before cache calls, layouts and dropout existed.
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if _CASE_DEFAULTS.get(k) != str(v))
 
     @classmethod
     def parse(cls, text: str) -> "Case":
@@ -203,10 +207,10 @@ class Case:
         keys = [item.split("=", 1)[0] for item in items]
         if len(keys) != len(set(keys)) or not set(needed) <= set(keys) <= set(names):
             raise wrong(f"a case needs exactly {', '.join(needed)}, once each, and optionally "
-                        f"{' and '.join(_CASE_DEFAULTS)}; got {', '.join(keys) or 'nothing'}")
+                        f"{', '.join(_CASE_DEFAULTS)}; got {', '.join(keys) or 'nothing'}")
         values = {**_CASE_DEFAULTS, **values}
         for name in names:
-            value, least = values[name], 0 if name == "seed" else 1
+            value, least = values[name], 0 if name in ("seed", "dropout") else 1
             choices = {"cache": CACHES, "layout": tolerances.LAYOUTS}.get(name)
             if choices is not None:
                 if value not in choices:
@@ -214,7 +218,10 @@ class Case:
                 continue
             if name != "dtype" and not (value.isascii() and value.isdigit() and int(value) >= least):
                 raise wrong(f"{name} must be an integer >= {least}, got {value!r}")
-        case = cls(**{k: (v if k == "dtype" or k in _CASE_DEFAULTS else int(v)) for k, v in values.items()})
+        case = cls(**{k: (v if k in ("dtype", "cache", "layout") else int(v)) for k, v in values.items()})
+        if case.dropout > 99 or (case.dropout and case.cache != "none"):
+            raise wrong(f"dropout must be a percentage from 0 to 99, and 0 in a cache call, got {case.dropout} "
+                        f"with cache={case.cache}")
         if case.H % case.HKV:
             raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
         if case.dtype not in DTYPES:
@@ -224,20 +231,23 @@ class Case:
 
 @st.composite
 def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40, caches=("none",),
-          head_dims=None, min_len: int = 1, near_tiles=NEAR_TILES, layouts=tolerances.LAYOUTS) -> Case:
+          head_dims=None, min_len: int = 1, near_tiles=NEAR_TILES, layouts=tolerances.LAYOUTS,
+          dropouts=DROPOUTS) -> Case:
     """Random shapes (GQA, Q_LEN != KV_LEN, odd lengths and head dims, DV != D), dtype, seed, a call
-    from `caches` (plain calls twice as often as each cache layout, when both are allowed) and a layout
-    of q, k, v from `layouts`.
+    from `caches` (plain calls twice as often as each cache layout, when both are allowed), a layout
+    of q, k, v from `layouts` and a plain call's dropout percentage from `dropouts`.
     `head_dims`: the head dims to draw D and DV from (default 1 .. max_head_dim); lengths lie in
     [min_len, max_len], often at `near_tiles` (lengths at tile edges)."""
     hkv = draw(st.integers(1, 2))
     dims = st.sampled_from(list(head_dims)) if head_dims is not None else st.integers(1, max_head_dim)
     weighted = [c for c in caches for _ in range(2 if c == "none" else 1)]
-    return Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
+    case = Case(B=draw(st.integers(1, 2)), H=hkv * draw(st.integers(1, 3)), HKV=hkv,
                 Q_LEN=draw(_length(min_len, max_len, near_tiles)), KV_LEN=draw(_length(min_len, max_len, near_tiles)),
                 D=draw(dims), DV=draw(dims),
                 dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
                 cache=draw(st.sampled_from(weighted)), layout=draw(st.sampled_from(list(layouts))))
+    # Drawn last, so the fields above are drawn as they were before dropout; cache calls have none.
+    return replace(case, dropout=draw(st.sampled_from(list(dropouts)))) if case.cache == "none" else case
 
 
 def _length(min_len: int, max_len: int, near_tiles=NEAR_TILES) -> st.SearchStrategy[int]:
@@ -301,7 +311,7 @@ def check_case(spec: ir.Spec, fn, case: Case, device: str = "cpu") -> None:
     else:
         q, k, v, inputs = case_data(spec, case, device)
     if case.cache == "none":
-        tolerances.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed)
+        tolerances.check_against_reference(spec, fn, q, k, v, inputs, seed=case.seed, dropout_p=case.dropout / 100)
         return
     cache = cache_data(case, device)
     call = fn

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from attngen.runtime import shared
 from attngen.ir import Load, Reduce, Spec, walk
-from attngen.reference import (PackedRow, evaluate, evaluate_expr, evaluate_packed, make_env, modified_scores,
-                               probabilities, scale_value, sink_logits)
+from attngen.reference import (PackedRow, dropped, evaluate, evaluate_expr, evaluate_packed, make_env,
+                               modified_scores, probabilities, scale_value, sink_logits)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
            "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
@@ -116,7 +116,7 @@ class ReferenceRun:
 def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
                     dtype: torch.dtype | None = None, *, dout: Tensor | None = None,
                     dlse: Tensor | None = None, cache: Mapping[str, Tensor] | None = None,
-                    packed: Mapping | None = None) -> ReferenceRun:
+                    packed: Mapping | None = None, dropout: Mapping | None = None) -> ReferenceRun:
     """Run the reference in float64 (the truth) and in `dtype` (default q's dtype), forward, and
     backward too when the upstream gradient `dout` is given (`dlse` optional, zero where LSE is -inf; a sigmoid
     spec has no LSE, and no "lse" among the outputs).
@@ -124,7 +124,8 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
     q, k and v are cast to each precision. Tensor inputs enter the low-precision run as given, since the
     kernel reads them so, and the truth with float inputs in float64; learnable ones get gradients.
     `cache`: a cache call's kv_len and q_offset (reference.evaluate's), if any; `packed`: a packed call's
-    cu_seqlens_q/k and max_seqlen_q/k (reference.evaluate_packed's), if any.
+    cu_seqlens_q/k and max_seqlen_q/k (reference.evaluate_packed's), if any; `dropout`: a call's dropout_p and
+    dropout_mask (reference.evaluate's), if any.
     """
     dtype = dtype or q.dtype
     cache = dict(cache or {})
@@ -141,9 +142,9 @@ def reference_error(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping
                 x = x.double()
             run_inputs[name] = x.clone().requires_grad_(grad and name in learnable)
         if packed:
-            out, lse = evaluate_packed(spec, *qkv, run_inputs, **packed)
+            out, lse = evaluate_packed(spec, *qkv, run_inputs, **packed, **dict(dropout or {}))
         else:
-            out, lse = evaluate(spec, *qkv, run_inputs, **cache)
+            out, lse = evaluate(spec, *qkv, run_inputs, **cache, **dict(dropout or {}))
         result = {"out": out.detach()} | ({"lse": lse.detach()} if lse is not None else {})
         if grad:
             outputs, grads_out = [out], [dout.to(out.dtype)]
@@ -231,7 +232,8 @@ FP32_EPS = torch.finfo(torch.float32).eps
 
 def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None,
                      *, dout: Tensor | None = None, dlse: Tensor | None = None,
-                     cache: Mapping[str, Tensor] | None = None, row: PackedRow | None = None) -> dict[str, float]:
+                     cache: Mapping[str, Tensor] | None = None, row: PackedRow | None = None,
+                     dropout: Mapping | None = None) -> dict[str, float]:
     """For out, dq, dk and dv: the largest sum of absolute terms the kernel adds up in fp32 for one entry.
 
     Rounding in a sum is proportional to the sum of the absolute values of its terms, not to the
@@ -239,7 +241,15 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
     single key they cancel exactly), so dq and dk can be tiny while their rounding is not (a sigmoid
     spec's dS = P * (1 - P) * dP has no row term). The
     floor of the tolerance adds FLOOR_ULPS fp32 ulps of these scales (the kernels accumulate in
-    fp32 whatever their input dtype). `row`: q, k and v are that sequence of a packed call.
+    fp32 whatever their input dtype). `row`: q, k and v are that sequence of a packed call; `dropout` a
+    call's dropout_p and dropout_mask (for these q, k and v): the kept P, scaled, are what out and dV sum.
+
+    Each term's P is weighted by 1 + (|score'| + |LSE|) / (2 * FLOOR_ULPS): the kernels form P as
+    exp2(score' * log2(e) - m) in fp32, m being the running max (forward) or the saved LSE (backward), both
+    rounded at their own magnitude, so P itself is off by up to about 2**-24 * (|score'| + |LSE|) relative,
+    which is many ulps where scores are large (scores near 40 put P 3.7e-6 off; a dropout call's few kept
+    terms of dV then show it). A sigmoid spec's P = 1 / (1 + exp2(-score' * log2(e))) has no LSE: its
+    weight is 1 + |score'| / (2 * FLOOR_ULPS), and dS's factor 1 - P is the unweighted one (at most 1).
     """
     with torch.no_grad():
         qd, kd, vd = (x.detach().to("cpu", torch.float64) for x in (q, k, v))
@@ -247,29 +257,37 @@ def summation_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mappin
                for n, x in (inputs or {}).items()}
         group = q.shape[1] // k.shape[1]
         cached = {name: t.detach().cpu() for name, t in (cache or {}).items()}
-        p = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
+        plain = probabilities(spec, qd, kd, vd, ins, **cached, row=row)
+        score = modified_scores(spec, qd, kd, vd, ins, **cached, row=row)
+        lse = evaluate(spec, qd, kd, vd, ins, **cached, row=row)[1]  # None for a sigmoid spec: no LSE
+        magnitude = torch.where(plain > 0, score.abs() + (lse.abs().unsqueeze(-1) if lse is not None else 0.0), 0.0)
+        p = plain * (1.0 + magnitude / (2 * FLOOR_ULPS))
+        kept = dropped(p, **dict(dropout or {}))
         k_abs, v_abs = (x.repeat_interleave(group, dim=1).abs() for x in (kd, vd))
-        out_terms = p @ v_abs
+        out_terms = kept @ v_abs
         scales = {"out": out_terms}
         if dout is not None:
             do = dout.detach().to("cpu", torch.float64).abs()
             dl = dlse.detach().to("cpu", torch.float64).abs().unsqueeze(-1) if dlse is not None else 0.0
+            # dP reaches dS through the kept P only, scaled as they are: p * dropped(dP) / p where p > 0.
+            dp = dropped(do @ v_abs.transpose(-2, -1), **dict(dropout or {}))
             if spec.sigmoid:
-                ds = p * (1 - p) * (do @ v_abs.transpose(-2, -1))
+                ds = p * (1 - plain) * dp
             else:
-                ds = p * (do @ v_abs.transpose(-2, -1) + (do * out_terms).sum(-1, keepdim=True) + dl)
+                ds = p * (dp + (do * out_terms).sum(-1, keepdim=True) + dl)
             ds = ds * abs(scale_value(spec, q.shape[-1]))
 
             def per_kv_head(x):  # the dK/dV kernel sums the query heads of a GQA group
                 B, H, n, d = x.shape
                 return x.view(B, H // group, group, n, d).sum(2)
             scales |= {"dq": ds @ k_abs, "dk": per_kv_head(ds.transpose(-2, -1) @ qd.abs()),
-                       "dv": per_kv_head(p.transpose(-2, -1) @ do)}
+                       "dv": per_kv_head(kept.transpose(-2, -1) @ do)}
         return {name: float(x.max()) if x.numel() else 0.0 for name, x in scales.items()}
 
 
 def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None,
-                        out: Tensor, dout: Tensor, *, row: PackedRow | None = None) -> dict[str, float]:
+                        out: Tensor, dout: Tensor, *, row: PackedRow | None = None,
+                        dropout: Mapping | None = None) -> dict[str, float]:
     """For dq, dk and each learnable input's gradient: how far the kernel's own output error moves them.
 
     The backward forms dS = P * (dP - delta) with delta = rowsum(dO * O) read from the forward's
@@ -279,7 +297,8 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
     keys) moves by up to the row's whole error. This is not a fault of the backward, it is the forward's
     error (checked on its own) seen through it, and the reference in low precision does not make it
     (autograd's softmax backward forms delta from dP instead). It is computed exactly here, in float64,
-    as the vector-Jacobian product of the scores with dS' = -P * rowsum(dO * (out - O_true)).
+    as the vector-Jacobian product of the scores with dS' = -P * rowsum(dO * (out - O_true)). With
+    `dropout` (a call's dropout_p and dropout_mask) O_true sums the kept P, scaled; dS' keeps every P.
     A sigmoid spec's backward reads no row term (dS = P * (1 - P) * dP), so O's error does not reach it: 0.
     """
     learnable = [i.name for i in spec.learnable_inputs]
@@ -297,7 +316,7 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
         columns = score if sink is None else torch.cat([score, sink[..., None]], dim=-1)
         p = torch.softmax(columns, dim=-1).nan_to_num(0.0)  # rows with no allowed key are all 0
         group = q.shape[1] // k.shape[1]
-        o_true = p[..., :score.shape[-1]] @ vd.repeat_interleave(group, dim=1)
+        o_true = dropped(p[..., :score.shape[-1]], **dict(dropout or {})) @ vd.repeat_interleave(group, dim=1)
         row_error = (dout.detach().to("cpu", torch.float64) * (out.detach().to("cpu", torch.float64) - o_true))
         ds = torch.where(torch.isfinite(columns), -p * row_error.sum(-1, keepdim=True), 0.0)
     leaves = [qd, kd] + [ins[name] for name in learnable]
@@ -309,11 +328,12 @@ def output_error_effect(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Map
 
 
 def _packed_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor], packed: Mapping,
-                   out: Tensor, dout: Tensor | None, dlse: Tensor | None,
-                   grads: bool) -> tuple[dict[str, float], dict[str, float]]:
+                   out: Tensor, dout: Tensor | None, dlse: Tensor | None, grads: bool,
+                   dropout: Mapping | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """summation_scales and output_error_effect of a packed call (check_against_reference's `packed`), from
     its sequences' own: the largest of each, except a learnable input's effect, which adds up over the
-    sequences as its gradient does."""
+    sequences as its gradient does. `dropout`: the call's dropout_p and its (B, H, max_seqlen_q, max_seqlen_k)
+    dropout_mask, of which each sequence takes its part."""
     starts_q, starts_k = packed["cu_seqlens_q"].tolist(), packed["cu_seqlens_k"].tolist()
     B = len(starts_q) - 1
     scales = {"lse": 1.0 + math.sqrt(packed["max_seqlen_k"])}  # check_against_reference says why
@@ -324,10 +344,16 @@ def _packed_scales(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[
         rows = [t.detach()[span].transpose(0, 1).unsqueeze(0) for t, span in ((q, sq), (k, sk), (v, sk))]
         per_row = lambda t: t.detach()[sq].transpose(0, 1).unsqueeze(0) if t is not None else None  # noqa: E731
         dl = dlse.detach()[:, sq].unsqueeze(0) if dlse is not None else None
-        for name, x in summation_scales(spec, *rows, inputs, dout=per_row(dout), dlse=dl, row=row).items():
+        mine = None
+        if dropout:
+            mask = dropout["dropout_mask"][b:b + 1, :, :sq.stop - sq.start, :sk.stop - sk.start]
+            mine = {"dropout_p": dropout["dropout_p"], "dropout_mask": mask}
+        for name, x in summation_scales(spec, *rows, inputs, dout=per_row(dout), dlse=dl, row=row,
+                                        dropout=mine).items():
             scales[name] = max(scales.get(name, 0.0), x)
         if grads:
-            for name, x in output_error_effect(spec, *rows, inputs, per_row(out), per_row(dout), row=row).items():
+            for name, x in output_error_effect(spec, *rows, inputs, per_row(out), per_row(dout), row=row,
+                                               dropout=mine).items():
                 effects[name] = effects.get(name, 0.0) + x if name.startswith("d_") else max(effects.get(name, 0.0), x)
     return scales, effects
 
@@ -347,7 +373,8 @@ def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tenso
 def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
                             v: Tensor, inputs: Mapping[str, Tensor] | None = None, *, grads: bool = True,
                             factor: float = DEFAULT_FACTOR, seed: int = 0,
-                            cache: Mapping[str, Tensor] | None = None, packed: Mapping | None = None) -> None:
+                            cache: Mapping[str, Tensor] | None = None, packed: Mapping | None = None,
+                            dropout_p: float = 0.0) -> None:
     """Assert that kernel `fn` computes `spec`: out and lse, and with `grads` dq, dk, dv and the gradient
     of every learnable input, each within the data-derived tolerance of the float64 reference.
 
@@ -356,7 +383,9 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
     on the rows where the kernel's LSE is finite.
     `cache`: a cache call's keywords (no gradients); `packed`: a packed call's (cu_seqlens_q/k,
     max_seqlen_q/k), whose q, k and v are (TOTAL, heads, D): each sequence is checked against the
-    reference of that sequence alone, its tolerances derived from that sequence's data.
+    reference of that sequence alone, its tolerances derived from that sequence's data. `dropout_p`: the
+    call drops P with that probability, from a generator on q's device seeded with `seed`; the reference
+    drops the P of the mask `fn.dropout_mask` gives for the same generator state.
     """
     __tracebackhide__ = True
     inputs = dict(inputs or {})
@@ -367,10 +396,20 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
     cache = dict(cache or {})
     assert not (cache and grads), "cache calls have no backward pass"
     packed = dict(packed or {})
+    dropout, drop = None, {}
+    if dropout_p:
+        if not callable(getattr(fn, "dropout_mask", None)):
+            raise TypeError(f"fn must have a dropout_mask method (as an attngen.build callable has) to be checked with "
+                            f"dropout_p={dropout_p}: the reference drops the weights of the call's own mask")
+        generator = torch.Generator(device=q.device).manual_seed(seed)
+        state = generator.get_state()
+        mask = fn.dropout_mask(q, k, v, dropout_p=dropout_p, generator=generator, **inputs, **packed)
+        generator.set_state(state)
+        dropout, drop = {"dropout_p": dropout_p, "dropout_mask": mask}, {"dropout_p": dropout_p, "generator": generator}
     if spec.sigmoid:
-        out, lse = fn(*qkv, **kernel_inputs, **cache, **packed), None
+        out, lse = fn(*qkv, **kernel_inputs, **cache, **packed, **drop), None
     else:
-        out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache, **packed)
+        out, lse = fn(*qkv, return_lse=True, **kernel_inputs, **cache, **packed, **drop)
 
     expected_lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     for name, x, want in (("out", out, q.dtype), ("lse", lse, expected_lse_dtype)):
@@ -384,11 +423,12 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         if lse is not None:
             dlse = torch.randn(lse.shape, generator=g).to(lse.device, lse.dtype)
             dlse = torch.where(torch.isfinite(lse.detach()), dlse, 0.0)
-    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache, packed=packed)
+    ref = reference_error(spec, q, k, v, inputs, q.dtype, dout=dout, dlse=dlse, cache=cache, packed=packed,
+                          dropout=dropout)
     if packed:
-        scales, effects = _packed_scales(spec, q, k, v, inputs, packed, out, dout, dlse, grads)
+        scales, effects = _packed_scales(spec, q, k, v, inputs, packed, out, dout, dlse, grads, dropout)
     else:
-        scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse, cache=cache)
+        scales = summation_scales(spec, q, k, v, inputs, dout=dout, dlse=dlse, cache=cache, dropout=dropout)
         # LSE is a logarithm computed in fp32 (through exp2/log2 with log2(e) folded in): even where it is
         # exactly 0 (one allowed key with score 0) it is only good to ulps of 1, whatever max|LSE| is. Its
         # argument sums up to KV_LEN exponentials in fp32, whose rounding grows like sqrt(KV_LEN) ulps of
@@ -396,7 +436,7 @@ def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]]
         # score that ignores q and k, so the reference's own low-precision error, usually far larger, was
         # near 0.)
         scales["lse"] = 1.0 + math.sqrt(k.shape[2])
-        effects = output_error_effect(spec, q, k, v, inputs, out, dout) if grads else {}
+        effects = output_error_effect(spec, q, k, v, inputs, out, dout, dropout=dropout) if grads else {}
 
     actual = {"out": out} | ({"lse": lse} if lse is not None else {})
     if grads:

@@ -24,9 +24,9 @@ import triton.language as tl
 
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
-from attngen.runtime.helpers import LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit  # the kernels call them
+from attngen.runtime.helpers import LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
-from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # its kernels call them
+from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence, _hopper_dq_add_fixed  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -40,10 +40,11 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
                stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_off, q_first, offs_d,
                offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr,
                stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
-               pages, NUM_PAGES, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               pages, NUM_PAGES, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
     if PAGED:
         next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
@@ -81,6 +82,10 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
         p = tl.exp2(s2 - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # After the sum: l_i, and so LSE, counts every P; O only the kept ones (scaled at the end).
+            p = tl.where(_dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold, off_b * H + off_h,
+                                            offs_m[:, None], offs_n[None, :], False), p, 0.0)
         v = _load_tile(V_head + value_rows[:, None] + offs_dv[None, :] * stride_vk,
                        offs_n[:, None] < KV_LEN, offs_dv[None, :] < HEAD_DIM_V,
                        MASKED, HEAD_DIM_V != HEAD_DIM_V_PAD)
@@ -91,16 +96,17 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
-                stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz,
-                stride_oh, stride_om, stride_ok, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
-                size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H,
-                HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ,
-                CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
+def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
+                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
+                stride_vk, stride_oz, stride_oh, stride_om, stride_ok, layout_ptr, stride_layout_0,
+                stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx,
+                tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable,
+                stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -154,6 +160,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
     if FOLLOW_TABLE:
         # This tile's partial tiles (listed from the left of its row) and full ones (from the right).
         trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + start_m
@@ -177,20 +184,24 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, stride_qz, stride_qh, str
                                offs_m, pos_m, q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
                                off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0, stride_layout_1,
                                stride_layout_2, size_layout_0, size_layout_1, size_layout_2, pages, NUM_PAGES,
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
-                               COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
+                               dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                               DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE, DROPOUT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
                                stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
                                q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
                                HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0, stride_layout_1,
                                stride_layout_2, size_layout_0, size_layout_1, size_layout_2, pages, NUM_PAGES,
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False,
-                               COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE)
+                               dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
+                               DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE, DROPOUT)
 
     # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     acc = acc / l_safe[:, None]
+    if DROPOUT:
+        acc = acc * dropout_scale
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
@@ -211,10 +222,11 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
                     stride_dok, tiles, j_lo, j_hi, gap_at, gap, visits, offs_n, k_first, offs_d, offs_dv,
                     sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr,
                     stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
-                    size_layout_2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    size_layout_2, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    FOLLOW_TABLE: tl.constexpr):
+                    FOLLOW_TABLE: tl.constexpr, DROPOUT: tl.constexpr):
     # Works on transposed tiles (keys along rows), so dK and dV need no transpose of P.
     start_m = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_M, FOLLOW_TABLE)
     for j in range(j_lo, j_hi):
@@ -238,8 +250,16 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
             pT = tl.where(allowed, pT, 0.0)
-        dv += _dot(pT.to(do.dtype), do, DOT_PRECISION)
+        if DROPOUT:
+            # dV sums the kept P (scaled once, at the store), and dP reaches dS only through them.
+            keep = _dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold, off_b * H + off_h,
+                                      offs_m[None, :], offs_n[:, None], True)
+            dv += _dot(tl.where(keep, pT, 0.0).to(do.dtype), do, DOT_PRECISION)
+        else:
+            dv += _dot(pT.to(do.dtype), do, DOT_PRECISION)
         dpT = _dot(v, tl.trans(do), DOT_PRECISION)
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * dropout_scale, 0.0)
         delta = tl.load(Delta + row + offs_m, mask=offs_m < Q_LEN, other=0.0)
         dsT = pT * (dpT - delta[None, :])
         # d score'/d score = 1: dsT is already the gradient of the raw score
@@ -252,16 +272,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
 
 
 @triton.jit
-def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
-                      stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
-                      stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                      stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
-                      stride_dvk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                      size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                      KV_LEN, Visits, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Rng, dropout_p,
+                      stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+                      stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
+                      stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh,
+                      stride_dvn, stride_dvk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                      size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B,
+                      H, HKV, Q_LEN, KV_LEN, Visits, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr,
+                      DROPOUT: tl.constexpr):
     # dK and dV of key tile start_n of one (batch, kv head).
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
@@ -299,6 +320,7 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                    offs_n[:, None] < KV_LEN, offs_dv[None, :] < HEAD_DIM_V, True, HEAD_DIM_V != HEAD_DIM_V_PAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
+    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
     for g in range(0, group):
         off_h = off_hkv * group + g
         row = (off_b * H + off_h).to(tl.int64) * Q_LEN
@@ -329,17 +351,21 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
                                  visits, offs_n, k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0,
                                  stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
-                                 COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE)
+                                 dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                 HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                                 DOT_PRECISION, FOLLOW_TABLE, DROPOUT)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, stride_qk,
                                  stride_dom, stride_dok, full_tiles, full_lo, full_hi, 0, 0, visits, offs_n,
                                  k_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
                                  Q_LEN, KV_LEN, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
-                                 size_layout_0, size_layout_1, size_layout_2, HEAD_DIM, HEAD_DIM_V,
-                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
-                                 DOT_PRECISION, FOLLOW_TABLE)
+                                 size_layout_0, size_layout_1, size_layout_2, dropout_seed, dropout_offset,
+                                 dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                 HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION,
+                                 FOLLOW_TABLE, DROPOUT)
     ok_k = (offs_n[:, None] < KV_LEN) & (offs_d[None, :] < HEAD_DIM)
     ok_v = (offs_n[:, None] < KV_LEN) & (offs_dv[None, :] < HEAD_DIM_V)
+    if DROPOUT:
+        dv = dv * dropout_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkz + off_hkv.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk,
              (dk * sm_scale).to(DK.dtype.element_ty), mask=ok_k)
@@ -353,10 +379,11 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
 def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk, tiles,
                   j_lo, j_hi, gap_at, gap, visits, offs_m, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b,
                   off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0, stride_layout_1,
-                  stride_layout_2, size_layout_0, size_layout_1, size_layout_2, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+                  stride_layout_2, size_layout_0, size_layout_1, size_layout_2, dropout_seed, dropout_offset,
+                  dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DROPOUT: tl.constexpr):
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
     for j in range(j_lo, j_hi):
         _count_visit(visits, start_n, BLOCK_N, MASKED, COUNT_VISITS)
@@ -379,6 +406,9 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
             allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
             p = tl.where(allowed, p, 0.0)
         dp = _dot(do, vT, DOT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(_dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold, off_b * H + off_h,
+                                             offs_m[:, None], offs_n[None, :], False), dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         # no learnable inputs
         # d score'/d score = 1: ds is already the gradient of the raw score
@@ -391,16 +421,16 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
 
 
 @triton.jit
-def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, stride_qz, stride_qh,
-                    stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
-                    stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz,
+def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Rng, dropout_p, stride_qz,
+                    stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
+                    stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz,
                     stride_dqh, stride_dqm, stride_dqk, layout_ptr, stride_layout_0, stride_layout_1,
                     stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb,
                     tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, Visits, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                    VARLEN: tl.constexpr):
+                    VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     # dQ of query tile start_m of one (batch, head).
     off_b = off_bh // H
     off_h = off_bh % H
@@ -443,6 +473,7 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     K_head = K + off_b.to(tl.int64) * stride_kz + off_hkv.to(tl.int64) * stride_kh
     V_head = V + off_b.to(tl.int64) * stride_vz + off_hkv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
     if FOLLOW_TABLE:
         # This tile's partial tiles (listed from the left of its row) and full ones (from the right).
         trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + start_m
@@ -464,14 +495,16 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
                        masked_tiles, masked_lo, masked_hi, gap_at, gap, visits, offs_m, q_first, offs_d,
                        offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr,
                        stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
-                       size_layout_2, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
-                       True, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE)
+                       size_layout_2, dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                       HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True, COUNT_VISITS,
+                       DOT_PRECISION, FOLLOW_TABLE, DROPOUT)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, stride_vn, stride_vk,
                        full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, q_first, offs_d, offs_dv, sm_scale,
                        qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0,
-                       stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2, HEAD_DIM,
-                       HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
-                       DOT_PRECISION, FOLLOW_TABLE)
+                       stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                       dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                       HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS, DOT_PRECISION,
+                       FOLLOW_TABLE, DROPOUT)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqz + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < HEAD_DIM))
@@ -484,68 +517,69 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
 # head's dQ programs run while its K, V, Q and dO are still in L2. PARTS=1 (dK/dV only) and
 # PARTS=2 (dQ only) are the two halves, for launching on separate streams with different warps.
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, stride_qz, stride_qh, stride_qm,
-                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
-                stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm,
-                stride_dqk, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn,
-                stride_dvk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                size_layout_1, size_layout_2, kv_TblNum, kv_TblIdx, kv_tbl_sb, kv_tbl_sh, kv_tbl_cols, q_TblNum,
-                q_TblIdx, q_tbl_sb, q_tbl_sh, q_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, VisitsQ,
-                CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M1: tl.constexpr,
-                BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, PARTS: tl.constexpr,
-                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                VARLEN: tl.constexpr):
+def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh,
+                stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
+                stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh,
+                stride_dqm, stride_dqk, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh,
+                stride_dvn, stride_dvk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                size_layout_0, size_layout_1, size_layout_2, kv_TblNum, kv_TblIdx, kv_tbl_sb, kv_tbl_sh,
+                kv_tbl_cols, q_TblNum, q_TblIdx, q_tbl_sb, q_tbl_sh, q_tbl_cols, B, H, HKV, Q_LEN, KV_LEN,
+                VisitsKV, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                PARTS: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     pid = tl.program_id(0)
     off_bhkv = tl.program_id(1)
     if PARTS == 1:
-        _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
-                          stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                          stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
-                          stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh,
-                          stride_dvn, stride_dvk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
-                          size_layout_0, size_layout_1, size_layout_2, kv_TblNum, kv_TblIdx, kv_tbl_sb,
-                          kv_tbl_sh, kv_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, CuSeqlensQ, CuSeqlensK,
-                          TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1,
-                          COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN)
+        _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Rng, dropout_p,
+                          stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn,
+                          stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh,
+                          stride_dom, stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz,
+                          stride_dvh, stride_dvn, stride_dvk, layout_ptr, stride_layout_0, stride_layout_1,
+                          stride_layout_2, size_layout_0, size_layout_1, size_layout_2, kv_TblNum, kv_TblIdx,
+                          kv_tbl_sb, kv_tbl_sh, kv_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsKV, CuSeqlensQ,
+                          CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1,
+                          BLOCK_N1, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN, DROPOUT)
     elif PARTS == 2:
         # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
         n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
         off_bh = (off_bhkv // HKV) * H + (off_bhkv % HKV) * (H // HKV) + (pid) // n_q_tiles
-        _bwd_dq_program((pid) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, stride_qz,
-                        stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz,
-                        stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom, stride_dok,
-                        stride_dqz, stride_dqh, stride_dqm, stride_dqk, layout_ptr, stride_layout_0,
-                        stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2, q_TblNum,
-                        q_TblIdx, q_tbl_sb, q_tbl_sh, q_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsQ, CuSeqlensQ,
-                        CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2,
-                        BLOCK_N2, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN)
+        _bwd_dq_program((pid) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Rng,
+                        dropout_p, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn,
+                        stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh,
+                        stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm, stride_dqk, layout_ptr,
+                        stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
+                        size_layout_2, q_TblNum, q_TblIdx, q_tbl_sb, q_tbl_sh, q_tbl_cols, B, H, HKV, Q_LEN,
+                        KV_LEN, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                        HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN,
+                        DROPOUT)
     else:
         n_kv_tiles = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1
         if pid < n_kv_tiles:
-            _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, stride_qz,
-                              stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
-                              stride_vz, stride_vh, stride_vn, stride_vk, stride_doz, stride_doh, stride_dom,
-                              stride_dok, stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz,
-                              stride_dvh, stride_dvn, stride_dvk, layout_ptr, stride_layout_0, stride_layout_1,
-                              stride_layout_2, size_layout_0, size_layout_1, size_layout_2, kv_TblNum,
-                              kv_TblIdx, kv_tbl_sb, kv_tbl_sh, kv_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsKV,
-                              CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                              HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE,
-                              VARLEN)
+            _bwd_dkdv_program(pid, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Rng,
+                              dropout_p, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh,
+                              stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz,
+                              stride_doh, stride_dom, stride_dok, stride_dkz, stride_dkh, stride_dkn,
+                              stride_dkk, stride_dvz, stride_dvh, stride_dvn, stride_dvk, layout_ptr,
+                              stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
+                              size_layout_2, kv_TblNum, kv_TblIdx, kv_tbl_sb, kv_tbl_sh, kv_tbl_cols, B, H, HKV,
+                              Q_LEN, KV_LEN, VisitsKV, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V,
+                              HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M1, BLOCK_N1, COUNT_VISITS, DOT_PRECISION,
+                              FOLLOW_TABLE, VARLEN, DROPOUT)
         else:
             # Program t of the row: query tile t % n_q_tiles of head t // n_q_tiles of the kv head's group.
             n_q_tiles = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2
             off_bh = (off_bhkv // HKV) * H + (off_bhkv % HKV) * (H // HKV) + (pid - n_kv_tiles) // n_q_tiles
             _bwd_dq_program((pid - n_kv_tiles) % n_q_tiles, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale,
-                            qk_scale, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh,
-                            stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_doz,
-                            stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                            layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                            size_layout_1, size_layout_2, q_TblNum, q_TblIdx, q_tbl_sb, q_tbl_sh, q_tbl_cols, B,
-                            H, HKV, Q_LEN, KV_LEN, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM,
-                            HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2, COUNT_VISITS,
-                            DOT_PRECISION, FOLLOW_TABLE, VARLEN)
+                            qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz,
+                            stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk,
+                            stride_doz, stride_doh, stride_dom, stride_dok, stride_dqz, stride_dqh, stride_dqm,
+                            stride_dqk, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                            size_layout_0, size_layout_1, size_layout_2, q_TblNum, q_TblIdx, q_tbl_sb, q_tbl_sh,
+                            q_tbl_cols, B, H, HKV, Q_LEN, KV_LEN, VisitsQ, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                            HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M2, BLOCK_N2,
+                            COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, VARLEN, DROPOUT)
 
 
 
@@ -691,10 +725,11 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
 @gluon.jit
 def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
                          B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0, stride_layout_1,
-                         stride_layout_2, size_layout_0, size_layout_1, size_layout_2, HEAD_DIM: tl.constexpr,
+                         stride_layout_2, size_layout_0, size_layout_1, size_layout_2, dropout_seed,
+                         dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                         DEFER_SCALE: tl.constexpr, s_layout: tl.constexpr):
+                         DEFER_SCALE: tl.constexpr, s_layout: tl.constexpr, DROPOUT: tl.constexpr):
     # The portable forward's step on one S tile (qk, fp32, s_layout): the spec's score, its mask on
     # MASKED steps, the online softmax in base 2.
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -723,6 +758,11 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
         p = gl.exp2(s2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
+    if DROPOUT:
+        # After the sum, as in the portable forward: l_i (and LSE) counts every P, the PV product the kept ones.
+        keep = _dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold, off_b * H + off_h, offs_m[:, None],
+                                  offs_n[None, :], False)
+        p = gl.where(gl.convert_layout(keep, s_layout, assert_trivial=True), p, 0.0)
     return p, alpha, m_new, l_i
 
 
@@ -732,12 +772,13 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
                           masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b,
                           off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, layout_ptr, stride_layout_0,
                           stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                          dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                           HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
                           DEFER_SCALE: tl.constexpr, dtype: tl.constexpr, s_layout: tl.constexpr,
                           o_layout: tl.constexpr, p_layout: tl.constexpr, WG: tl.constexpr,
-                          NUM_CONSUMERS: tl.constexpr):
+                          NUM_CONSUMERS: tl.constexpr, DROPOUT: tl.constexpr):
     # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
     # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
     # pingpong's issue count then (both carry over from the CTA's earlier work items).
@@ -766,9 +807,10 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
                                                       qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
                                                       layout_ptr, stride_layout_0, stride_layout_1,
                                                       stride_layout_2, size_layout_0, size_layout_1,
-                                                      size_layout_2, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                                      HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, MASKED, DEFER_SCALE,
-                                                      s_layout)
+                                                      size_layout_2, dropout_seed, dropout_offset,
+                                                      dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, MASKED,
+                                                      DEFER_SCALE, s_layout, DROPOUT)
         p_next = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
@@ -782,13 +824,14 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                      o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work, n_m, sm_scale,
-                     qk_scale, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                     size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                     KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                     FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, WG: tl.constexpr,
-                     NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr):
+                     qk_scale, Rng, dropout_p, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
+                     size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B,
+                     H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                     Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                     WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr, VARLEN: tl.constexpr,
+                     DROPOUT: tl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -803,6 +846,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
     ring = 0  # K/V stages consumed so far, over this CTA's work items
     turn = 0  # pingpong issue points so far
     done = 0  # work items finished
@@ -842,9 +886,11 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                                           qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
                                                           seq_kv_len, layout_ptr, stride_layout_0,
                                                           stride_layout_1, stride_layout_2, size_layout_0,
-                                                          size_layout_1, size_layout_2, HEAD_DIM, HEAD_DIM_V,
-                                                          HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
-                                                          DEFER_SCALE, s_layout)
+                                                          size_layout_1, size_layout_2, dropout_seed,
+                                                          dropout_offset, dropout_threshold, dropout_scale,
+                                                          HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                                          BLOCK_M, BLOCK_N, True, DEFER_SCALE, s_layout,
+                                                          DROPOUT)
             p = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
 
             o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs,
@@ -854,9 +900,11 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                                    qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
                                                    seq_kv_len, layout_ptr, stride_layout_0, stride_layout_1,
                                                    stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
-                                                   HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                                   BLOCK_N, STAGES, True, FOLLOW_TABLE, DEFER_SCALE, dtype,
-                                                   s_layout, o_layout, p_layout, WG, NUM_CONSUMERS)
+                                                   dropout_seed, dropout_offset, dropout_threshold,
+                                                   dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
+                                                   HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE,
+                                                   DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
+                                                   NUM_CONSUMERS, DROPOUT)
             o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn,
                                                    q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                                    sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
@@ -864,10 +912,11 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                                    sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
                                                    seq_q_len, seq_kv_len, layout_ptr, stride_layout_0,
                                                    stride_layout_1, stride_layout_2, size_layout_0,
-                                                   size_layout_1, size_layout_2, HEAD_DIM, HEAD_DIM_V,
+                                                   size_layout_1, size_layout_2, dropout_seed, dropout_offset,
+                                                   dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
                                                    HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
                                                    False, FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout,
-                                                   p_layout, WG, NUM_CONSUMERS)
+                                                   p_layout, WG, NUM_CONSUMERS, DROPOUT)
 
             # Drain: the last tile's PV.
             last = (ring + n_tiles - 1) % STAGES
@@ -884,6 +933,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
         empty_row = l_i == 0.0
         inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
+        if DROPOUT:
+            inv_l = inv_l * dropout_scale
         lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
 
@@ -915,13 +966,14 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
-                       sm_scale, qk_scale, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
-                       size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B,
-                       H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                       DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr):
+                       sm_scale, qk_scale, Rng, dropout_p, layout_ptr, stride_layout_0, stride_layout_1,
+                       stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb,
+                       tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
+                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr,
+                       DROPOUT: tl.constexpr):
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
@@ -967,18 +1019,20 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, layout_ptr, stride_layout_0, stride_layout_1,
-                                 stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
-                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
+                                 n_m, sm_scale, qk_scale, Rng, dropout_p, layout_ptr, stride_layout_0,
+                                 stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                                 TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
+                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS,
+                                 VARLEN, DROPOUT)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, layout_ptr, stride_layout_0, stride_layout_1,
-                                 stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
-                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS, VARLEN)),
+                                 n_m, sm_scale, qk_scale, Rng, dropout_p, layout_ptr, stride_layout_0,
+                                 stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                                 TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
+                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS,
+                                 VARLEN, DROPOUT)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, layout_ptr,
                                  stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
@@ -990,11 +1044,12 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                  sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, layout_ptr, stride_layout_0, stride_layout_1,
-                                 stride_layout_2, size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx,
-                                 tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N,
-                                 STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS, VARLEN)),
+                                 n_m, sm_scale, qk_scale, Rng, dropout_p, layout_ptr, stride_layout_0,
+                                 stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                                 TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
+                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
+                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS,
+                                 VARLEN, DROPOUT)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, layout_ptr,
                                  stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
@@ -1023,6 +1078,9 @@ HOPPER_CONSUMER_REGS = gl.constexpr(240)
 #   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
 #   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
 # The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel.
+# DETERMINISTIC: the same bits every run. dQ_i goes into an int64 fixed-point sum instead (each row scaled by
+# 2**s from a bound on its terms, _hopper_dq_add_fixed): integer adds give one sum in any order, so the key
+# tiles need no turns; the learnable inputs' gradients are summed exactly (_grad_add).
 
 
 @gluon.jit
@@ -1107,15 +1165,17 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 
 @gluon.jit
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
-                      dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
-                      gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
-                      stride_layout_1, stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                      HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      STAGES: tl.constexpr, MASKED: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                      SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, dk_layout: tl.constexpr,
-                      dv_layout: tl.constexpr):
+                      dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp,
+                      dq_rows, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
+                      tma_b, q_start, k_start, row_start, layout_ptr, stride_layout_0, stride_layout_1,
+                      stride_layout_2, size_layout_0, size_layout_1, size_layout_2, dropout_seed,
+                      dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
+                      FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
+                      DETERMINISTIC: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr,
+                      DROPOUT: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
     # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
@@ -1161,18 +1221,30 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
             pT = gl.where(allowed, pT, 0.0)
+        pv = pT
+        if DROPOUT:
+            # dV sums the kept P (scaled once, at the store), and dP reaches dS only through them. A dropped P
+            # is held negated until dS: one register an element for P and whether it was kept (P >= 0).
+            keep = gl.convert_layout(_dropout_keep_tile(dropout_seed, dropout_offset, dropout_threshold,
+                                                        off_b * H + off_h, offs_m[None, :], offs_n[:, None], True),
+                                     s_layout, assert_trivial=True)
+            pT = gl.where(keep, pT, -pT)
+            pv = gl.maximum(pT, 0.0)
         if SPLIT_D:
             # Each warpgroup has half of P^T's columns and needs all of them: through shared memory. The
             # previous step's readers of ds_smem retired before the partition-wide barrier of its `empty`.
-            ds_smem.store(pT.to(dtype))
+            ds_smem.store(pv.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
             dv_tok = warpgroup_mma(ds_smem, do_smem, dv, is_async=True)
         else:
-            dv_tok = warpgroup_mma(gl.convert_layout(pT.to(dtype), gl.DotOperandLayout(0, dv_layout, 2)), do_smem,
+            dv_tok = warpgroup_mma(gl.convert_layout(pv.to(dtype), gl.DotOperandLayout(0, dv_layout, 2)), do_smem,
                                    dv, is_async=True)
         # dV is waited for here with dP^T: that frees P^T's operand registers before dS^T is built.
         dpT, dv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, dv_tok, v_smem, do_smem))
+        if DROPOUT:
+            dpT = gl.where(pT > 0.0, dpT * dropout_scale, 0.0)
+            pT = gl.abs(pT)
         delta = delta_bufs.index(stage).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
         # no learnable inputs
@@ -1194,15 +1266,21 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
         mbarrier.arrive(empty.index(stage), count=1)
-        # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
-        # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
-        # warp from overwriting the box before the previous step's reduce has read it.
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
-        _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
+        if DETERMINISTIC:
+            _hopper_dq_add_fixed(DqFixed, dq, DqExp, (tma_b * H + off_h).to(gl.int64) * dq_rows + row_start,
+                                 tma_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+                                 + q_start.to(gl.int64) * stride_dqm, stride_dqm, start_m, Q_LEN, HEAD_DIM, BLOCK_M,
+                                 HEAD_DIM_PAD, dq_layout)
+        else:
+            # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
+            # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
+            # warp from overwriting the box before the previous step's reduce has read it.
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
+            dq_smem.store(dq)
+            fence_async_shared()
+            # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
+            _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -1210,13 +1288,14 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 @gluon.jit
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, B, H, HKV, Q_LEN, KV_LEN,
+                         stride_dvn, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n,
+                         off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN,
                          CuSeqlensQ, CuSeqlensK, layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2,
                          size_layout_0, size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
-                         VARLEN: tl.constexpr):
+                         VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -1228,6 +1307,7 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                                                         instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
+    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
     tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
                                                                              CuSeqlensK, VARLEN)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
@@ -1250,25 +1330,31 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
         if ragged:
             n_checked = n_steps
         t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
-                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
+                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz,
+                                      stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked, masked_tiles,
+                                      masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
+                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start,
+                                      k_start, row_start, layout_ptr, stride_layout_0, stride_layout_1,
+                                      stride_layout_2, size_layout_0, size_layout_1, size_layout_2,
+                                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
+                                      FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, dk_layout, dv_layout,
+                                      DROPOUT)
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed,
+                                      stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
+                                      KV_LEN, tma_b, q_start, k_start, row_start, layout_ptr, stride_layout_0,
                                       stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
-                                      size_layout_2, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
-                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, layout_ptr, stride_layout_0,
-                                      stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
-                                      size_layout_2, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout,
-                                      dv_layout)
+                                      size_layout_2, dropout_seed, dropout_offset, dropout_threshold,
+                                      dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN,
+                                      DETERMINISTIC, dk_layout, dv_layout, DROPOUT)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
+    if DROPOUT:
+        dv = dv * dropout_scale
     _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty),
                        tma_b.to(gl.int64) * stride_dkz + off_hkv.to(gl.int64) * stride_dkh
                        + k_start.to(gl.int64) * stride_dkn, stride_dkn, start_n * BLOCK_N, KV_LEN, HEAD_DIM, BLOCK_N,
@@ -1281,13 +1367,15 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
 
 @gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
-                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale,
-                       layout_ptr, stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
-                       size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                       KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
-                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr):
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz,
+                       stride_dqh, stride_dqm, DqExp, dq_rows, sm_scale, qk_scale, Rng, dropout_p, layout_ptr,
+                       stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0, size_layout_1,
+                       size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN,
+                       CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                       DROPOUT: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
@@ -1324,12 +1412,13 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     gl.warp_specialize([
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
-                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
+                                 stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz, stride_dqh,
+                                 stride_dqm, DqExp, dq_rows, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng,
+                                 dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
                                  stride_layout_0, stride_layout_1, stride_layout_2, size_layout_0,
                                  size_layout_1, size_layout_2, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
                                  HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
-                                 FOLLOW_TABLE, SPLIT_D, VARLEN)),
+                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, DROPOUT)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, layout_ptr,
@@ -1470,7 +1559,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "d226f007283d1246"
+MODULE_DIGEST = "de5af6cb5e0f911d"
 FACTS = SpecFacts(
     name="block_sparse",
     fingerprint="1f56b90c7d750266",
@@ -1518,6 +1607,7 @@ FACTS = SpecFacts(
     backward_families=(('hopper', 'hopper_bwd'),),
     packed_families=('hopper',),
     packed_backward_families=('hopper',),
+    dropout_families=('hopper',),
 )
 ATTENTION = Attention(
     FACTS,
@@ -1534,6 +1624,7 @@ tile_tables = ATTENTION.tile_tables
 forward_family = ATTENTION.forward_family
 backward_family = ATTENTION.backward_family
 visit_counts = ATTENTION.visit_counts
+dropout_mask = ATTENTION.dropout_mask
 OPERATORS = ATTENTION.operators
 TABLE_STATS = ATTENTION.table_stats
 

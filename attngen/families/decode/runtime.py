@@ -2,7 +2,7 @@
 
 import torch
 
-from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sm_count
+from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sink_strides, _sm_count
 from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
@@ -120,9 +120,9 @@ class DecodeFamily:
         n_rows = B * H * Q_LEN
         block_r = 16
         _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
-                sink if sink is not None else lse, H, Q_LEN, n_rows, splits, HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad,
-                BLOCK_R=block_r, HAS_SINK=sink is not None, ADD_PARTS=self.rt.facts.sigmoid, num_warps=4,
-                bind=_plan_site(plan, "combine"))
+                *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), H, Q_LEN, n_rows, splits,
+                HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
+                ADD_PARTS=self.rt.facts.sigmoid, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
 
 

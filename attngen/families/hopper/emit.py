@@ -8,8 +8,8 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES, TILE_RANGE, Signature,
-                                     SpecParams, _strides, signature)
+from attngen.emit.signatures import (DQ_FIXED, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE,
+                                     SIZES, TILE_RANGE, Signature, SpecParams, _strides, signature)
 from attngen.analysis.gathers import NO_OFFSET
 
 # What the module hands to the family's runtime (families/hopper/runtime.py), by keyword.
@@ -18,7 +18,8 @@ DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_k
 # The device helpers its kernels import from its runtime side: the ones no spec changes.
 DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
                   "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
-                  "_hopper_bwd_sequence")
+                  "_hopper_bwd_sequence", "_pow2", "_hopper_fixed_scale", "_hopper_dq_add_fixed",
+                  "_hopper_dq_finish_fixed")
 # What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
 _HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
 
@@ -89,9 +90,9 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
             "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
-            "sm_scale", "qk_scale", *inputs, *table, *SIZES, *PACKED),
+            "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
-             "VARLEN")),
+             "VARLEN", "DROPOUT")),
         # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
         # _hopper_fwd_work says which tile and key tiles item `work` is.
         "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES, "CuSeqlensQ", "CuSeqlensK"),
@@ -104,26 +105,27 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "hopper_consumer": sig("_hopper_consumer", (
             "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
             "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
-            *inputs, *table, *SIZES, *PACKED),
+            *DROPOUT, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
-             "NUM_CONSUMERS", "VARLEN")),
+             "NUM_CONSUMERS", "VARLEN", "DROPOUT")),
         "hopper_loop": sig("_hopper_consumer_loop", (
             "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
             "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
-            *inputs),
+            *inputs, *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
-             "o_layout", "p_layout", "WG", "NUM_CONSUMERS")),
+             "o_layout", "p_layout", "WG", "NUM_CONSUMERS", "DROPOUT")),
         "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout")),
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
         # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
         # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
             "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
-            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *inputs, *grads, *table,
-            *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN")),
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED, "sm_scale", "qk_scale", *DROPOUT, *inputs,
+            *grads, *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
+             "DROPOUT")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
@@ -133,15 +135,14 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *SIZES, "CuSeqlensQ", "CuSeqlensK",
+            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED,
+            "start_n", "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK",
             *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
-                                       "VARLEN")),
+                                       "VARLEN", "DETERMINISTIC", "DROPOUT")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
-            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
-            "qk_scale",
-            *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
-             "dv_layout")),
+            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", *DQ_FIXED, "start_n", "n_masked", *TILE_RANGE,
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "row_start", *inputs, *grads, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
+             "dk_layout", "dv_layout", "DROPOUT")),
     }

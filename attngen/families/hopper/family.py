@@ -52,6 +52,16 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
 
 
+def _hopper_deterministic(facts: Analysis) -> tuple[bool, str]:
+    if facts.score_derivative_bound is None:
+        return False, ("its dQ is an int64 fixed-point sum scaled by a bound on |d score'/d score|, and the analysis "
+                       "knows none for this score")
+    if facts.spec.sigmoid:
+        return False, "its dQ's fixed-point scale comes from the row terms' pass, which a sigmoid spec has not"
+    return True, (f"dQ added in int64 fixed point (each row scaled by 2**s from a bound on its terms, |d score'/d "
+                  f"score| <= {facts.score_derivative_bound:g}), so its key tiles add in any order with no turns")
+
+
 def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: int, dv: int) -> int:
     # K and V; STAGES of Q and dO; dS^T (and P^T) at 16 bits; dQ's fp32 staging box.
     return (block_n * (d + dv) + stages * block_m * (d + dv) + block_n * block_m) * 2 + block_m * d * 4
@@ -91,4 +101,6 @@ FAMILY = Family(
     follows_tables=True,
     packed_forward=True,
     packed_backward=True,
+    deterministic=_hopper_deterministic,
+    dropout=True,
 )

@@ -10,8 +10,9 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, ROW_MAJOR, TRANSPOSED, Hook, _dscore_hook, _emitter, _learnable_hook,
                                 _mask_hook, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (CACHE, CACHE_FLAGS, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING, POSITIONS, ROW_TERMS, SIZES,
-                                     TABLE, TILE_LOOP, Signature, SpecParams, _strides, signature, table_params)
+from attngen.emit.signatures import (CACHE, CACHE_FLAGS, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING,
+                                     POSITIONS, ROW_TERMS, SIZES, TABLE, TILE_LOOP, Signature, SpecParams, _strides,
+                                     signature, table_params)
 
 # Its kernels are the Attention's own (runtime.facts.Kernels, in the module's declaration): nothing to hand
 # over by keyword, and its device helpers are the shared ones (runtime/helpers.py).
@@ -66,38 +67,39 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
             "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_off", "q_first", "offs_d", "offs_dv",
-            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES"),
-            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING)),
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES", *DROPOUT_STATE),
+            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING, "DROPOUT")),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *_strides("q", "m"),
+            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *DROPOUT, *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
-             *PAGING, "VARLEN")),
+             *PAGING, "VARLEN", "DROPOUT")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", *rows, *row_offset, "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *inputs), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            "qk_scale", *POSITIONS, *SIZES, *inputs, *DROPOUT_STATE), (*_INNER_CONSTANTS, "FOLLOW_TABLE", "DROPOUT")),
         "dkdv_program": sig("_bwd_dkdv_program", (
-            "start_n", "off_bhkv", "Q", "K", "V", "DO", *rows, "DK", "DV", "sm_scale", "qk_scale",
+            "start_n", "off_bhkv", "Q", "K", "V", "DO", *rows, "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", "DROPOUT")),
         "dq_inner": sig("_bwd_dq_inner", (
             "dq", "q", "do", *row_values, "K_head", "V_head", "stride_kn", "stride_kk", "stride_vn",
             "stride_vk", *TILE_LOOP, "offs_m", "q_first", "offs_d", "offs_dv", "sm_scale", "qk_scale",
-            *POSITIONS, *SIZES, *inputs, *grads), (*_INNER_CONSTANTS, "FOLLOW_TABLE")),
+            *POSITIONS, *SIZES, *inputs, *grads, *DROPOUT_STATE),
+            (*_INNER_CONSTANTS, "FOLLOW_TABLE", *p.deterministic, "DROPOUT")),
         "dq_program": sig("_bwd_dq_program", (
-            "start_m", "off_bh", "Q", "K", "V", "DO", *rows, "DQ", "sm_scale", "qk_scale",
+            "start_m", "off_bh", "Q", "K", "V", "DO", *rows, "DQ", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *inputs, *grads, *table, *SIZES, "Visits", *PACKED),
-            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN")),
+            (*_PROGRAM_CONSTANTS, "FOLLOW_TABLE", "VARLEN", *p.deterministic, "DROPOUT")),
         "bwd_kernel": sig("_bwd_kernel", (
-            "Q", "K", "V", "DO", *rows, "DQ", "DK", "DV", "sm_scale", "qk_scale",
+            "Q", "K", "V", "DO", *rows, "DQ", "DK", "DV", "sm_scale", "qk_scale", *DROPOUT,
             *_strides("q", "m"), *_strides("k", "n"), *_strides("v", "n"), *_strides("do", "m"),
             *_strides("dq", "m"), *_strides("dk", "n"), *_strides("dv", "n"), *inputs, *grads,
             *(table_params("kv_") + table_params("q_") if tile_table else ()), *SIZES, "VisitsKV", "VisitsQ",
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "PARTS", "COUNT_VISITS", "DOT_PRECISION",
-             "FOLLOW_TABLE", "VARLEN")),
+             "FOLLOW_TABLE", "VARLEN", *p.deterministic, "DROPOUT")),
     }
