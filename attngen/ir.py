@@ -429,6 +429,29 @@ def children(expr: Expr) -> tuple[Expr, ...]:
     return ()
 
 
+def rewrite(expr: Expr | None, replace) -> Expr | None:
+    """`expr` with every node for which replace(node) is not None replaced by it (a replaced node's children
+    are not visited). Nodes are rebuilt by model_copy, which skips validation: callers that make a Spec of the
+    result validate it anew (revalidated, model_validate)."""
+    if expr is None:
+        return None
+    found = replace(expr)
+    if found is not None:
+        return found
+    if isinstance(expr, Load):
+        return expr.model_copy(update={"index": tuple(rewrite(i, replace) for i in expr.index)})
+    if isinstance(expr, Reduce):
+        return expr.model_copy(update={"index": tuple(rewrite(i, replace) if i is not None else None
+                                                      for i in expr.index)})
+    if isinstance(expr, Unary):
+        return expr.model_copy(update={"operand": rewrite(expr.operand, replace)})
+    if isinstance(expr, Binary):
+        return expr.model_copy(update={"left": rewrite(expr.left, replace), "right": rewrite(expr.right, replace)})
+    if isinstance(expr, Call):
+        return expr.model_copy(update={"args": tuple(rewrite(a, replace) for a in expr.args)})
+    return expr
+
+
 def walk(expr: Expr):
     """Every node of an expression tree, parents before children."""
     yield expr

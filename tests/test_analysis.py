@@ -76,6 +76,10 @@ MASKS = [
     "q >= 3 or causal",
     "causal and q - k < 0",
     "abs(q - k) <= w or q < 3 or k < 3",
+    # Translations (a block at global positions): exact where the mask they translate is.
+    "(q + 3) // 4 == (k + 5) // 4 and q + 3 >= k + 5",
+    "q + 2 - (k + w) < w and q + 2 >= k + w",
+    "q + 6 >= k + 1 and k + 1 >= (q + 6) // 2",
     "h < 1 or causal",
     "k < prefix[b]",
     "q < prefix[b] and k < 7",
@@ -213,6 +217,10 @@ def test_region_is_exact_where_it_says_so(mask, problem, blocks):
     ("causal and q - k < 0", False),  # a band of no diagonal, which a tall tile would still visit
     ("(q - k >= 0 and q - k < 3) or (k - q >= 5 and k - q < 7)", False),  # disjoint bands
     ("abs(q - k) <= w or q < 3 or k < 3", False), ("q - k < w and q * k < 20", False),
+    # translated: q read only as q + A, k only as k + B (A, B >= 0 and uniform), as context parallelism's blocks
+    ("(q + 3) // 4 == (k + 5) // 4 and q + 3 >= k + 5", True), ("q + 2 - (k + w) < w and q + 2 >= k + w", True),
+    ("(q + 3) // 4 == k // 4 and q >= k", False),  # q read bare and shifted: no translation
+    ("(q + 3) // 4 == (k + prefix[b]) // 4 and q + 3 >= k + prefix[b]", False),  # a shift that may be negative
 ])
 def test_exactness_is_claimed_for_the_proven_families_only(mask, exact):
     spec = parse_spec(f"{HEADER}mask: {mask}\n")

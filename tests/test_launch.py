@@ -100,6 +100,7 @@ class _Kernel:
         self.signature = inspect.signature(fn)
         self.bindings = []
         self.compiled = {}
+        self.launcher = None
 
     def __getitem__(self, grid):
         def bind(*args, **options):
@@ -319,16 +320,19 @@ def _recorded_launches(monkeypatch, module):
     fakes = {}
     launch_for_real = launch._launch
 
-    def recorded(kernel, grid, *args, **options):
-        fake = fakes.setdefault(kernel, _Kernel(kernel.fn))
-        launch.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
-        try:
-            return launch_for_real(fake, grid, *args, **options)
-        finally:
-            launch.INTERPRETING = True
+    def recorder(launching):
+        def recorded(kernel, grid, *args, **options):
+            fake = fakes.setdefault(kernel, _Kernel(kernel.fn))
+            fake.launcher = launching  # the runtime module that launched it
+            launch.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
+            try:
+                return launch_for_real(fake, grid, *args, **options)
+            finally:
+                launch.INTERPRETING = True
+        return recorded
 
     for launching in _LAUNCHING:
-        monkeypatch.setattr(launching, "_launch", recorded)
+        monkeypatch.setattr(launching, "_launch", recorder(launching))
     monkeypatch.setattr(launch, "_LAUNCHES", {})
     monkeypatch.setattr(module.ATTENTION, "call_plans", {})
     monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
@@ -360,7 +364,10 @@ def test_every_site_a_plan_binds_sees_the_facts_it_was_bound_with(monkeypatch, n
     assert len(plans) == 2 and all(plan.launches and len(plan.backwards) == 2 for plan in plans)
     # Every kernel bound once per set of facts, and every kernel relaunched through a plan's site.
     assert fakes and all(len(fake.bindings) == len(fake.compiled) for fake in fakes.values())
-    assert set(verified) == set(fakes.values())
+    relaunched = set(fakes.values())
+    if attn.module.FACTS.static_tables is not None:  # a mask reading no input: its tables are built once and kept
+        relaunched -= {fake for fake in fakes.values() if fake.launcher is tables}
+    assert set(verified) == relaunched
 
 
 @CPU_CALLS

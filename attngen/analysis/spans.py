@@ -588,10 +588,50 @@ def _region(mask: ir.Expr | None, loop: str, params, inner: bool = False) -> tup
     return Region(result.visit, result.full, shape.exact), shape
 
 
+def _untranslated(mask: ir.Expr, params) -> ir.Expr | None:
+    """The mask with `q + A` read as `q` and `k + B` as `k`, where it reads q only as q + A and k only as k + B,
+    A and B one uniform expression each, provably >= 0 (a block of a sequence at its global positions:
+    frontend.positions); None where it reads them otherwise, bare, or shifted by what may be negative.
+
+    Exactness survives the translation: the translated mask's rows are I'(y) = I(y + A) - B, its spans are
+    evaluated by the same atoms at the translated tile ends, a run of its rows is a run of the original's
+    (at y >= 0, where the proofs hold, as A >= 0 keeps them), and clipping to any interval commutes with the
+    union and the intersection of intervals. So the translated mask's spans are exact where the original's
+    are, though its atoms' constants (A - B, which the proofs cannot evaluate) hide it."""
+    shifts: dict[str, set[str]] = {"q": set(), "k": set()}
+    shifted = {"q": 0, "k": 0}
+    for node in ir.walk(mask):
+        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
+                and node.left.name in shifts and not _mentions_qk(node.right):
+            shifts[node.left.name].add(node.right.model_dump_json())
+            shifted[node.left.name] += 1
+    reads = {name: sum(isinstance(n, ir.Var) and n.name == name for n in ir.walk(mask)) for name in shifts}
+    if not any(shifted.values()) or any(len(s) > 1 or shifted[n] != reads[n] for n, s in shifts.items()):
+        return None
+    box = intervals.TileBox((0, 0), (0, 0), params, {}, {})
+    for node in ir.walk(mask):
+        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
+                and node.left.name in shifts and not _mentions_qk(node.right):
+            shift = intervals.value(node.right, box)
+            if not isinstance(shift, intervals.Num) or not shift.lo >= 0:
+                return None  # the proofs hold at positions y >= 0: a shift must keep them there
+
+    def bare(node: ir.Expr) -> ir.Expr | None:
+        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
+                and node.left.name in shifts and not _mentions_qk(node.right):
+            return node.left
+        return None
+
+    return ir.rewrite(mask, bare)
+
+
 def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> Region:
     """Which indices along `loop` a tile of the other index visits, and which are full; `exact` when the
-    spans are provably the allowed tiles' (the section above)."""
-    return _region(mask, loop, params)[0]
+    spans are provably the allowed tiles' (the section above), or those of the mask it translates."""
+    found = _region(mask, loop, params)[0]
+    if not found.exact and mask is not None and (plain := _untranslated(mask, params)) is not None:
+        return Region(found.visit, found.full, _region(plain, loop, params)[0].exact)
+    return found
 
 
 def mask_inputs(spec: ir.Spec) -> tuple[str, ...]:

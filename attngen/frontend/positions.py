@@ -61,27 +61,6 @@ def _clamped(name: str, lo: int, hi: int) -> ir.Expr:
                                                  _int_const(hi)))
 
 
-def _rewrite(expr: ir.Expr | None, replace) -> ir.Expr | None:
-    """`expr` with every node for which replace(node) is not None replaced by it (children first)."""
-    if expr is None:
-        return None
-    found = replace(expr)
-    if found is not None:
-        return found
-    if isinstance(expr, ir.Load):
-        return expr.model_copy(update={"index": tuple(_rewrite(i, replace) for i in expr.index)})
-    if isinstance(expr, ir.Reduce):
-        return expr.model_copy(update={"index": tuple(_rewrite(i, replace) if i is not None else None
-                                                      for i in expr.index)})
-    if isinstance(expr, ir.Unary):
-        return expr.model_copy(update={"operand": _rewrite(expr.operand, replace)})
-    if isinstance(expr, ir.Binary):
-        return expr.model_copy(update={"left": _rewrite(expr.left, replace), "right": _rewrite(expr.right, replace)})
-    if isinstance(expr, ir.Call):
-        return expr.model_copy(update={"args": tuple(_rewrite(a, replace) for a in expr.args)})
-    return expr
-
-
 def _derive(spec: ir.Spec, names: tuple[str, str, str, str], max_start: int, max_length: int) -> ir.Spec:
     q_start, k_start, q_len, kv_len = names
     replacements = {
@@ -99,7 +78,7 @@ def _derive(spec: ir.Spec, names: tuple[str, str, str, str], max_start: int, max
     inputs = [decl.model_copy(update={"dims": tuple("*" if d in ("Q_LEN", "KV_LEN") else d for d in decl.dims)})
               for decl in spec.inputs]
     inputs += [ir.InputDecl(name=name, dtype="i32", dims=()) for name in names]
-    items = {item: _rewrite(getattr(spec, item), replace) for item in ("mask", "score", "sink")}
+    items = {item: ir.rewrite(getattr(spec, item), replace) for item in ("mask", "score", "sink")}
     name = f"{spec.name[:ir.MAX_NAME_LENGTH - 3]}_cp"
     # Validated anew (model_copy skips it): the derived spec is checked as any Spec built in Python is.
     return ir.Spec.model_validate({**spec.model_dump(), "name": name,
