@@ -26,6 +26,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngen
 from attngen import testing
+from attngen.plan.targets import PRESETS, Target
+
+# The portable family alone, with the tiles of an sm_90 GPU's shared memory (a capability below 9 keeps the
+# Hopper family out): the deterministic backward either family would run, set against the Hopper default.
+PORTABLE_ON_HOPPER = Target(**{**PRESETS["h100"].model_dump(), "name": "portable on sm_90", "capability": (8, 9)})
 
 DROPOUT_P = 0.1
 
@@ -66,6 +71,11 @@ CASES = [
     # writes dQ, dK and dV once a tile either way.
     Case("deterministic backward on the portable family (causal)", "specs/causal.attn", "specs/causal.attn",
          {"deterministic": True, "target": "a100"}, without_options={"target": "a100"}),
+    Case("deterministic backward on the portable family against the Hopper family's default (causal)",
+         "specs/causal.attn", "specs/causal.attn", {"deterministic": True, "target": PORTABLE_ON_HOPPER}),
+    Case("deterministic backward on the portable family against the Hopper family's default (learned_rel_bias)",
+         "specs/learned_rel_bias.attn", "specs/learned_rel_bias.attn",
+         {"deterministic": True, "target": PORTABLE_ON_HOPPER}),
     # The same spec, its call with dropout_p and without.
     Case(f"dropout {DROPOUT_P} on causal attention", "specs/causal.attn", "specs/causal.attn",
          call={"dropout_p": DROPOUT_P}),
