@@ -55,6 +55,15 @@ SMALL_PARAMS = {"window": 7, "cap": 2.0, "chunk": 8, "block": 16}
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after a test, so its graphs and guards are its own."""
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def build_small():
     """build(spec, **params): a catalog spec (a name in specs/ or a path) built with SMALL_PARAMS,
     overridden by `params`, for the params it declares."""

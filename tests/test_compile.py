@@ -26,12 +26,7 @@ SPECS = {  # one of each kind of host path: no inputs, a tile table, a learnable
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch.compiler.set_stance("default")
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest: every test's compiled graphs its own
 
 
 def _case(name, n, heads=H, kv_heads=HKV, seed=0, head_dim=D):

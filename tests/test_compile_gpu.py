@@ -15,7 +15,7 @@ import torch
 import attngen
 from attngen import testing
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]  # conftest: fresh compiled graphs
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 # (B, H, HKV, Q_LEN, KV_LEN, D, dtype) of a call each family serves on an H200: hopper (bf16, D = 128),
@@ -27,13 +27,6 @@ FAMILY_CALLS = {
     "decode": (2, 8, 2, 4, 4096, 64, torch.bfloat16),
 }
 LAYOUTS = ("dense", "transposed", "fused_qkv")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _qkv(layout, B, H, HKV, Q_LEN, KV_LEN, D, dtype):

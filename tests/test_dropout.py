@@ -376,13 +376,6 @@ def test_a_drawn_dropout_case_checks_against_the_reference(bias):
 
 # --- torch.compile -----------------------------------------------------------------------------------
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @CPU_CALLS
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_compiled_calls_draw_in_the_graph_and_equal_eager(bias, fresh_dynamo, packed):

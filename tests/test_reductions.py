@@ -167,13 +167,6 @@ def test_a_reduction_over_no_elements_is_a_call_error_but_a_sum_is_zero():
     torch.testing.assert_close(summed(q, k, v, x=torch.empty(H, 0)), attngen.build("attention full")(q, k, v))
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @CPU_CALLS
 def test_compiled_calls_equal_eager_with_the_reductions_gradient(fresh_dynamo):
     attn = attngen.build("attention red_compiled\ninput x: f32[H, *] learnable\nmask: q >= k\n"

@@ -313,13 +313,6 @@ def test_only_a_sigmoid_spec_s_kernels_go_without_row_terms():
     assert sigmoid.FACTS.normalize == "sigmoid" and softmax.FACTS.normalize == "softmax"
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @CPU_CALLS
 def test_compiled_calls_equal_eager(rows, fresh_dynamo):
     # The custom operators carry a sigmoid spec: forward, backward (no row terms), packed and cache calls.
