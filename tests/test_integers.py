@@ -280,7 +280,8 @@ _COMPILE = textwrap.dedent('''
             "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32",
             "Rng": "*i64"}
     SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q")
-    for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, module._decode_combine):
+    from attngen.families.decode.runtime import _decode_combine  # the decode family's merge, every spec's
+    for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, _decode_combine):
         signature = {}
         for name in kernel.arg_names:
             if name in constants:
@@ -295,7 +296,7 @@ _COMPILE = textwrap.dedent('''
                 signature[name] = "*fp16"
         used = {n: v for n, v in constants.items() if n in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, used), target=GPUTarget("cuda", 90, 32))
-        assert kernel is module._decode_combine or "mul.lo.s64" in compiled.asm["ptx"]
+        assert kernel is _decode_combine or "mul.lo.s64" in compiled.asm["ptx"]
     print("compiled")
 ''')
 

@@ -11,6 +11,7 @@ import torch
 import attngen
 from attngen.analysis import analyze
 from attngen.emit.signatures import Signature, kernel_signatures
+from attngen.families.decode import runtime as decode_runtime
 from attngen.testing import random_inputs, random_qkv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,8 +100,8 @@ def test_the_compiled_kernels_take_the_declared_parameters():
         assert tuple(getattr(attn.module, kernel).arg_names) == signatures[key].params
     decode = attngen.build(ROOT / "specs" / "alibi_causal.attn")
     signatures = kernel_signatures(decode.spec, False)
-    for key, kernel in (("decode_fwd", "_decode_fwd_kernel"), ("decode_combine", "_decode_combine")):
-        assert tuple(getattr(decode.module, kernel).arg_names) == signatures[key].params
+    assert tuple(decode.module._decode_fwd_kernel.arg_names) == signatures["decode_fwd"].params
+    assert tuple(decode_runtime._decode_combine.arg_names) == signatures["decode_combine"].params  # every spec's
 
 
 def test_decode_launches_follow_the_declared_signatures(monkeypatch):
@@ -114,7 +115,7 @@ def test_decode_launches_follow_the_declared_signatures(monkeypatch):
     sizes = {"B": B, "H": H, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
     split, combine = Recorder(), Recorder()
     monkeypatch.setattr(module.families["decode"], "forward_kernel", split)
-    monkeypatch.setattr(module.families["decode"], "combine_kernel", combine)
+    monkeypatch.setattr(decode_runtime, "_decode_combine", combine)  # the family's own kernel, every spec's
     out, lse = module._forward(q, k, v, tensors, {})
     bound = _bound(signatures["decode_fwd"], *split.calls[0])
     _check_tensor_args(bound, {"Q": (q, "q"), "K": (k, "k"), "V": (v, "v")})

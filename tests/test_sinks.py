@@ -11,6 +11,7 @@ import attngen
 from attngen import reference, testing
 from attngen.emit.module import sink_literal
 from attngen.errors import SpecError
+from attngen.families.decode import runtime as decode_runtime
 from attngen.frontend.printer import to_source
 from attngen.runtime.sinks import sink_rows
 from attngen.testing import strategies
@@ -216,7 +217,7 @@ def test_only_a_spec_with_a_sink_gives_its_forward_kernels_the_sink_rows():
         module = attngen.build(text, target="h200").module
         for kernel in (module._fwd_kernel, module._hopper_fwd_kernel):
             assert ("Sink" in kernel.arg_names) == has_sink, (text, kernel)
-        assert {"Sink", "HAS_SINK"} <= set(module._decode_combine.arg_names)
+        assert {"Sink", "HAS_SINK"} <= set(decode_runtime._decode_combine.arg_names)
         assert "Sink" not in module._bwd_kernel.arg_names and "Sink" not in module._hopper_bwd_kernel.arg_names
 
 

@@ -32,7 +32,7 @@ HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv
                 "_dropout_keep_tile", "_dropout_quarter")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
-SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_decode_combine", "_exact_finish")
+SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_exact_finish")
 _RUNTIME_IMPORTS_LINE = "# (the runtime imports)\n"
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
-from attngen.runtime.kernels import _bwd_preprocess, _base2_lse, _decode_combine  # the same in every spec
+from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
 from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence, _hopper_dq_add_fixed  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
@@ -1460,7 +1460,7 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     tl.store(LsePart + part_row, lse, mask=row_ok)
 
 
-# _decode_combine, which merges the shares, is the same for every spec: attngen/runtime/kernels.py.
+# _decode_combine, which merges the shares, is the same for every spec: attngen/families/decode/runtime.py.
 
 
 # No tile tables (TILE_TABLE is off): the host never launches their kernels.
@@ -1474,7 +1474,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "44373a69f57be5e8"
+MODULE_DIGEST = "e891cd5637e1b70c"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",
@@ -1530,7 +1530,7 @@ ATTENTION = Attention(
             table_by_query_classify=_table_by_query_classify, table_by_key_classify=_table_by_key_classify,
             table_compact=_table_compact),
     families={
-        'decode': dict(forward_kernel=_decode_fwd_kernel, combine_kernel=_decode_combine, max_rows=DECODE_MAX_ROWS),
+        'decode': dict(forward_kernel=_decode_fwd_kernel, max_rows=DECODE_MAX_ROWS),
         'hopper': dict(forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE),
     },
 )

@@ -12,8 +12,9 @@ from attngen.emit.signatures import (CACHE, CACHE_FLAGS, HEAD_DIMS, PAGE_TABLE, 
 from attngen.families.decode.family import DECODE_MAX_ROWS
 
 # What the module hands to the family's runtime (families/decode/runtime.py), by keyword.
-DECLARATION = "forward_kernel=_decode_fwd_kernel, combine_kernel=_decode_combine, max_rows=DECODE_MAX_ROWS"
-# The device helpers its kernels import from its runtime side: none (the merge is a shared kernel).
+DECLARATION = "forward_kernel=_decode_fwd_kernel, max_rows=DECODE_MAX_ROWS"
+# The device helpers its kernels import from its runtime side: none (the merge of the splits, a kernel no spec
+# changes, is its runtime's own).
 DEVICE_HELPERS: tuple[str, ...] = ()
 
 # The decode family's tiles pack the query heads of one key/value head: row r is query offs_m[r]

@@ -1,6 +1,9 @@
-"""The decode family's host side: its per-call rule (with the split-versus-portable speed model) and its split-KV launches."""
+"""The decode family's host side: its per-call rule (with the split-versus-portable speed model), its split-KV launches
+and the merge of the splits, a kernel no spec changes."""
 
 import torch
+import triton
+import triton.language as tl
 
 from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sink_strides, _sm_count
 from ...runtime.helpers import LOG2E
@@ -43,9 +46,9 @@ class DecodeFamily:
     merge of its splits; max_rows, the most rows (query heads of a key/value head times queries) one tile
     of it holds."""
 
-    def __init__(self, rt, forward_kernel, combine_kernel, max_rows):
+    def __init__(self, rt, forward_kernel, max_rows):
         self.rt = rt
-        self.forward_kernel, self.combine_kernel, self.max_rows = forward_kernel, combine_kernel, max_rows
+        self.forward_kernel, self.max_rows = forward_kernel, max_rows
 
     def serves(self, q, k, v, HKV, KV_LEN, cached):
         """Whether a forward call of these tensors over HKV heads of KV_LEN keys (a cache call or not,
@@ -119,11 +122,69 @@ class DecodeFamily:
         lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
         n_rows = B * H * Q_LEN
         block_r = 16
-        _launch(self.combine_kernel, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
+        _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
                 *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), H, Q_LEN, n_rows, splits,
                 HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
                 ADD_PARTS=self.rt.facts.sigmoid, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
+
+
+# The merge of the shares is the same for every spec (no spec expression in it): here, not in the modules.
+@triton.jit
+def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
+                    H, Q_LEN, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr):
+    # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
+    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
+    # of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value (O = 0,
+    # LSE = sink), the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the
+    # first part rescales its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN (both
+    # NaN) merges as one without a sink and gets those values at the end. ADD_PARTS (sigmoid attention): each
+    # part is its keys' weighted sum, not normalised, so O is the parts' sum and there is no LSE (LsePart, Lse
+    # and Sink are never read).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    out_rows = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
+    if ADD_PARTS:
+        for s in range(SPLITS):
+            part_row = s * tl.cast(n_rows, tl.int64) + rows
+            acc += tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
+        out = acc
+    else:
+        m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        sink = m
+        if HAS_SINK:
+            sink = tl.load(Sink + out_rows // Q_LEN // H * stride_sb + out_rows // Q_LEN % H * stride_sh
+                           + out_rows % Q_LEN * stride_sm, mask=row_ok, other=float("-inf"))
+            m = tl.where(sink < float("inf"), sink, float("-inf"))
+            total += 1.0
+        for s in range(SPLITS):
+            part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr
+            lse_s = tl.load(LsePart + part_row, mask=row_ok, other=float("-inf"))
+            o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            weight = tl.exp(lse_s - m_safe)
+            total = total * alpha + weight
+            acc = acc * alpha[:, None] + weight[:, None] * o_s
+            m = m_new
+        has_keys = total > 0.0
+        total_safe = tl.where(has_keys, total, 1.0)
+        lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
+        out = acc / total_safe[:, None]
+        if HAS_SINK:
+            out = tl.where((sink < float("inf"))[:, None], out,
+                           tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+            lse = tl.where(sink < float("inf"), lse, sink)
+        tl.store(Lse + rows, lse, mask=row_ok)
+    out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
+               + out_rows % Q_LEN * stride_om)
+    tl.store(Out + out_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=tile_ok)
 
 
 # The class the runtime serves a spec's Attention with (runtime.families).
