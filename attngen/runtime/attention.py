@@ -10,6 +10,7 @@ from .dropout import Dropout
 from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
+from .launching import LaunchArguments
 from .operators import Operators, _Attention
 from .packed import Packed, _is_packed
 from .plans import CallPlans
@@ -18,7 +19,7 @@ from .sinks import sink_rows, sink_view, whole_load
 from .tables import Tables
 
 
-class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, Portable, Checks):
+class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, LaunchArguments, Portable, Checks):
     """One spec's attention: attn(q, k, v, ...) and its companions (tile_tables, forward_family,
     backward_family, visit_counts, dropout_mask) over the kernels a generated module hands over.
 
