@@ -25,7 +25,7 @@ from attngen.runtime import attention as runtime_attention
 from attngen.families.decode import runtime as decode
 from attngen.families.hopper import runtime as hopper
 from attngen.families.portable import runtime as portable
-from attngen.runtime import launch, tables
+from attngen.runtime import launch, launching, tables
 from conftest import CPU_CALLS
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -311,7 +311,7 @@ def test_the_plans_kept_are_bounded(monkeypatch):
 
 
 # The runtime's modules that launch kernels, each through its own imported _launch and _plan_site.
-_LAUNCHING = (portable, tables, hopper, decode)
+_LAUNCHING = (portable, launching, tables, hopper, decode)
 
 
 def _recorded_launches(monkeypatch, module):
@@ -320,10 +320,10 @@ def _recorded_launches(monkeypatch, module):
     fakes = {}
     launch_for_real = launch._launch
 
-    def recorder(launching):
+    def recorder(launcher):
         def recorded(kernel, grid, *args, **options):
             fake = fakes.setdefault(kernel, _Kernel(kernel.fn))
-            fake.launcher = launching  # the runtime module that launched it
+            fake.launcher = launcher  # the runtime module that launched it
             launch.INTERPRETING = False  # _launch binds only off the interpreter; the checks keep reading True
             try:
                 return launch_for_real(fake, grid, *args, **options)
@@ -331,8 +331,8 @@ def _recorded_launches(monkeypatch, module):
                 launch.INTERPRETING = True
         return recorded
 
-    for launching in _LAUNCHING:
-        monkeypatch.setattr(launching, "_launch", recorder(launching))
+    for launcher in _LAUNCHING:
+        monkeypatch.setattr(launcher, "_launch", recorder(launcher))
     monkeypatch.setattr(launch, "_LAUNCHES", {})
     monkeypatch.setattr(module.ATTENTION, "call_plans", {})
     monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
@@ -377,8 +377,8 @@ def test_a_site_that_misses_a_fact_of_its_arguments_fails_the_check(monkeypatch)
     # each other's bindings.
     attn = attngen.build(SPECS / "document_causal.attn", target="a100")
     _recorded_launches(monkeypatch, attn.module)
-    for launching in _LAUNCHING:
-        monkeypatch.setattr(launching, "_plan_site", lambda plan, *site: None if plan is None else
+    for launcher in _LAUNCHING:
+        monkeypatch.setattr(launcher, "_plan_site", lambda plan, *site: None if plan is None else
                             (plan.launches, site[0]))
     q, k, v = (t.requires_grad_() for t in testing.random_qkv(2, 4, 2, 40, 300, 64, 64, torch.float32, seed=5))
     doc = torch.zeros(300, dtype=torch.int32)

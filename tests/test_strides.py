@@ -16,7 +16,7 @@ import attngen
 from attngen.families.decode import runtime as decode
 from attngen.families.hopper import runtime as hopper
 from attngen.families.portable import runtime as portable
-from attngen.runtime import arguments, tables
+from attngen.runtime import arguments, launching, tables
 
 B, H, HKV, N, D = 2, 4, 2, 48, 64
 LAYOUTS = ("dense", "transposed", "fused_qkv", "one_batch_one_head")
@@ -48,8 +48,8 @@ def module():
 @pytest.fixture
 def stubbed(module, monkeypatch):
     # The runtime's modules that launch kernels or read the SM count, each by its own imported name.
-    for launching in (portable, tables, hopper, decode):
-        monkeypatch.setattr(launching, "_launch", lambda *args, **kwargs: None)
+    for launcher in (portable, launching, tables, hopper, decode):
+        monkeypatch.setattr(launcher, "_launch", lambda *args, **kwargs: None)
     for counting in (arguments, hopper, decode):
         monkeypatch.setattr(counting, "_sm_count", lambda device: 132)
     return module

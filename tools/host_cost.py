@@ -26,7 +26,7 @@ from attngen import testing
 from attngen.families.decode import runtime as decode
 from attngen.families.hopper import runtime as hopper
 from attngen.families.portable import runtime as portable
-from attngen.runtime import tables
+from attngen.runtime import launching, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIRS = {
@@ -38,7 +38,7 @@ SPECS = {"causal_sink": "attention causal_sink\ninput sinks: f32[H] learnable\nm
 
 def _stub_launches():
     """Every kernel launch of the runtime returns at once (the outputs stay torch.empty's)."""
-    for module in (portable, hopper, decode, tables):
+    for module in (portable, launching, hopper, decode, tables):
         module._launch = lambda *args, **kwargs: None
 
 
