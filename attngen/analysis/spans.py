@@ -598,31 +598,30 @@ def _untranslated(mask: ir.Expr, params) -> ir.Expr | None:
     (at y >= 0, where the proofs hold, as A >= 0 keeps them), and clipping to any interval commutes with the
     union and the intersection of intervals. So the translated mask's spans are exact where the original's
     are, though its atoms' constants (A - B, which the proofs cannot evaluate) hide it."""
+    box = intervals.TileBox((0, 0), (0, 0), params, {}, {})
     shifts: dict[str, set[str]] = {"q": set(), "k": set()}
     shifted = {"q": 0, "k": 0}
     for node in ir.walk(mask):
-        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
-                and node.left.name in shifts and not _mentions_qk(node.right):
-            shifts[node.left.name].add(node.right.model_dump_json())
-            shifted[node.left.name] += 1
+        name = _shifted_index(node)
+        if name is None:
+            continue
+        shift = intervals.value(node.right, box)
+        if not isinstance(shift, intervals.Num) or not shift.lo >= 0:
+            return None  # the proofs hold at positions y >= 0: a shift must keep them there
+        shifts[name].add(node.right.model_dump_json())
+        shifted[name] += 1
     reads = {name: sum(isinstance(n, ir.Var) and n.name == name for n in ir.walk(mask)) for name in shifts}
     if not any(shifted.values()) or any(len(s) > 1 or shifted[n] != reads[n] for n, s in shifts.items()):
         return None
-    box = intervals.TileBox((0, 0), (0, 0), params, {}, {})
-    for node in ir.walk(mask):
-        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
-                and node.left.name in shifts and not _mentions_qk(node.right):
-            shift = intervals.value(node.right, box)
-            if not isinstance(shift, intervals.Num) or not shift.lo >= 0:
-                return None  # the proofs hold at positions y >= 0: a shift must keep them there
+    return ir.rewrite(mask, lambda node: node.left if _shifted_index(node) is not None else None)
 
-    def bare(node: ir.Expr) -> ir.Expr | None:
-        if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
-                and node.left.name in shifts and not _mentions_qk(node.right):
-            return node.left
-        return None
 
-    return ir.rewrite(mask, bare)
+def _shifted_index(node: ir.Expr) -> str | None:
+    """"q" or "k" where `node` is that index plus an expression that reads neither (`q + A`), else None."""
+    if isinstance(node, ir.Binary) and node.op == "add" and isinstance(node.left, ir.Var) \
+            and node.left.name in ("q", "k") and not _mentions_qk(node.right):
+        return node.left.name
+    return None
 
 
 def region(mask: ir.Expr | None, loop: str, params: dict[str, int | float]) -> Region:
