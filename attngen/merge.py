@@ -83,8 +83,12 @@ def combine(outs, lses):
 def accumulate(out, lse, part_out, part_lse) -> None:
     """Merges one more part into a running result in place, as `combine` of the two would: `out` (B, H, Q_LEN, DV)
     and `lse` (B, H, Q_LEN) float32 (or float64) tensors hold the parts so far (a row with none yet: 0 and -inf),
-    `part_out` in any float dtype, `part_lse` the kernels' (finite or -inf). Not differentiable: for callers that
+    `part_out` in any float dtype, `part_lse` the kernels' (finite or -inf). Parts of a sigmoid spec have no LSE
+    (both None): they add, as `merge(..., normalize="sigmoid")` adds them. Not differentiable: for callers that
     add part after part (a ring of context-parallel shards), at about a third of combine's memory traffic."""
+    if lse is None:
+        out.add_(part_out)
+        return
     total = torch.logaddexp(lse, part_lse.to(lse.dtype))
     # A row with no key in either (-inf twice) keeps 0 and -inf: its weights are 0, not exp(nan).
     some = torch.isfinite(total)

@@ -253,10 +253,7 @@ class _Run:
                 for a, b, _ in plan.pairs(r, shard):
                     chunk, rows = plan.kv_chunks[shard][b], plan.q_chunks[r][a]
                     o, l = self._part_forward(q, a, _rows(kv[0], chunk), _rows(kv[1], chunk), chunk.start, inputs)
-                    if l is None:
-                        _rows(out, rows).add_(o)
-                    else:
-                        accumulate(_rows(out, rows), _rows(lse, rows), o, l)
+                    accumulate(_rows(out, rows), _optional_rows(lse, rows), o, l)
             for w in work:
                 w.wait()
             kv = received.get("kv")
