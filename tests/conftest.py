@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 import attngen
+from attngen import testing
 
 # pytest-xdist gives each worker a core of its own; torch's intra-op threads (one per core by default)
 # would have every worker's interpreter loops compete for all of them.
@@ -90,6 +91,16 @@ def tiered(cases, fast, ids=None):
     assert fast <= set(cases), fast - set(cases)
     return [pytest.param(*case, id=ids(case) if ids else None, marks=() if case in fast else SLOW_IN_INTERPRETER)
             for case in cases]
+
+
+def rows_case(attn, B=2, H=4, HKV=2, N=21, M=21, D=16, dtype=torch.float32):
+    """q, k, v and inputs for a spec whose `lens: i32[B]` input ends each batch row's keys (mask `k > q + 2 and
+    k < lens[b]`, as the sink and sigmoid tests' ROWS specs): the first row keeps all M keys, the second M // 2,
+    so some query rows have no allowed key."""
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype)
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
+    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32)[:B]
+    return q, k, v, inputs
 
 
 # The start of a script run in a fresh interpreter that must not reach attngen (a standalone bundle): a

@@ -12,7 +12,7 @@ from attngen import reference, testing
 from attngen.errors import ArgumentError, SpecError
 from attngen.frontend.printer import to_source
 from attngen.testing import strategies
-from conftest import CPU_CALLS, tiered
+from conftest import CPU_CALLS, rows_case, tiered
 
 SIGMOID_ALIBI = """
 attention sigmoid_alibi
@@ -142,13 +142,6 @@ def rows():
     return attngen.build(ROWS)
 
 
-def _rows_case(attn, B=2, H=4, HKV=2, N=21, M=21, D=16, dtype=torch.float32):
-    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype)
-    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
-    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32)[:B]
-    return q, k, v, inputs
-
-
 @CPU_CALLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 def test_training_calls_match_the_reference(alibi, dtype):
@@ -162,7 +155,7 @@ def test_training_calls_match_the_reference(alibi, dtype):
 @pytest.mark.parametrize("dtype", tiered([(torch.float32,), (torch.float16,)], [(torch.float32,)],
                                          ids=lambda case: str(case[0]).removeprefix("torch.")))
 def test_learnable_inputs_and_rows_without_keys_match_the_reference(rows, dtype):
-    q, k, v, inputs = _rows_case(rows, dtype=dtype)
+    q, k, v, inputs = rows_case(rows, dtype=dtype)
     testing.check_against_reference(rows.spec, rows, q, k, v, inputs)
     empty = ~torch.isfinite(reference.modified_scores(rows.spec, q, k, v, inputs)).any(-1)
     assert empty.any() and (~empty).any()
@@ -274,7 +267,7 @@ def test_dropout_on_sigmoid_weights_matches_the_reference_with_the_call_s_mask(r
     # The kernels drop the sigmoid's weights after forming them (scaled by 1 / (1 - p) once, at the end) and the
     # backward forms dS = P * (1 - P) * dP' from the undropped P: out, dq, dk, dv and the learnable table's
     # gradient against the float64 reference with the mask dropout_mask gives; rows without keys stay 0.
-    q, k, v, inputs = _rows_case(rows, N=37, M=29, dtype=dtype)
+    q, k, v, inputs = rows_case(rows, N=37, M=29, dtype=dtype)
     inputs["lens"] = torch.tensor([29, 20], dtype=torch.int32)
     testing.check_against_reference(rows.spec, rows, q, k, v, inputs, seed=3, dropout_p=p)
 
@@ -316,7 +309,7 @@ def test_only_a_sigmoid_spec_s_kernels_go_without_row_terms():
 @CPU_CALLS
 def test_compiled_calls_equal_eager(rows, fresh_dynamo):
     # The custom operators carry a sigmoid spec: forward, backward (no row terms), packed and cache calls.
-    q, k, v, inputs = _rows_case(rows, N=17, M=17)
+    q, k, v, inputs = rows_case(rows, N=17, M=17)
 
     def loss(q, k, v, table):
         return rows(q, k, v, table=table, lens=inputs["lens"]).square().sum()
@@ -348,7 +341,7 @@ def test_compiled_calls_equal_eager(rows, fresh_dynamo):
 
 @CPU_CALLS
 def test_opcheck_of_the_operators_of_a_sigmoid_spec(rows):
-    q, k, v, inputs = _rows_case(rows, N=12, M=12)
+    q, k, v, inputs = rows_case(rows, N=12, M=12)
     _, forward_op, backward_op, cache_op, packed_op, _ = rows.module.OPERATORS
     tensors = [inputs[i.name] for i in rows.spec.inputs]
     # Without dropout ([] and 0.0) and with it (a call's Philox words and p), as the operators' schemas take them.

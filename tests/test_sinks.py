@@ -15,7 +15,7 @@ from attngen.families.decode import runtime as decode_runtime
 from attngen.frontend.printer import to_source
 from attngen.runtime.sinks import sink_rows
 from attngen.testing import strategies
-from conftest import CPU_CALLS
+from conftest import CPU_CALLS, rows_case
 
 # Reads b, h, q, KV_LEN, a param and a learnable input; its mask leaves the last rows of a square call
 # without a key (k > q + 2), and cuts each batch row's keys at lens[b].
@@ -129,17 +129,10 @@ def rows():
     return attngen.build(ROWS)
 
 
-def _rows_case(attn, B=2, H=4, HKV=2, N=21, M=21, D=16, dtype=torch.float32):
-    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, dtype)
-    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, M)
-    inputs["lens"] = torch.tensor([M, M // 2], dtype=torch.int32)[:B]
-    return q, k, v, inputs
-
-
 @CPU_CALLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_training_calls_with_rows_without_keys_match_the_reference(rows, dtype):
-    q, k, v, inputs = _rows_case(rows, dtype=dtype)  # GQA: two query heads a kv head
+    q, k, v, inputs = rows_case(rows, dtype=dtype)  # GQA: two query heads a kv head
     testing.check_against_reference(rows.spec, rows, q, k, v, inputs)
     out, lse = rows(q, k, v, return_lse=True, **inputs)
     sink = reference.sink_logits(rows.spec, q, k, v, inputs).float()
@@ -193,7 +186,7 @@ def test_a_sink_of_minus_inf_is_no_sink_in_cache_and_packed_calls(minus_inf):
 @CPU_CALLS
 def test_the_sinks_gradient_through_the_lse_alone_matches_the_reference(rows):
     # A loss on LSE only: no gradient reaches O (dO is None in the autograd node), the sink's comes from dLSE.
-    q, k, v, inputs = _rows_case(rows, N=13, M=13)
+    q, k, v, inputs = rows_case(rows, N=13, M=13)
     weights = torch.randn(2, 4, 13, generator=torch.Generator().manual_seed(3))
 
     def loss(attention, q, k, v, inputs):
@@ -223,7 +216,7 @@ def test_only_a_spec_with_a_sink_gives_its_forward_kernels_the_sink_rows():
 
 @CPU_CALLS
 def test_cache_calls_match_the_reference(rows):
-    q, k, v, inputs = _rows_case(rows, M=30)
+    q, k, v, inputs = rows_case(rows, M=30)
     kv_len = torch.tensor([30, 19], dtype=torch.int32)
     for n in (1, 5):  # a decoding step and a chunk of prefill: the decode family's merge takes the sink
         cache = {"kv_len": kv_len}
@@ -234,7 +227,7 @@ def test_cache_calls_match_the_reference(rows):
 
 @CPU_CALLS
 def test_a_long_cache_chunk_takes_the_sink_in_the_portable_forward(rows):
-    q, k, v, inputs = _rows_case(rows, N=40, M=48)
+    q, k, v, inputs = rows_case(rows, N=40, M=48)
     cache = {"kv_len": torch.tensor([48, 45], dtype=torch.int32)}
     assert rows.forward_family(q, k, v, **cache, **inputs) == "portable"
     testing.check_against_reference(rows.spec, rows, q, k, v, inputs, grads=False, cache=cache)
@@ -242,7 +235,7 @@ def test_a_long_cache_chunk_takes_the_sink_in_the_portable_forward(rows):
 
 @CPU_CALLS
 def test_paged_cache_calls_match_the_reference(rows):
-    q, k, v, inputs = _rows_case(rows, N=3, M=32)
+    q, k, v, inputs = rows_case(rows, N=3, M=32)
     kv_len = torch.tensor([32, 23], dtype=torch.int32)
     k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
     with torch.no_grad():
@@ -271,14 +264,6 @@ def test_packed_calls_match_the_reference_of_each_sequence():
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, packed=packed)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch.compiler.set_stance("default")
-    torch._dynamo.reset()
-
-
 def _compiled_loss(rows, dynamic):
     def loss(q, k, v, inputs):
         out, lse = rows(q, k, v, return_lse=True, **inputs)
@@ -287,7 +272,7 @@ def _compiled_loss(rows, dynamic):
 
 
 def _assert_compiled_equals_eager(rows, loss, compiled, n):
-    q, k, v, inputs = _rows_case(rows, N=n, M=n)
+    q, k, v, inputs = rows_case(rows, N=n, M=n)
     leaves = [x.requires_grad_() for x in (q, k, v, inputs["bias"])]
     want = torch.autograd.grad(loss(q, k, v, inputs), leaves)
     got = torch.autograd.grad(compiled(q, k, v, inputs), leaves)
@@ -331,7 +316,7 @@ def test_compiled_packed_and_cache_calls_equal_eager(fresh_dynamo):
 def test_opcheck_of_the_operators_with_a_sink(rows):
     # The fakes of the forward, cache and packed operators given the sink's rows, and of the sink rows'
     # gradient, announce what they return.
-    q, k, v, inputs = _rows_case(rows, N=12, M=12)
+    q, k, v, inputs = rows_case(rows, N=12, M=12)
     runtime = rows.module.ATTENTION
     _, forward_op, _, cache_op, packed_op, _, sink_grad_op = rows.module.OPERATORS
     tensors = [inputs[i.name] for i in rows.spec.inputs]
