@@ -85,14 +85,15 @@ def test_the_reference_refuses_a_wrong_dropout(kwargs, message):
 
 # --- the keep-mask ---------------------------------------------------------------------------------
 
-def _philox4x32_10(seed, c0, c1, c2, c3):
-    """Philox4x32-10 (Salmon et al. 2011) in numpy, written from its definition as Triton's tl.philox states
-    it: the four counter words (uint32 arrays) under the 64-bit key `seed` (low word k0, high word k1)."""
+def _philox4x32(seed, c0, c1, c2, c3, rounds):
+    """Philox4x32 of `rounds` rounds (Salmon et al. 2011) in numpy, written from its definition as Triton's
+    tl.philox states it: the four counter words (uint32 arrays) under the 64-bit key `seed` (low word k0,
+    high word k1)."""
     mask = np.uint64(0xFFFFFFFF)
     c = [np.asarray(x, dtype=np.uint64) & mask for x in (c0, c1, c2, c3)]
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
     a, b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    for _ in range(10):
+    for _ in range(rounds):
         prod_b, prod_a = b * c[2], a * c[0]  # below 2**64: exact
         c = [((prod_b >> np.uint64(32)) ^ c[1] ^ k0) & mask, prod_b & mask,
              ((prod_a >> np.uint64(32)) ^ c[3] ^ k1) & mask, prod_a & mask]
@@ -102,15 +103,17 @@ def _philox4x32_10(seed, c0, c1, c2, c3):
 
 def _expected_keep(words, p, bh, q, k):
     """Whether dropout keeps (q, k) of batch x head bh = b * H + h (numpy int arrays that broadcast), as
-    runtime.helpers documents it, from a call's two words: (q, k) = (16A + 8a + x, 16C + 8c + y) takes word
-    2a + c of the draw at counter (8C + y, 8A + x, b * H + h, offset) under key seed, and is kept when that
-    word's top 31 bits are at least float32(p) * 2**31."""
+    runtime.helpers documents it, from a call's two words: (q, k) = (16A + 8a + x, 16C + 8c + 2y + e) takes
+    half e of word 2a + c of the Philox4x32-7 draw at counter (4C + y, 8A + x, b * H + h, offset) under key
+    seed, and is kept when that half is at least round(float32(p) * 2**16)."""
     seed, offset = (int(w) % 2**64 for w in words.tolist())
     bh, q, k = np.broadcast_arrays(bh, q, k)
-    drawn = _philox4x32_10(seed, (k // 16) * 8 + k % 8, (q // 16) * 8 + q % 8, bh, np.full(bh.shape, offset % 2**32))
+    drawn = _philox4x32(seed, (k // 16) * 4 + (k % 8) // 2, (q // 16) * 8 + q % 8, bh,
+                        np.full(bh.shape, offset % 2**32), rounds=7)
     word = np.select([(q // 8 % 2 == a) & (k // 8 % 2 == c) for a in (0, 1) for c in (0, 1)], drawn)
-    threshold = int(np.float32(p) * np.float32(2**31))
-    return torch.from_numpy((word >> np.uint64(1)) >= threshold)
+    half = np.where(k % 2 == 1, word >> np.uint64(16), word & np.uint64(0xFFFF))
+    threshold = min(int(np.float32(p) * np.float32(2**16) + np.float32(0.5)), 65535)
+    return torch.from_numpy(half >= threshold)
 
 
 def _expected_mask(words, p, B, H, Q_LEN, KV_LEN):
@@ -151,7 +154,7 @@ def _keep_three_ways(Rng, Elements, Tiles, Transposed, p, bh, q0, k0, BQ: tl.con
 
 @CPU_CALLS
 def test_the_tile_evaluation_is_the_element_by_element_definition():
-    # The kernels draw once for four elements and place the words by reshapes (_dropout_keep_tile), in the
+    # The kernels draw once for eight (or four) elements and place the words by reshapes (_dropout_keep_tile), in the
     # forward's (q, k) tiles and the backward's (k, q) ones; the Hopper kernels too: all must be the definition.
     kernel = _keep_three_ways
     words = torch.tensor([-0x1234567890ABCDE, 0x7FFFFFFF0000FFFF], dtype=torch.int64)
@@ -402,6 +405,16 @@ def test_compiled_calls_draw_in_the_graph_and_equal_eager(bias, fresh_dynamo, pa
     assert all(torch.equal(a, b) for want, got in zip(results, results[1:]) for a, b in zip(want, got))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, inputs["table"])]
     assert not torch.equal(compiled(*leaves), compiled(*leaves))
+
+
+def test_a_cuda_generator_without_an_index_is_on_the_current_device(monkeypatch):
+    # torch.Generator(device="cuda") reports device "cuda" with no index and draws on the current device:
+    # it must pass beside q on cuda:0 (the current one) and fail beside q on another.
+    from attngen.runtime.dropout import _device_index
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _device_index(torch.device("cuda")) == _device_index(torch.device("cuda:1")) == ("cuda", 1)
+    assert _device_index(torch.device("cuda")) != _device_index(torch.device("cuda:0"))
+    assert _device_index(torch.device("cpu")) != _device_index(torch.device("cuda"))
 
 
 @CPU_CALLS

@@ -28,8 +28,9 @@ from attngen.version import __version__
 HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv_f", "_floormod_f", "_tanh",
                 "_tanh_approx", "_tan", "_atan", "_round", "_pow", "_dot", "_load_tile", "_page_numbers",
                 "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit",
-                "EXACT_DIGITS", "EXACT_WORDS", "_exact_add", "_grad_add", "_dropout_state", "_dropout_keep",
-                "_dropout_keep_tile", "_dropout_quarter")
+                "EXACT_DIGITS", "EXACT_WORDS", "_exact_add", "_grad_add", "DROPOUT_ROUNDS", "_dropout_state",
+                "_dropout_counters", "_dropout_half_kept", "_dropout_halves_kept", "_dropout_keep",
+                "_dropout_keep_tile", "_dropout_quarter", "_dropout_eighth")
 # The kernels no spec changes, which a module imports from attngen/runtime/kernels.py (tests/test_static.py
 # checks the list is whole).
 SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_exact_finish")

@@ -23,6 +23,14 @@ def _dropout_words(device, generator):
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device, generator=generator)
 
 
+def _device_index(device: torch.device) -> tuple[str, int | None]:
+    """A device as (type, index), a CUDA device without an index (torch.Generator(device="cuda")) read as
+    the current one, which is what it draws on."""
+    if device.type == "cuda" and device.index is None:
+        return "cuda", torch.cuda.current_device()
+    return device.type, device.index
+
+
 # The keep-mask kernel's tiles: multiples of 16, as _dropout_keep_tile takes them.
 MASK_BLOCK = 64
 
@@ -61,7 +69,7 @@ class Dropout:
         if torch.compiler.is_compiling():
             self._fail("generator must be None under torch.compile (dropout draws from the default generator there; "
                        "torch.manual_seed makes a compiled run repeat)")
-        if generator.device.type != q.device.type or (q.device.type == "cuda" and generator.device.index != q.device.index):
+        if _device_index(generator.device) != _device_index(q.device):
             self._fail(f"generator must be on {q.device} like q, got one on {generator.device}")
 
     def _dropout(self, q, dropout_p, generator):

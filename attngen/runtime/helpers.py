@@ -247,25 +247,30 @@ def _grad_add(Grad, offset, value, mask, DETERMINISTIC: tl.constexpr):
 
 
 # --- dropout ---------------------------------------------------------------------------------
-# Dropout keeps P[b, h, q, k] by one Philox4x32-10 draw (Triton's tl.philox, the generator of tl.rand) of
-# the call's two words (Rng: a seed and an offset the host drew from the torch generator) and (b, h, q, k)
-# alone, so every kernel and tile shape regenerates the same bit and the mask is never stored. One draw
-# serves four elements: (q, k) = (16A + 8a + x, 16C + 8c + y) with x, y < 8 takes word 2a + c of the draw
-# at counter (8C + y, 8A + x, b * H + h, offset) under key seed. The four lie in one thread of every MMA
-# accumulator layout (a thread holds rows r and r + 8 of a 16-row slab, and columns c and c + 8), in the
-# forward's (q, k) tiles and the backward's (k, q) ones alike. An element is kept when its word's top 31
-# bits are at least float32(dropout_p) * 2**31: the keep probability is 1 - dropout_p to within
-# 2**-24 * dropout_p + 2**-31.
+# Dropout keeps P[b, h, q, k] by a Philox4x32-7 draw (Triton's tl.philox at 7 rounds, FlashAttention-2's
+# count, which passes TestU01's BigCrush; tl.rand's default is 10) of the call's two words (Rng: a seed and
+# an offset the host drew from the torch generator) and (b, h, q, k) alone, so every kernel and tile shape
+# regenerates the same bit and the mask is never stored. One draw (four 32-bit words, eight 16-bit halves)
+# serves eight elements: (q, k) = (16A + 8a + x, 16C + 8c + 2y + e) with x < 8, y < 4 and a, c, e bits
+# takes half e (0: the low 16 bits) of word 2a + c of the draw at counter (4C + y, 8A + x, b * H + h,
+# offset) under key seed. The eight lie in one thread of every MMA accumulator layout's (q, k) tile (a
+# thread holds rows r and r + 8 of a 16-row slab, and columns 2j, 2j + 1, 2j + 8, 2j + 9): the forward and
+# the dQ pass draw once for eight elements. On the backward's transposed (k, q) tiles a thread holds key
+# rows r and r + 8 only, so it draws once for four elements and reads the half of its key's bit 0. An
+# element is kept when its half is at least round(dropout_p * 2**16) (at most 65535): the keep
+# probability is 1 - dropout_p to within 2**-17, as FlashAttention-2's is to within 2**-8.
+DROPOUT_ROUNDS = tl.constexpr(7)
+
+
 @triton.jit
 def _dropout_state(Rng, dropout_p, DROPOUT: tl.constexpr):
     # A program's (seed, offset, threshold, scale): the call's words (Rng, int64 [seed, offset], the
-    # offset's low word a counter word), the threshold of the kept draws, and 1 / (1 - p), which the
+    # offset's low word a counter word), the threshold of the kept halves, and 1 / (1 - p), which the
     # kept P are scaled by; placeholders when DROPOUT is off (then nothing reads them).
     if DROPOUT:
         seed = tl.load(Rng)
         offset = tl.load(Rng + 1).to(tl.int32)
-        # The largest float32 below 2**31 bounds the threshold, so a p within 2**-25 of 1 cannot overflow it.
-        threshold = tl.minimum(dropout_p * 2147483648.0, 2147483520.0).to(tl.int32)
+        threshold = tl.minimum(dropout_p * 65536.0 + 0.5, 65535.0).to(tl.int32)
         scale = 1.0 / (1.0 - dropout_p)
     else:
         seed = 0
@@ -276,44 +281,79 @@ def _dropout_state(Rng, dropout_p, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _dropout_counters(q, k):
+    # The draw's first two counter words of queries q and keys k: k without its bits 0 and 3, q without
+    # its bit 3.
+    return (k // 16) * 4 + (k % 8) // 2, (q // 16) * 8 + q % 8
+
+
+@triton.jit
+def _dropout_half_kept(word, high, threshold):
+    # Whether the 16-bit half of `word` (uint32) that `high` picks (a tensor) is kept.
+    return tl.where(high, word >> 16, word & 0xFFFF).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_halves_kept(word, threshold):
+    # Whether the low and the high 16-bit half of `word` (uint32) are kept.
+    return (word & 0xFFFF).to(tl.int32) >= threshold, (word >> 16).to(tl.int32) >= threshold
+
+
+@triton.jit
 def _dropout_keep(seed, offset, threshold, bh, q, k):
     # Whether dropout keeps the elements at queries q and keys k (int32 index tensors that broadcast to
     # the tile, in any layout) of batch x head bh = b * H + h: the definition above, element by element
-    # (every element runs its own draw: _dropout_keep_tile shares one among four).
-    q_pair = (q // 16) * 8 + q % 8
-    k_pair = (k // 16) * 8 + k % 8
-    w0, w1, w2, w3 = tl.philox(seed, k_pair + q_pair * 0, q_pair + k_pair * 0, bh, offset)
+    # (every element runs its own draw: _dropout_keep_tile shares one among eight or four).
+    q = q + k * 0
+    k = k + q * 0
+    c0, c1 = _dropout_counters(q, k)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, bh, offset, DROPOUT_ROUNDS)
     low_k = k % 16 < 8
     word = tl.where(q % 16 < 8, tl.where(low_k, w0, w1), tl.where(low_k, w2, w3))
-    return (word >> 1).to(tl.int32) >= threshold
+    return _dropout_half_kept(word, k % 2 == 1, threshold)
 
 
 @triton.jit
 def _dropout_keep_tile(seed, offset, threshold, bh, q, k, KEYS_ALONG_ROWS: tl.constexpr):
-    # _dropout_keep of a tile, one draw for four elements: q and k are its query and key indices (int32,
-    # broadcasting to the tile; (rows, columns) = (queries, keys), or (keys, queries) with KEYS_ALONG_ROWS,
-    # the backward's transposed tiles), each axis consecutive from a multiple of 16. The tile is cut into
-    # its four quarters by the half bit (8) of each axis, which every MMA accumulator layout holds in
-    # registers, so the reshapes, splits and joins move no data: the draws run on one quarter's indices, and
-    # each word lands on its quarter.
+    # _dropout_keep of a tile: q and k are its query and key indices (int32, broadcasting to the tile;
+    # (rows, columns) = (queries, keys), or (keys, queries) with KEYS_ALONG_ROWS, the backward's transposed
+    # tiles), each axis consecutive from a multiple of 16. The tile is cut by the bits that every MMA
+    # accumulator layout holds in one thread's registers, so the reshapes, splits and joins move no data:
+    # the draws run on one part's indices, and each word (or half) lands on its part.
     q = q + k * 0
     k = k + q * 0
     ROWS: tl.constexpr = q.shape[0]
     COLUMNS: tl.constexpr = q.shape[1]
-    q = _dropout_quarter(q, ROWS, COLUMNS)
-    k = _dropout_quarter(k, ROWS, COLUMNS)
-    w0, w1, w2, w3 = tl.philox(seed, (k // 16) * 8 + k % 8, (q // 16) * 8 + q % 8, bh, offset)
-    k0, k1 = (w0 >> 1).to(tl.int32) >= threshold, (w1 >> 1).to(tl.int32) >= threshold
-    k2, k3 = (w2 >> 1).to(tl.int32) >= threshold, (w3 >> 1).to(tl.int32) >= threshold
-    # Word 2a + c goes to the quarter of query half a and key half c: (row half, column half) is (a, c), or
-    # (c, a) on transposed tiles.
     if KEYS_ALONG_ROWS:
+        # Quarters by the half bit (8) of each axis: a draw for four elements, each reading the half of its
+        # key's bit 0 (the two threads of a key pair draw the same words).
+        q = _dropout_quarter(q, ROWS, COLUMNS)
+        k = _dropout_quarter(k, ROWS, COLUMNS)
+        c0, c1 = _dropout_counters(q, k)
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, bh, offset, DROPOUT_ROUNDS)
+        high = k % 2 == 1
+        k0, k1 = _dropout_half_kept(w0, high, threshold), _dropout_half_kept(w1, high, threshold)
+        k2, k3 = _dropout_half_kept(w2, high, threshold), _dropout_half_kept(w3, high, threshold)
+        # Word 2a + c goes to the quarter of query half a and key half c: (row half, column half) = (c, a).
         keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+        # (row pair, column pair, column half, row half) back to (rows, columns)
+        keep = tl.reshape(keep, [ROWS // 16, 8, COLUMNS // 16, 8, 2, 2])
+        return tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), [ROWS, COLUMNS])
     else:
-        keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))
-    # (row pair, column pair, column half, row half) back to (rows, columns)
-    keep = tl.reshape(keep, [ROWS // 16, 8, COLUMNS // 16, 8, 2, 2])
-    return tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), [ROWS, COLUMNS])
+        # Eighths by the query's bit 3 (a) and the key's bits 3 (c) and 0 (e): one draw for eight elements.
+        q = _dropout_eighth(q, ROWS, COLUMNS)
+        k = _dropout_eighth(k, ROWS, COLUMNS)
+        c0, c1 = _dropout_counters(q, k)
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, bh, offset, DROPOUT_ROUNDS)
+        # Word 2a + c, half e, goes to eighth (a, c, e): joined as (.., e, c, a).
+        k00, k01 = _dropout_halves_kept(w0, threshold)
+        k10, k11 = _dropout_halves_kept(w1, threshold)
+        k20, k21 = _dropout_halves_kept(w2, threshold)
+        k30, k31 = _dropout_halves_kept(w3, threshold)
+        keep = tl.join(tl.join(tl.join(k00, k01), tl.join(k10, k11)), tl.join(tl.join(k20, k21), tl.join(k30, k31)))
+        # (A, x, C, y, e, c, a) back to (A, a, x) rows and (C, c, y, e) columns
+        keep = tl.reshape(keep, [ROWS // 16, 8, COLUMNS // 16, 4, 2, 2, 2])
+        return tl.reshape(tl.permute(keep, (0, 6, 1, 2, 5, 3, 4)), [ROWS, COLUMNS])
 
 
 @triton.jit
@@ -322,5 +362,16 @@ def _dropout_quarter(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
     # the tile at row 8A + x, columns alike.
     x = tl.permute(tl.reshape(x, [ROWS // 16, 2, 8, COLUMNS // 16, 2, 8]), (0, 2, 3, 5, 1, 4))
     x, _ = tl.split(tl.reshape(x, [ROWS // 2, COLUMNS // 2, 2, 2]))
+    x, _ = tl.split(x)
+    return x
+
+
+@triton.jit
+def _dropout_eighth(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    # The eighth of tile x of row bit 3, column bit 3 and column bit 0 all 0, (ROWS // 2, COLUMNS // 4):
+    # rows 16A + x of the tile at row 8A + x, columns 16C + 2y at column 4C + y.
+    x = tl.permute(tl.reshape(x, [ROWS // 16, 2, 8, COLUMNS // 16, 2, 4, 2]), (0, 2, 3, 5, 1, 4, 6))
+    x, _ = tl.split(tl.reshape(x, [ROWS // 2, COLUMNS // 4, 2, 2, 2]))
+    x, _ = tl.split(x)
     x, _ = tl.split(x)
     return x
