@@ -29,7 +29,8 @@ from attngen import testing
 from attngen.plan.targets import PRESETS, Target
 
 # The portable family alone, with the tiles of an sm_90 GPU's shared memory (a capability below 9 keeps the
-# Hopper family out): the deterministic backward either family would run, set against the Hopper default.
+# Hopper family out): its forward and the deterministic backward (the portable one, which a deterministic call
+# runs on Hopper too, after the Hopper forward), set against the Hopper default.
 PORTABLE_ON_HOPPER = Target(**{**PRESETS["h100"].model_dump(), "name": "portable on sm_90", "capability": (8, 9)})
 
 DROPOUT_P = 0.1

@@ -4,16 +4,15 @@ torch.use_deterministic_algorithms(True)): the same gradient bits run after run,
 On the CPU, Triton's interpreter runs a launch's programs one after another in grid order, so every backward
 repeats itself there; `shuffled_programs` runs them in a random order instead, as a GPU's scheduler may, so
 that the atomic adds of a learnable input's gradient meet in another order each time: the default backward's
-bits then move (shown), the deterministic one's do not. The Hopper family's fixed-point dQ (a Gluon kernel,
-GPU only) is checked here by its parts that are plain Triton (the row exponents, the finishing pass) around
-the same fixed-point sum done in torch; the gpu tests run the whole of it.
+bits then move (shown), the deterministic one's do not. The Hopper family's backward serves no deterministic
+call (its key tiles add their dQ tiles concurrently): on a Hopper GPU such a call runs the Hopper forward and
+the portable backward (the gpu tests; tests/test_hopper.py checks the choice on the CPU).
 """
 
 import functools
 import itertools
 import math
 import random
-import types
 
 import numpy as np
 import pytest
@@ -22,10 +21,8 @@ import triton
 import triton.language as tl
 
 import attngen
-from attngen import api, reference, testing
-from attngen.analysis import analyze
+from attngen import api, testing
 from attngen.runtime.helpers import EXACT_WORDS, _exact_add
-from attngen.families.hopper.runtime import HopperFamily, _hopper_dq_finish_fixed
 from attngen.runtime.kernels import _exact_finish
 from conftest import CPU_CALLS, SPECS
 
@@ -248,159 +245,23 @@ def test_a_call_argument_may_not_name_an_input():
         attngen.build(SPECS / "causal.attn", deterministic=1)
 
 
-# --- the Hopper family's fixed-point dQ --------------------------------------------------------------
-
-def test_the_analysis_bounds_d_score_d_score_where_it_can():
-    def bound(text):
-        return analyze(attngen.parse_spec(f"attention t\n{text}\n")).score_derivative_bound
-    assert bound("mask: causal") == 1.0
-    assert bound("input t: f32[H] learnable\nscore: score + t[h]") == 1.0
-    assert bound("score: softcap(score, 30.0)") == 2.0  # 1 - tanh**2, bounded by interval arithmetic
-    assert bound("score: 2.0 * score + q") == 2.0
-    # A factor read from a tensor, or a derivative that may be infinite or NaN: none known.
-    assert bound("input t: f32[H]\nscore: score * t[h]") is None
-    assert bound("score: sqrt(score)") is None
-    # ... and the module says so, so that its deterministic backward runs the portable family.
-    assert attngen.build("attention t\ninput t: f32[H]\nscore: score * t[h]\n").module.FACTS.score_grad_bound is None
-
+# --- which backward a deterministic call runs -------------------------------------------------------
 
 def test_explain_says_which_backward_a_deterministic_call_runs():
     def line(text):
         report = api.explain(text, q_len=256, kv_len=256, head_dim=128, head_dim_v=128, dtype="bf16", target="h200")
         return next(x for x in report.text.splitlines() if x.strip().startswith("deterministic backward"))
-    learned = line((SPECS / "learned_rel_bias.attn").read_text())
-    assert "hopper for the calls its rule admits, dQ added in int64 fixed point" in learned
-    assert "|d score'/d score| <= 1" in learned and "learnable inputs' gradients summed exactly" in learned
-    unbounded = line("attention t\ninput t: f32[H]\nscore: score * t[h]\n")
-    assert unbounded.split(": ", 1)[1].startswith("portable") and "not hopper" in unbounded
-    assert "summed exactly" not in unbounded
+    # On Hopper the portable backward, after the hopper forward, and why not the hopper one.
+    for text in ((SPECS / "learned_rel_bias.attn").read_text(), "attention t\ninput t: f32[H]\nscore: score * t[h]\n"):
+        said = line(text).split(": ", 1)[1]
+        assert said.startswith("portable (each dQ program writes its query tile's rows once"), said
+        assert "not hopper: its key tiles add their dQ tiles concurrently" in said
+        assert "runs the portable backward after the hopper forward" in said
+    assert "learnable inputs' gradients summed exactly" in line((SPECS / "learned_rel_bias.attn").read_text())
+    assert "summed exactly" not in line("attention t\ninput t: f32[H]\nscore: score * t[h]\n")
     portable_only = api.explain("attention t\nmask: causal\n", q_len=64, kv_len=64, head_dim=16, head_dim_v=16,
                                 dtype="f32", target="interpreter").text
     assert "deterministic backward" in portable_only and "hopper" not in portable_only.split("deterministic backward")[1]
-
-
-@CPU_CALLS
-@pytest.mark.parametrize("spec", ["causal", "gemma2_local"])
-def test_the_fixed_point_dq_sums_to_the_reference_with_its_bound_kept(spec, build_small):
-    """The Hopper backward's dQ in deterministic mode: row exponents from the row terms' pass (DQ_BOUND), each
-    key tile's dQ_i scaled by them and truncated to int64 (here in torch, as _hopper_dq_add_fixed does in the
-    kernel), and the finishing pass (_hopper_dq_finish_fixed): within the reference's tolerance of dQ, and no
-    row's sum of term magnitudes reaching 2**57 (the bound the exponents promise)."""
-    attn = build_small(spec)
-    rt = attn.module.ATTENTION
-    B, H, N, D, tile, q_rows = 2, 2, 48, 16, 16, 64  # exponent rows padded to whole tiles, as the family's
-    torch.manual_seed(1)
-    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.float32)
-    out, lse = attn(q, k, v, return_lse=True)
-    dout = torch.randn_like(out)
-    extremes = torch.stack([*torch.aminmax(k), *torch.aminmax(v)]).float()
-    dq_sum = torch.empty(B, H, N, D, dtype=torch.int64)
-    _, _, _, exponents = rt._row_terms(out, dout, None, lse, q_rows, dq_sum,
-                                       dq_bound=(extremes, math.log2(rt.facts.score_grad_bound)))
-    assert torch.equal(dq_sum, torch.zeros_like(dq_sum))  # zeroed in the same pass
-    assert torch.equal(exponents[..., N:], torch.zeros(B, H, q_rows - N))
-    # dQ's terms in float64: dS = P (dP - delta) d score'/d score, summed against K one key tile at a time
-    # (the gradient of score' through q, asked of one tile's columns).
-    q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
-    q64.requires_grad_()
-    scores = reference.modified_scores(attn.spec, q64, k64, v64, {})
-    p = torch.softmax(scores.detach(), -1)
-    dp = dout64 @ v64.transpose(-1, -2)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    scale = rt.facts.softmax_scale(D)
-    exponent_of = 2.0 ** exponents[..., :N, None].double()
-    fixed = torch.zeros(B, H, N, D, dtype=torch.int64)
-    magnitude = torch.zeros(B, H, N, D, dtype=torch.float64)
-    for start in range(0, N, tile):
-        columns = torch.zeros_like(ds)
-        columns[..., start:start + tile] = ds[..., start:start + tile]
-        part = torch.autograd.grad(scores, q64, columns, retain_graph=True)[0] / scale
-        fixed += (part.float().double() * exponent_of).to(torch.int64)
-        # |d score'/d score| <= 1 for both specs: |dS| <= |P (dP - delta)|.
-        magnitude += columns.abs() @ k64.abs()
-    assert float((magnitude * exponent_of).max()) < 2.0 ** 57
-    # The resolution left: a unit of the sum lies far below float32's rounding of every row's terms (a causal
-    # row of one key has none: dP - delta is 0 there).
-    rows = (magnitude * exponent_of).amax(-1)
-    assert float(rows[rows > 0].min()) > 2.0 ** 40
-    dq = torch.empty(B, H, N, D)
-    _hopper_dq_finish_fixed[(triton.cdiv(N, 16), B * H)](fixed, dq, exponents, exponents, *fixed.stride()[:3], H, N,
-                                                          q_rows, scale, HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_M=16,
-                                                          PACKED=False)
-    truth = torch.autograd.grad((reference.evaluate(attn.spec, q64, k64, v64, {})[0] * dout64).sum(), q64)[0]
-    torch.testing.assert_close(dq.double(), truth, rtol=1e-4, atol=1e-5)
-
-
-@CPU_CALLS
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # delta = 0: log2 is -inf, as meant
-def test_the_fixed_point_dq_bound_takes_dropout_s_scale():
-    """With dropout the kept dP are dO . V / (1 - p), beyond the |dO|_1 max|V| a row's exponent assumes without
-    dropout: the Hopper family's bound (HopperFamily._dq_bound) scales V's extremes by 1 / (1 - p). Data made to
-    reach it: q = 0 gives each row uniform P, dO = 1 and V = +-0.5 by key give every |dP| its bound, and a
-    row of few keys, kept with both signs, has delta near 0. The scaled exponents keep every row's terms below
-    2**57 and sum to the reference's dQ with the call's mask; unscaled ones would not keep them so."""
-    attn = attngen.build(SPECS / "causal.attn")
-    rt = attn.module.ATTENTION
-    B, H, N, D, tile, q_rows, p = 2, 4, 48, 16, 16, 64, 0.9
-    q = torch.zeros(B, H, N, D)
-    k = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(0))
-    v = torch.where(torch.arange(N) % 2 == 0, 0.5, -0.5)[None, None, :, None].expand(B, H, N, D).contiguous()
-    g = torch.Generator().manual_seed(2)
-    state = g.get_state()
-    keep = attn.dropout_mask(q, k, v, dropout_p=p, generator=g)
-    g.set_state(state)
-    out, lse = attn(q, k, v, return_lse=True, dropout_p=p, generator=g)
-    dout = torch.ones_like(out)
-    q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
-    q64.requires_grad_()
-    scores = reference.modified_scores(attn.spec, q64, k64, v64, {})
-    prob = torch.softmax(scores.detach(), -1)
-    dp = keep * (dout64 @ v64.transpose(-1, -2)) / (1 - p)
-    ds = prob * (dp - (dout64 * out.double()).sum(-1, keepdim=True))
-    magnitude = ds.abs() @ k64.abs()
-
-    def exponents(dropout):
-        bound = HopperFamily._dq_bound(types.SimpleNamespace(rt=rt), k, v, dropout)
-        return rt._row_terms(out, dout, None, lse, q_rows, torch.empty(B, H, N, D, dtype=torch.int64),
-                             dq_bound=bound)[3]
-    scaled, unscaled = exponents((None, p)), exponents(None)
-    assert float((magnitude * 2.0 ** scaled[..., :N, None].double()).max()) < 2.0 ** 57
-    assert float((magnitude * 2.0 ** unscaled[..., :N, None].double()).max()) >= 2.0 ** 57
-    scale = rt.facts.softmax_scale(D)
-    fixed = torch.zeros(B, H, N, D, dtype=torch.int64)
-    for start in range(0, N, tile):  # one key tile's dQ_i at a time, as _hopper_dq_add_fixed adds them
-        columns = torch.zeros_like(ds)
-        columns[..., start:start + tile] = ds[..., start:start + tile]
-        part = torch.autograd.grad(scores, q64, columns, retain_graph=True)[0] / scale
-        fixed += (part.float().double() * 2.0 ** scaled[..., :N, None].double()).to(torch.int64)
-    dq = torch.empty(B, H, N, D)
-    _hopper_dq_finish_fixed[(triton.cdiv(N, 16), B * H)](fixed, dq, scaled, scaled, *fixed.stride()[:3], H, N, q_rows,
-                                                          scale, HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_M=16, PACKED=False)
-    out64 = reference.evaluate(attn.spec, q64, k64, v64, {}, dropout_p=p, dropout_mask=keep)[0]
-    truth = torch.autograd.grad((out64 * dout64).sum(), q64)[0]
-    torch.testing.assert_close(dq.double(), truth, rtol=1e-4, atol=1e-5)
-
-
-@CPU_CALLS
-def test_rows_whose_bound_is_not_finite_give_nan_and_empty_rows_zero():
-    attn = attngen.build(SPECS / "causal.attn")
-    rt = attn.module.ATTENTION
-    B, H, N, D = 1, 1, 16, 16
-    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.float32)
-    out, lse = attn(q, k, v, return_lse=True)
-    dout = torch.randn_like(out)
-    dout[0, 0, 3] = float("inf")
-    dout[0, 0, 5] = 0.0
-    dq_sum = torch.zeros(B, H, N, D, dtype=torch.int64)
-    extremes = torch.stack([*torch.aminmax(k), *torch.aminmax(v)]).float()
-    _, _, _, exponents = rt._row_terms(out, dout, None, lse, N, dq_sum, dq_bound=(extremes, 0.0))
-    assert math.isnan(exponents[0, 0, 3]) and exponents[0, 0, 5] == 0.0
-    assert torch.isfinite(exponents[0, 0, :3]).all() and (exponents[0, 0, :3] == exponents[0, 0, :3].round()).all()
-    dq = torch.empty(B, H, N, D)
-    _hopper_dq_finish_fixed[(1, 1)](dq_sum + 1, dq, exponents, exponents, *dq_sum.stride()[:3], H, N, N, 1.0,
-                                    HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_M=16, PACKED=False)
-    assert dq[0, 0, 3].isnan().all() and torch.isfinite(dq[0, 0, :3]).all()
-    assert torch.equal(dq[0, 0, 5], torch.ones(D))  # exponent 0: the sum itself
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
@@ -412,12 +273,13 @@ def _hopper():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec, D, family", [
+@pytest.mark.parametrize("spec, D, forward", [
     ("learned_rel_bias", 128, "hopper"), ("causal", 64, "hopper"), ("gemma2_local", 128, "hopper"),
-    ("learned_rel_bias", 32, "portable"), ("causal", 32, "portable"),
-    ("attention scaled\ninput t: f32[H] learnable\nmask: causal\nscore: score * t[h]\n", 128, "portable"),
+    ("causal", 256, "hopper"), ("learned_rel_bias", 32, "portable"), ("causal", 32, "portable"),
+    ("attention scaled\ninput t: f32[H] learnable\nmask: causal\nscore: score * t[h]\n", 128, "hopper"),
 ])
-def test_deterministic_backward_is_bitwise_repeatable_on_gpu(spec, D, family, dtype):
+def test_deterministic_backward_is_bitwise_repeatable_on_gpu(spec, D, forward, dtype):
+    # Every deterministic call's backward is the portable one, after the Hopper forward where that serves it.
     attn = attngen.build(SPECS / f"{spec}.attn" if "\n" not in spec else spec, deterministic=True)
     B, H, HKV, N = 2, 8, 2, 1000  # GQA, a length no tile divides
     torch.manual_seed(0)
@@ -426,7 +288,9 @@ def test_deterministic_backward_is_bitwise_repeatable_on_gpu(spec, D, family, dt
     leaves = [q, k, v, *(inputs[i.name] for i in attn.spec.learnable_inputs)]
     for t in leaves:
         t.requires_grad_()
-    assert attn.backward_family(q, k, v, **inputs) == family
+    assert attn.forward_family(q, k, v, **inputs) == forward
+    assert attn.backward_family(q, k, v, **inputs) == "portable"
+    assert attn.backward_family(q, k, v, deterministic=False, **inputs) == forward
     dout = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
     first = torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout)
     for _ in range(4):
@@ -438,9 +302,9 @@ def test_deterministic_backward_is_bitwise_repeatable_on_gpu(spec, D, family, dt
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("spec, D", [("learned_rel_bias", 128), ("causal", 64), ("causal", 256)])
-def test_a_deterministic_hopper_backward_with_dropout_is_repeatable_and_right(spec, D):
-    # dQ's fixed-point rows scaled from a bound that takes dropout's 1 / (1 - p) (p = 0.8: kept dP five times
-    # the undropped bound); the same generator state every run, so the same mask.
+def test_a_deterministic_call_with_dropout_after_the_hopper_forward_is_repeatable_and_right(spec, D):
+    # The Hopper forward, then the portable backward regenerating its keep-mask; the same generator state every
+    # run, so the same mask.
     attn = attngen.build(SPECS / f"{spec}.attn", deterministic=True)
     B, H, HKV, N, p = 2, 8, 2, 1000, 0.8
     torch.manual_seed(0)
@@ -450,7 +314,7 @@ def test_a_deterministic_hopper_backward_with_dropout_is_repeatable_and_right(sp
     for t in leaves:
         t.requires_grad_()
     assert attn.forward_family(q, k, v, dropout_p=p, **inputs) == "hopper"
-    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == "portable"
     dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
 
     def grads():
@@ -464,7 +328,7 @@ def test_a_deterministic_hopper_backward_with_dropout_is_repeatable_and_right(sp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-def test_a_deterministic_packed_hopper_backward_is_repeatable_and_right():
+def test_a_deterministic_packed_call_after_the_hopper_forward_is_repeatable_and_right():
     attn = attngen.build(SPECS / "learned_rel_bias.attn", deterministic=True)
     lengths, H, D = [700, 129, 1500, 64], 8, 128
     total = sum(lengths)
@@ -473,7 +337,8 @@ def test_a_deterministic_packed_hopper_backward_is_repeatable_and_right():
     table = (torch.randn(H, 257, device="cuda") * 0.5).requires_grad_()
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-    assert attn.backward_family(q, k, v, table=table, **packed) == "hopper"
+    assert attn.forward_family(q, k, v, table=table, **packed) == "hopper"
+    assert attn.backward_family(q, k, v, table=table, **packed) == "portable"
     dout = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
     leaves = [q, k, v, table]
     first = torch.autograd.grad(attn(q, k, v, table=table, **packed), leaves, dout)

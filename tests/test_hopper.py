@@ -180,11 +180,10 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             assert shared <= SM90_SHARED_BYTES, f"{spec}: {kernel} needs {shared} B of shared memory"
         assert backward["tanh_approx"] == softcapped, f"{spec}: backward tanh.approx {backward['tanh_approx']}"
         # With dropout too: its keep-mask lands on the accumulators' layout without moving data (the kernels
-        # convert it with assert_trivial, so a conversion that moved data would not compile); and a softmax
-        # spec's deterministic backward with dropout (its fixed-point dQ's bound takes dropout's scale).
+        # convert it with assert_trivial, so a conversion that moved data would not compile).
         sigmoid = "normalize: sigmoid" in (SPECS / f"{spec}.attn").read_text()
         dropped = ["_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"]
-        for kernel in dropped + ([] if sigmoid else ["_hopper_bwd_kernel_dropout_deterministic"]):
+        for kernel in dropped:
             assert kernels[kernel]["wgmma"] and kernels[kernel]["shared"] <= SM90_SHARED_BYTES, (spec, kernel)
         # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
         for kernel in ("_hopper_fwd_kernel", "_hopper_bwd_kernel", *dropped):
@@ -267,6 +266,27 @@ def test_the_per_call_rule():
     assert backward(_transposed(2, 8, 1000, 128), _transposed(2, 2, 1000, 128), _transposed(2, 2, 1000, 128))
     assert not backward(q, sliced, k)
     assert not backward(*[_Tensor(2, 8, 1000, 128, device="cuda:8")] * 3)
+    # Never a deterministic call: its key tiles add their dQ tiles concurrently.
+    assert not backward(q, k, k, deterministic=True)
+
+
+@pytest.mark.parametrize("spec", ["learned_rel_bias", "causal", "sigmoid_alibi"])
+def test_deterministic_calls_run_the_portable_backward_after_the_hopper_forward(spec):
+    # The dispatcher picks each call's backward family apart from its forward's: a deterministic call the
+    # Hopper forward serves gets the portable backward (whose dQ pass writes each tile once), dense or packed.
+    rt = attngen.build(SPECS / f"{spec}.attn", target="h200").module.ATTENTION
+    hopper._HOPPER_DEVICES["cuda:7"] = True  # a stand-in Hopper GPU
+    q, k = _Tensor(2, 8, 1000, 128), _Tensor(2, 2, 1000, 128)
+    assert rt._forward_family(q, k, k, 2, 1000, False)[0] == "hopper"
+    assert rt._backward_family(q, k, k)[:2] == ("hopper", "hopper_bwd")
+    assert rt._backward_family(q, k, k, deterministic=True) == ("portable", "portable", None)
+    assert rt._backward_family(q, k, k, deterministic=True, dropout=True)[0] == "portable"
+    views = _Tensor(1, 8, 3000, 128), _Tensor(1, 2, 3000, 128)
+    assert rt._backward_family(views[0], views[1], views[1], packed=True)[0] == "hopper"
+    assert rt._backward_family(views[0], views[1], views[1], packed=True, deterministic=True)[0] == "portable"
+    # Its backward refuses one outright (a ValueError, which python -O keeps), before it reads any tensor.
+    with pytest.raises(ValueError, match="backward_serves declines deterministic calls"):
+        rt.families["hopper"].backward(q, k, k, None, None, None, None, [], (), deterministic=True)
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (72, 136), (128, 128), (256, 256)], ids=lambda d: "x".join(map(str, d)))

@@ -11,8 +11,9 @@ Triton's compiler needs no GPU (`triton.compile(ASTSource(...), target=GPUTarget
 must run without TRITON_INTERPRET, so each module is compiled in a child process that imports only the
 generated module. Parameter types follow the kernels' declared signatures (attngen.emit.signatures):
 pointers by name, ints as i32, the scales and dropout_p as fp32. Each kernel that forms P is compiled with
-dropout too (DROPOUT, labelled _dropout), a backward with a deterministic mode also with both
-(_dropout_deterministic), and the runtime's keep-mask kernel once a module.
+dropout too (DROPOUT, labelled _dropout), a portable backward that adds learnable inputs' gradients also in
+deterministic mode and with both (_deterministic, _dropout_deterministic), and the runtime's keep-mask kernel
+once a module.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "DqFixed": "*i64", "DqExp": "*fp32",
-            "Bounds": "*fp32", "Columns": "*i64", "Words": "*i64", "Rng": "*i64", "Mask": "*u8"}
-FLOATS = {"sm_scale", "qk_scale", "scale", "bound_log2", "dropout_p"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Words": "*i64", "Rng": "*i64", "Mask": "*u8"}
+FLOATS = {"sm_scale", "qk_scale", "scale", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
 
@@ -112,40 +112,23 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                      DROPOUT=True, LABEL="_dropout"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2],
-                              DETERMINISTIC=False)
+                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
             launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
                                                      DROPOUT=True, LABEL="_dropout"), tiles)]
-            # Its row terms' pass, which also zeros dQ's fp32 sum (deterministic mode: int64, and each row's
-            # scale exponent; a sigmoid spec has none, and its deterministic calls run the portable backward),
-            # and the passes that scale and round it.
+            # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
+            # scales and rounds it. (Deterministic calls run the portable backward: the Hopper one has no such mode.)
             if module.FACTS.normalize != "sigmoid":
-                # Deterministic mode: dQ in int64 fixed point, learnable inputs' gradients summed exactly.
-                launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
-                                                         VARLEN=False, DETERMINISTIC=True, LABEL="_deterministic"), tiles),
-                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, DETERMINISTIC=True,
-                                                         LABEL="_packed_deterministic"), tiles),
-                             ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table),
-                                                         VARLEN=False, DETERMINISTIC=True, DROPOUT=True,
-                                                         LABEL="_dropout_deterministic"), tiles)]
                 preprocess = dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_M=64, HAS_DLSE=True,
                                   BASE2_LSE=True, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, ZERO_DQ=True,
-                                  SINK_GRAD=False, DQ_BOUND=False)
+                                  SINK_GRAD=False)
                 launches.append(("_bwd_preprocess", preprocess, (0, 0, 4, 1)))
-                launches.append(("_bwd_preprocess", dict(preprocess, DQ_BOUND=True, LABEL="_deterministic"),
-                                 (0, 0, 4, 1)))
                 if module.FACTS.sink is not None:  # the sink rows' gradient, in the same pass
                     launches.append(("_bwd_preprocess", dict(preprocess, SINK_GRAD=True, LABEL="_sink"), (0, 0, 4, 1)))
             launches.append(("_hopper_dq_finish", dict(BLOCK=_hopper_runtime(module).HOPPER_DQ_FINISH_BLOCK), (0, 0, 4, 1)))
-            for packed in (False, True):
-                launches.append(("_hopper_dq_finish_fixed",
-                                 dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, PACKED=packed,
-                                      BLOCK_M=_hopper_runtime(module).HOPPER_DQ_FINISH_ROWS,
-                                      LABEL="_packed" if packed else ""), (0, 0, 4, 1)))
     # The runtime's kernel of attn.dropout_mask (the keep-mask by the kernels' own helper).
     launches.append(("_dropout_mask_kernel", dict(BLOCK_M=64, BLOCK_N=64), (0, 0, 4, 1)))
     if module.FACTS.tile_table:
@@ -160,8 +143,6 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
         if constants.get("DETERMINISTIC"):  # the learnable inputs' gradients are int64 words then
             signature = {n: "*i64" if n.endswith("_grad") and t == "*fp32" else t for n, t in signature.items()}
-        if name == "_bwd_preprocess" and constants.get("DQ_BOUND"):
-            signature = {**signature, "DqSum": "*i64"}
         if name == "_exact_finish":
             signature = {**signature, "Out": "*fp32"}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}

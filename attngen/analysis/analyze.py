@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -41,9 +40,6 @@ class Analysis:
     point loads (gathers.score_gathers).
     score_derivative: d score'/d score (None without a score expression); learnable_derivatives:
     each learnable input's load in the score with d score'/d load, for the backward kernels.
-    score_derivative_bound: a bound on |d score'/d score| over every call (interval arithmetic over
-    every score and position), or None where none is known (it reads a float input, or may be
-    infinite or NaN); the deterministic Hopper backward scales its fixed-point dQ by it.
     length_limit, length_culprit: the longest Q_LEN/KV_LEN at which the kernels' ints are exact,
     and the expression that overflows beyond it (None: positions are int32).
     ranges: every int's range at lengths up to length_limit (the kernels' int widths).
@@ -68,7 +64,6 @@ class Analysis:
     score_gathers: tuple[tuple[ir.Load, bool], ...]
     score_derivative: ir.Expr | None
     learnable_derivatives: tuple[tuple[ir.Load, ir.Expr], ...]
-    score_derivative_bound: float | None
     length_limit: int
     length_culprit: ir.Expr | None
     ranges: intervals.Ranges
@@ -94,25 +89,6 @@ def _table_sizes(mask: ir.Expr | None) -> tuple[str, ...]:
         elif isinstance(node, ir.Var):
             read.update(_VAR_SIZES.get(node.name, ()))
     return tuple(n for n in ("B", "H", "HKV", "Q_LEN", "KV_LEN") if n in read)
-
-
-def _derivative_bound(derivative: ir.Expr | None, ranges: intervals.Ranges) -> float | None:
-    """A bound on |d score'/d score| over every call: 1 without a score expression (score' = score), else
-    the interval of the derivative over every finite score (a NaN score makes every gradient of its row NaN
-    whatever the bound), position and size; None where that is unbounded or may be NaN."""
-    if derivative is None:
-        return 1.0
-
-    def value(e: ir.Expr):
-        if isinstance(e, ir.Score):
-            return intervals.Num(-math.inf, math.inf, True, False)
-        return intervals.node_value(e, [value(c) for c in ir.children(e)], ranges.box)
-
-    bound = value(derivative)
-    if not isinstance(bound, intervals.Num) or bound.nan:
-        return None
-    largest = float(max(abs(bound.lo), abs(bound.hi)))
-    return largest if math.isfinite(largest) else None
 
 
 def analyze(spec: ir.Spec) -> Analysis:
@@ -151,7 +127,6 @@ def analyze(spec: ir.Spec) -> Analysis:
         score_gathers=gathers.score_gathers(spec, ranges),
         score_derivative=score_derivative,
         learnable_derivatives=tuple((load, derivatives.derivative(spec.score, load)) for load in derivatives.learnable_loads(spec)),
-        score_derivative_bound=_derivative_bound(score_derivative, ranges),
         length_limit=limit,
         length_culprit=culprit,
         ranges=ranges,

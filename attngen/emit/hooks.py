@@ -161,14 +161,17 @@ def _dscore_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str) -> H
                 source=f"d score'/d score = {expr_to_source(facts.score_derivative)}")
 
 
-def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str = "ds") -> Hook:
+def _learnable_hook(facts: Analysis, em: TritonEmitter, score: Hook, var: str = "ds",
+                    deterministic: str | bool = "DETERMINISTIC") -> Hook:
+    """`deterministic`: what the adds pass _grad_add as its DETERMINISTIC (the kernel's constexpr of that
+    name, or False in a kernel that has no deterministic mode)."""
     return Hook("learnable", (var, "allowed", "MASKED", *score.shared, *_element_names(em.spelling)), (),
-                _learnable_code(facts, em, var))
+                _learnable_code(facts, em, var, str(deterministic)))
 
 
-def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
+def _learnable_code(facts: Analysis, em: TritonEmitter, var: str, deterministic: str) -> str:
     """Scatters `var` (the gradient of the modified score) * d score'/d input into each learnable
-    input's fp32 gradient."""
+    input's fp32 gradient (`deterministic` as for _learnable_hook)."""
     # An index that varies along one tile axis only is summed over the other axis first.
     columns = "n" if em.spelling.rows == "m" else "m"
     sums = {em.spelling.rows: "tl.sum({}, 1)[:, None]", columns: "tl.sum({}, 0)[None, :]"}
@@ -196,28 +199,28 @@ def _learnable_code(facts: Analysis, em: TritonEmitter, var: str) -> str:
             entry_offset, entry_bounds = address(load.input, entry)
             lines += [f"if {is_point}:",
                       "    " + _grad_add(f"{load.input}_grad", entry_offset, f"tl.sum(tl.sum({contribution}, 1), 0)",
-                                       entry_bounds),
+                                       entry_bounds, deterministic),
                       "else:", *indented(index_lines),
-                      *indented(_scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n))]
+                      *indented(_scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n, deterministic))]
             continue
         if dims == frozenset("mn"):
-            lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n)
+            lines += _scatter_tile(f"{load.input}_grad", offset, bounds, contribution, n, deterministic)
             continue
         if len(dims) == 1:
             value = sums[next(iter(dims))].format(contribution)
         else:
             value = f"tl.sum(tl.sum({contribution}, 1), 0)"
-        lines.append(_grad_add(f"{load.input}_grad", offset, value, bounds))
+        lines.append(_grad_add(f"{load.input}_grad", offset, value, bounds, deterministic))
     return "\n".join(lines) if lines else "# no learnable inputs"
 
 
-def _grad_add(ptr: str, offset: str, value: str, mask: str) -> str:
+def _grad_add(ptr: str, offset: str, value: str, mask: str, deterministic: str) -> str:
     """Adds `value` into the gradient at `ptr + offset` where `mask` holds (always, if empty): an fp32 atomic,
-    or exactly in deterministic mode (runtime.helpers._grad_add)."""
-    return f"_grad_add({ptr}, {offset}, {value}, {mask or 'None'}, DETERMINISTIC)"
+    or exactly in deterministic mode (runtime.helpers._grad_add), as `deterministic` (code) says."""
+    return f"_grad_add({ptr}, {offset}, {value}, {mask or 'None'}, {deterministic})"
 
 
-def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> list[str]:
+def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int, deterministic: str) -> list[str]:
     """Adds tile `value` at `ptr + offset` (a tile of addresses) where `bounds` holds (_grad_add).
 
     An index that varies over the tile may still take few values on it: a clamped relative position
@@ -237,16 +240,16 @@ def _scatter_tile(ptr: str, offset: str, bounds: str, value: str, n: int) -> lis
         f"                                 tl.where({ok}, {value}, 0.0)), 1, _min_max_sum)",
         f"{lo}, {hi}, {total} = tl.reduce(({lo}, {hi}, {total}), 0, _min_max_sum)",
         f"if {lo} >= {hi}:",
-        "    " + _grad_add(ptr, lo, total, f"{lo} == {hi}"),
+        "    " + _grad_add(ptr, lo, total, f"{lo} == {hi}", deterministic),
         "else:",
         f"    {at_lo}, {at_hi} = tl.reduce((tl.where({ok} & ({a} == {lo}), {value}, 0.0),",
         f"                                   tl.where({ok} & ({a} == {hi}), {value}, 0.0)), 1, _sum_pair)",
         f"    {at_lo}, {at_hi} = tl.reduce(({at_lo}, {at_hi}), 0, _sum_pair)",
-        "    " + _grad_add(ptr, lo, at_lo, ""),
-        "    " + _grad_add(ptr, hi, at_hi, ""),
+        "    " + _grad_add(ptr, lo, at_lo, "", deterministic),
+        "    " + _grad_add(ptr, hi, at_hi, "", deterministic),
         f"    {mid} = {ok} & ({a} != {lo}) & ({a} != {hi})",
         f"    if tl.max(tl.max({mid}.to(tl.int32), 1), 0) > 0:",
-        "        " + _grad_add(ptr, a, value, mid),
+        "        " + _grad_add(ptr, a, value, mid, deterministic),
     ]
 
 

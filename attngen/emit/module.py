@@ -240,7 +240,6 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         dropout_families=dropout_families,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
         sigmoid=spec.sigmoid,
-        score_grad_bound=repr(facts.score_derivative_bound),
         **kernel_context(facts, plan.families),
     )
     text = _environment().get_template("emit/module.py.jinja").render(**context)

@@ -92,9 +92,6 @@ SEQUENCE = ("tma_b", "q_start", "k_start")
 # call's (H, TOTAL_Q) rows come with batch stride 0, its rows counted from each sequence's first token. A
 # spec without one has no such parameters.
 SINK = ("Sink", "stride_sb", "stride_sh", "stride_sm")
-# The Hopper backward's deterministic dQ (DETERMINISTIC): its int64 fixed-point sum (q's layout, its
-# batch, head and row strides) and each row's scale exponent (rows of dq_rows a head, as its row terms).
-DQ_FIXED = ("DqFixed", "stride_dqz", "stride_dqh", "stride_dqm", "DqExp", "dq_rows")
 # A softmax spec's forward kernels write each row's LSE, and its backward kernels read it and the row term
 # delta = rowsum(dO * O); a sigmoid spec has neither (each key's weight is its own sigmoid(score'), and
 # dS = P * (1 - P) * dP), so its kernels have no such parameters.

@@ -43,10 +43,7 @@ class SpecFacts:
     kernels apply dropout (a call's dropout_p > 0; the portable family does too); sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
     dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
-    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms);
-    score_grad_bound, a bound on |d score'/d score| over every call (1.0 without a score expression), or
-    None where the analysis knows none: the Hopper family's deterministic backward scales its fixed-point
-    dQ by it, and runs only where there is one.
+    normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms).
     """
     name: str
     fingerprint: str
@@ -75,7 +72,6 @@ class SpecFacts:
     reductions: tuple = ()
     normalize: str = "softmax"
     static_tables: tuple | None = None
-    score_grad_bound: float | None = 1.0
 
     @property
     def sigmoid(self):

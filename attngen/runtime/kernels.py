@@ -8,30 +8,20 @@ from .helpers import EXACT_DIGITS, EXACT_WORDS, LOG2E
 
 
 @triton.jit
-def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, stride_sb, stride_sh, stride_sm, DSink, DqExp, Bounds,
-                    bound_log2, stride_oz, stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom,
-                    stride_dok, H, Q_LEN, Q_ROWS,
+def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, stride_sb, stride_sh, stride_sm, DSink,
+                    stride_oz, stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom, stride_dok, H,
+                    Q_LEN, Q_ROWS,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_DLSE: tl.constexpr, BASE2_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr,
-                    DQ_BOUND: tl.constexpr):
+                    HEAD_DIM_PAD: tl.constexpr, ZERO_DQ: tl.constexpr, SINK_GRAD: tl.constexpr):
     # delta = rowsum(dO * O) - dLSE: the softmax backward's row term (dLSE enters here), Q_ROWS >= Q_LEN
     # rows a head (0 past Q_LEN). BASE2_LSE: also the base-2 LSE in the same rows (_base2_lse: +inf past
     # Q_LEN), for kernels that stream both by TMA in whole tiles. ZERO_DQ: also zeros the fp32
     # DqSum of B * H * Q_LEN * HEAD_DIM elements laid out densely (in any dim order: the pass covers its
-    # memory, not its rows; or int64, deterministic mode's) that a backward then adds dQ into, so that needs
-    # no launch of its own.
+    # memory, not its rows) that a backward then adds dQ into, so that needs no launch of its own.
     # SINK_GRAD: also the gradient DSink (B * H * Q_LEN, laid out as LSE) of a spec's sink rows Sink ((B, H,
     # Q_LEN) in its strides), the first term of each row's softmax: -exp(sink - LSE) * delta, the weight 1
     # where the sink is +inf (all of the row's weight; LSE is +inf too).
-    # DQ_BOUND: also each row's scale exponent s for a deterministic fixed-point dQ (the Hopper family's),
-    # in DqExp's rows as Delta's: dQ's row sums sum_k dS[q, k] K[k, :] with dS = P (dP - delta) g, g = d score'/d
-    # score, and |dP[q, k]| <= sum_d |dO[q, d]| max|V|, sum_k P[q, k] <= 1, so with |g| <= 2**bound_log2 each
-    # term sum is below B = (|dO[q]|_1 max|V| + |delta|) max|K| 2**bound_log2 (Bounds: min and max of K, of V;
-    # with dropout a kept dP is scaled by 1 / (1 - p), and V's entries of Bounds come scaled by it too).
-    # s = 58 - ceil(log2 2B) keeps it below 2**57, 63 bits leaving room for 32x slack in that sum of P (the
-    # backward's recomputed scores against the forward's LSE) and the truncations; 0 where B = 0 (every term
-    # is 0), NaN where B is not finite (inputs holding inf or NaN: the row's dQ is NaN).
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -59,17 +49,6 @@ def _bwd_preprocess(Out, DO, DLse, Lse, Delta, Lse2, DqSum, Sink, stride_sb, str
         # never exp(-inf - -inf).
         weight = tl.where(sink == float("inf"), 1.0, tl.exp(sink - tl.where(lse == float("-inf"), 0.0, lse)))
         tl.store(DSink + rows, -weight * delta, mask=offs_m < Q_LEN)
-    if DQ_BOUND:
-        l1 = tl.sum(tl.abs(do.to(tl.float32)), 1)
-        k_max = tl.maximum(tl.abs(tl.load(Bounds)), tl.abs(tl.load(Bounds + 1)))
-        v_max = tl.maximum(tl.abs(tl.load(Bounds + 2)), tl.abs(tl.load(Bounds + 3)))
-        size = tl.abs(delta)
-        extremes = tl.zeros_like(l1) + (k_max + v_max)  # a row vector: the interpreter's `&` takes no scalar bool
-        finite = (l1 < float("inf")) & (size < float("inf")) & (extremes < float("inf"))
-        top = tl.maximum(tl.log2(l1) + tl.log2(v_max), tl.log2(size)) + 1.0 + tl.log2(k_max) + bound_log2
-        exponent = tl.where(top == float("-inf"), 0.0, tl.minimum(tl.maximum(58.0 - tl.ceil(top), -250.0), 250.0))
-        tl.store(DqExp + off_bh.to(tl.int64) * Q_ROWS + offs_m, tl.where(finite, exponent, float("nan")),
-                 mask=offs_m < Q_ROWS)
     if ZERO_DQ:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         tl.store(DqSum + (off_bh.to(tl.int64) * Q_LEN + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],

@@ -61,18 +61,15 @@ class LaunchArguments:
             return [placeholder, 0.0], dict(DROPOUT=False)
         return list(dropout), dict(DROPOUT=True)
 
-    def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None, sink=None, dq_bound=None):
-        """(delta, lse2, dsink, dq_exp): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B,
+    def _row_terms(self, out, do, dlse, lse=None, q_rows=None, dq_sum=None, plan=None, sink=None):
+        """(delta, lse2, dsink): delta = rowsum(dO * O) - dLSE, the softmax backward's row term, fp32 (B,
         H, q_rows) (q_rows >= Q_LEN, default Q_LEN; 0 past Q_LEN); with `lse`, lse2 is its base-2 LSE in the
         same rows, +inf past Q_LEN and where LSE = -inf (so P = exp2(s - lse2) = 0 there), else None. dLSE
         comes in any layout (a stride-0 expansion from .sum()); the kernel reads it as a dense array.
-        `dq_sum`, an fp32 or int64 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout),
-        is zeroed in the same pass. `plan`: the backward's (_backward_plan). `sink`: a spec's (sink rows, LSE),
+        `dq_sum`, an fp32 (B, H, Q_LEN, D) tensor laid out densely in any dim order (_empty_in_layout), is
+        zeroed in the same pass. `plan`: the backward's (_backward_plan). `sink`: a spec's (sink rows, LSE),
         the rows in any strides (_sink_strides), LSE dense (B, H, Q_LEN); dsink is then the sink rows' gradient,
-        -exp(sink - LSE) * delta, dense, else None.
-        `dq_bound`: (K and V's min and max, fp32 (4,), log2 of a bound on |d score'/d score|) for a
-        deterministic fixed-point dQ; dq_exp is then each row's scale exponent in delta's rows
-        (kernels._bwd_preprocess's DQ_BOUND), else None."""
+        -exp(sink - LSE) * delta, dense, else None."""
         B, H, Q_LEN, DV = out.shape
         D = dq_sum.shape[-1] if dq_sum is not None else DV
         dlse = dlse.contiguous() if dlse is not None else None
@@ -80,7 +77,6 @@ class LaunchArguments:
         delta = torch.empty((B, H, q_rows), dtype=torch.float32, device=out.device)
         lse2 = torch.empty_like(delta) if lse is not None else None
         dsink = torch.empty(sink[0].shape, dtype=torch.float32, device=out.device) if sink is not None else None
-        dq_exp = torch.empty_like(delta) if dq_bound is not None else None
         # The kernel reads one LSE: for lse2 (BASE2_LSE) or for the sink's gradient (SINK_GRAD).
         lse_in = lse if lse is not None else sink[1] if sink is not None else delta
         pre_m = 64
@@ -88,13 +84,11 @@ class LaunchArguments:
             self.kernels.bwd_preprocess, (_cdiv(q_rows, pre_m), B * H), out, do, dlse if dlse is not None else delta,
             lse_in, delta, lse2 if lse2 is not None else delta, dq_sum if dq_sum is not None else delta,
             *((sink[0], *_sink_strides(sink[0])) if sink is not None else (delta, 0, 0, 0)),
-            dsink if dsink is not None else delta,
-            dq_exp if dq_exp is not None else delta, dq_bound[0] if dq_bound is not None else delta,
-            dq_bound[1] if dq_bound is not None else 0.0, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
+            dsink if dsink is not None else delta, *out.stride(), *do.stride(), H, Q_LEN, q_rows,
             HEAD_DIM_V=DV, HEAD_DIM_V_PAD=_pad(DV), BLOCK_M=pre_m, HAS_DLSE=dlse is not None, BASE2_LSE=lse is not None,
             HEAD_DIM=D, HEAD_DIM_PAD=_pad(D), ZERO_DQ=dq_sum is not None, SINK_GRAD=sink is not None,
-            DQ_BOUND=dq_bound is not None, bind=_plan_site(plan, "row terms"))
-        return delta, lse2, dsink, dq_exp
+            bind=_plan_site(plan, "row terms"))
+        return delta, lse2, dsink
 
     def _input_grads(self, tensors, device, deterministic=False, terms=0):
         """A gradient of zeros per learnable input, None for the others, that the kernels add into: fp32, or

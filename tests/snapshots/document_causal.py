@@ -25,7 +25,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
-from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence, _hopper_dq_add_fixed  # its kernels call them
+from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -1058,10 +1058,10 @@ HOPPER_CONSUMER_REGS = gl.constexpr(240)
 #   mask (hooks.HOPPER_BWD_*, the portable dK/dV kernel's code), dV += P^T dO (P^T from registers),
 #   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
 #   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
-# The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel.
-# DETERMINISTIC: the same bits every run. dQ_i goes into an int64 fixed-point sum instead (each row scaled by
-# 2**s from a bound on its terms, _hopper_dq_add_fixed): integer adds give one sum in any order, so the key
-# tiles need no turns; the learnable inputs' gradients are summed exactly (_grad_add).
+# The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel, by fp32 atomics.
+# The key tiles' dQ_i and those atomics add in an order the GPU decides, so the last bits of dQ and of the
+# learnable inputs' gradients may vary from run to run: deterministic calls run the portable backward
+# (HopperFamily.backward_serves).
 
 
 @gluon.jit
@@ -1145,16 +1145,14 @@ def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 
 @gluon.jit
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
-                      dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp,
-                      dq_rows, start_n, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                      tma_b, q_start, k_start, row_start, doc_ptr, stride_doc_0, size_doc_0, dropout_seed,
-                      dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
+                      dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
+                      gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
+                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                      DETERMINISTIC: tl.constexpr, dk_layout: tl.constexpr, dv_layout: tl.constexpr,
-                      DROPOUT: tl.constexpr):
+                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
     dtype: gl.constexpr = k_smem.dtype
     # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
@@ -1247,21 +1245,15 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk, dq, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok, q_smem, ds_smem, k_smem))
         mbarrier.arrive(empty.index(stage), count=1)
-        if DETERMINISTIC:
-            _hopper_dq_add_fixed(DqFixed, dq, DqExp, (tma_b * H + off_h).to(gl.int64) * dq_rows + row_start,
-                                 tma_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
-                                 + q_start.to(gl.int64) * stride_dqm, stride_dqm, start_m, Q_LEN, HEAD_DIM, BLOCK_M,
-                                 HEAD_DIM_PAD, dq_layout)
-        else:
-            # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
-            # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
-            # warp from overwriting the box before the previous step's reduce has read it.
-            tma.store_wait(pendings=0)
-            gl.thread_barrier()
-            dq_smem.store(dq)
-            fence_async_shared()
-            # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
-            _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
+        # dQ_i into the fp32 dQ by one TMA reduce-add of the box, which drops rows past Q_LEN and columns
+        # past HEAD_DIM. store_wait covers only the issuing thread's bulk groups: the barrier keeps every
+        # warp from overwriting the box before the previous step's reduce has read it.
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        dq_smem.store(dq)
+        fence_async_shared()
+        # (In a packed call the box's rows past the sequence's end are the next sequence's: they get zeros.)
+        _hopper_reduce_add(dq_desc, [tma_b, off_h, q_start + start_m, 0], _hopper_box(dq_smem, dq_desc))
         t += 1
     return t, dk, dv
 
@@ -1269,14 +1261,12 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 @gluon.jit
 def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                         stride_dvn, DqFixed, stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n,
-                         off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN,
-                         CuSeqlensQ, CuSeqlensK, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb,
-                         tbl_sh, tbl_cols, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV,
+                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, doc_ptr, stride_doc_0, size_doc_0, TblNum,
+                         TblIdx, tbl_sb, tbl_sh, tbl_cols, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                         SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
-                         DROPOUT: tl.constexpr):
+                         SPLIT_D: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -1289,8 +1279,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
     dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
     dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
-    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
-                                                                             CuSeqlensK, VARLEN)
+    tma_b, q_start, k_start, _, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                                                     VARLEN)
     # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
     ragged = (start_n + 1) * BLOCK_N > KV_LEN
     # A packed call's key tile past its sequence's end takes no step and stores nothing (rows >= KV_LEN).
@@ -1310,25 +1300,21 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
         if ragged:
             n_checked = n_steps
         t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
-                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed, stride_dqz,
-                                      stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked, masked_tiles,
-                                      masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
-                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, tma_b, q_start,
-                                      k_start, row_start, doc_ptr, stride_doc_0, size_doc_0, dropout_seed,
-                                      dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
-                                      HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
-                                      FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, dk_layout, dv_layout,
-                                      DROPOUT)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, DqFixed,
-                                      stride_dqz, stride_dqh, stride_dqm, DqExp, dq_rows, start_n, n_masked,
+                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
                                       masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
                                       full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, tma_b, q_start, k_start, row_start, doc_ptr, stride_doc_0,
-                                      size_doc_0, dropout_seed, dropout_offset, dropout_threshold,
-                                      dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                                      BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D, VARLEN,
-                                      DETERMINISTIC, dk_layout, dv_layout, DROPOUT)
+                                      KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True,
+                                      FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout, dv_layout, DROPOUT)
+        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
+                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
+                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, doc_ptr, stride_doc_0, size_doc_0,
+                                      dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
+                                      HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
+                                      FOLLOW_TABLE, SPLIT_D, VARLEN, dk_layout, dv_layout, DROPOUT)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     if DROPOUT:
@@ -1345,14 +1331,13 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
 
 @gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
-                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz,
-                       stride_dqh, stride_dqm, DqExp, dq_rows, sm_scale, qk_scale, Rng, dropout_p, doc_ptr,
-                       stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN,
-                       KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
+                       dropout_p, doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
+                       B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
                        HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                        FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                       DETERMINISTIC: tl.constexpr, DROPOUT: tl.constexpr):
+                       DROPOUT: tl.constexpr):
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
@@ -1389,12 +1374,11 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
     gl.warp_specialize([
         (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
                                  kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
-                                 stride_dvz, stride_dvh, stride_dvn, DqFixed, stride_dqz, stride_dqh,
-                                 stride_dqm, DqExp, dq_rows, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng,
-                                 dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, doc_ptr,
-                                 stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, HEAD_DIM,
-                                 HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
-                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DETERMINISTIC, DROPOUT)),
+                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
+                                 qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                                 doc_ptr, stride_doc_0, size_doc_0, TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols,
+                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
+                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DROPOUT)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                                  lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
                                  off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, doc_ptr,
@@ -1656,7 +1640,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "4fa5c3ede13c5da4"
+MODULE_DIGEST = "f2cdd2944b25aa68"
 FACTS = SpecFacts(
     name="document_causal",
     fingerprint="55a63ad3f59944a6",

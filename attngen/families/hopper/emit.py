@@ -8,8 +8,8 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (DQ_FIXED, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE,
-                                     SIZES, TILE_RANGE, Signature, SpecParams, _strides, signature)
+from attngen.emit.signatures import (DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES,
+                                     TILE_RANGE, Signature, SpecParams, _strides, signature)
 from attngen.analysis.gathers import NO_OFFSET
 
 # What the module hands to the family's runtime (families/hopper/runtime.py), by keyword.
@@ -18,8 +18,7 @@ DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_k
 # The device helpers its kernels import from its runtime side: the ones no spec changes.
 DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
                   "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
-                  "_hopper_bwd_sequence", "_pow2", "_hopper_fixed_scale", "_hopper_dq_add_fixed",
-                  "_hopper_dq_finish_fixed")
+                  "_hopper_bwd_sequence")
 # What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
 _HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
 
@@ -65,7 +64,8 @@ def _hopper_backward_hooks(facts: Analysis) -> dict:
     where the mask is off, and a constant keeps it 0)."""
     em = _emitter(facts, HOPPER_BWD_SCORE, "sc")
     score = _score_hook(facts.spec, em)
-    learnable = _learnable_hook(facts, em, score, "dsT")  # before dscore: it reads dsT unscaled
+    # Before dscore: it reads dsT unscaled. fp32 atomics always: the family serves no deterministic call.
+    learnable = _learnable_hook(facts, em, score, "dsT", deterministic=False)
     derivatives = [d for _, d in facts.learnable_derivatives]
     if facts.score_derivative is not None:
         derivatives.append(facts.score_derivative)
@@ -122,10 +122,9 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         # and the tile range of one query head of the group.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
             "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
-            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED, "sm_scale", "qk_scale", *DROPOUT, *inputs,
-            *grads, *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
-             "DROPOUT")),
+            *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *DROPOUT, *inputs, *grads,
+            *table, *SIZES, *PACKED),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_producer": sig("_hopper_bwd_producer", (
@@ -135,14 +134,13 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
         "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
             "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], *DQ_FIXED,
-            "start_n", "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK",
-            *inputs, *grads, *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D",
-                                       "VARLEN", "DETERMINISTIC", "DROPOUT")),
+            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
+            "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK", *inputs, *grads,
+            *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
             "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
-            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", *DQ_FIXED, "start_n", "n_masked", *TILE_RANGE,
-            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "row_start", *inputs, *grads, *DROPOUT_STATE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DETERMINISTIC",
-             "dk_layout", "dv_layout", "DROPOUT")),
+            "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
+            "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads, *DROPOUT_STATE),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
+             "dv_layout", "DROPOUT")),
     }

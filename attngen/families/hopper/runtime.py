@@ -1,8 +1,6 @@
 """The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels,
 and the device helpers its kernels call that no spec changes."""
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -158,10 +156,8 @@ def _hopper_layout(block_shape, dtype):
     return _HOPPER_LAYOUTS[key]
 
 
-# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps; rows a program of
-# _hopper_dq_finish_fixed does.
+# Elements of dQ a program of _hopper_dq_finish scales and rounds: 16 a thread of 4 warps.
 HOPPER_DQ_FINISH_BLOCK = 2048
-HOPPER_DQ_FINISH_ROWS = 32
 
 
 class HopperFamily:
@@ -185,12 +181,11 @@ class HopperFamily:
 
     def backward_serves(self, q, k, v, deterministic=False):
         """Whether this call's backward goes to the Hopper family (its family entry's per_call): a call
-        whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config);
-        a deterministic one only where the spec's d score'/d score has a bound (FACTS.score_grad_bound), which
-        its fixed-point dQ is scaled by, and the spec is a softmax one (a sigmoid spec has no row-terms pass
-        to compute each row's scale in)."""
-        return (self.serves(q, k, v, k.shape[1], k.shape[2], False)
-                and (not deterministic or (self.rt.facts.score_grad_bound is not None and not self.rt.facts.sigmoid)))
+        whose forward it could serve (every head dim: above 128 on tiles of its own, _hopper_backward_config),
+        never a deterministic one: its key tiles add their dQ tiles concurrently, in an order the GPU decides,
+        so the dispatcher runs the portable backward (whose dQ pass writes each tile once) after this
+        family's forward (the family's `deterministic` rule, family.py, says why)."""
+        return not deterministic and self.serves(q, k, v, k.shape[1], k.shape[2], False)
 
     def prepare(self, q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
                         packed=None, sink=None, dropout=None):
@@ -244,13 +239,17 @@ class HopperFamily:
 
     def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, deterministic=False,
                  sink=None, dropout=None):
-        """Runs the Gluon backward on a call _hopper_backward_serves admitted; `table` is its tile table
+        """Runs the Gluon backward on a call backward_serves admitted; `table` is its tile table
         (_table_key(q, v, "hopper_bwd")), () for a mask without tables; `plan` the backward's
-        (_backward_plan); `packed` a packed call's, as for _hopper_prepare; `deterministic`: the same bits every
-        run (dQ in int64 fixed point, learnable inputs' gradients summed exactly); `sink` the sink rows whose
-        gradient is wanted; `dropout` the forward's, whose mask it regenerates. Returns dq, dk, dv, one gradient
-        per input (None for inputs that are not learnable) and the sink rows' gradient, as the portable backward
-        does."""
+        (_backward_plan); `packed` a packed call's, as for prepare; `deterministic` is the family interface's
+        (runtime/families.py) and must be False: backward_serves declines deterministic calls, which run the
+        portable backward; `sink` the sink rows whose gradient is wanted; `dropout` the forward's, whose mask
+        it regenerates. Returns dq, dk, dv, one gradient per input (None for inputs that are not learnable) and
+        the sink rows' gradient, as the portable backward does."""
+        if deterministic:
+            raise ValueError("the hopper family's backward is not deterministic (its key tiles add their dQ tiles "
+                             "concurrently): backward_serves declines deterministic calls, which run the portable "
+                             "backward")
         D, DV, TOTAL_Q = q.shape[3], v.shape[3], q.shape[2]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         # TMA reads dO in its own strides where it can: the gradient of a transposed view of O comes as one.
@@ -258,73 +257,45 @@ class HopperFamily:
             do = do.clone(memory_format=torch.contiguous_format)
         block_m, block_n, warps, stages, _ = self.rt._family_tiles(q, v, "hopper_bwd")
         # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
-        # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's). In
-        # deterministic mode the sum is int64 fixed point, each row scaled by 2**s from a bound on its terms.
-        dq_sum = _empty_in_layout(q, D, torch.int64 if deterministic else torch.float32)
+        # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
+        dq_sum = _empty_in_layout(q, D, torch.float32)
         q_rows = _cdiv(TOTAL_Q, block_m) * block_m
-        dsink, exp_rows, columns = None, None, None
+        dsink = None
         if self.rt.facts.sigmoid:
-            # No row terms (dS = P * (1 - P) * dP), so no pass over O and dO: dQ's sum is zeroed on its own
-            # (never deterministic here: backward_serves).
+            # No row terms (dS = P * (1 - P) * dP), so no pass over O and dO: dQ's sum is zeroed on its own.
             dq_sum.zero_()
             rows = ()
         else:
             # Both padded to whole query tiles, so a TMA box never reads another head's rows.
-            delta, lse2, dsink, exp_rows = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
-                                                              sink=(sink, lse) if sink is not None else None,
-                                                              dq_bound=self._dq_bound(k, v, dropout) if deterministic
-                                                              else None)
+            delta, lse2, dsink = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
+                                                    sink=(sink, lse) if sink is not None else None)
             if packed is not None:
                 columns = _hopper_sequence_columns(packed, block_m)
                 delta, lse2 = (_hopper_sequence_rows(delta, columns, 0.0),
                                _hopper_sequence_rows(lse2, columns, float("inf")))
-                if deterministic:
-                    exp_rows = _hopper_sequence_rows(exp_rows, columns, 0.0)
             rows = (_hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m))
         d_pad, dv_pad = self.rt._widths(D, DV)
         sm_scale = self.rt.facts.softmax_scale(D)
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
-        grads = self.rt._input_grads(tensors, q.device, deterministic, B * H * Q_LEN * KV_LEN)
+        grads = self.rt._input_grads(tensors, q.device)
         num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
         descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                        _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad), *rows)
-        # The deterministic kernel adds dQ from registers and reads no dQ descriptor: q's stands in for it.
-        dq_desc = descriptors[0] if deterministic else _hopper_descriptor(dq_sum, block_m, d_pad)
-        fixed = (dq_sum, *dq_sum.stride()[:3], exp_rows, exp_rows.shape[-1]) if deterministic else (dq_sum, 0, 0, 0,
-                                                                                                  dq_sum, 0)
+        dq_desc = _hopper_descriptor(dq_sum, block_m, d_pad)
         table_args = self.rt._table_args(self.rt._table_key(q, v, "hopper_bwd"), table, _sizes(q, k))
         packed_args, packed_flags = _packed_launch(packed, dq_sum)
         dropout_args, dropout_flag = self.rt._dropout_args(dropout, dq_sum)
         _launch(
             self.backward_kernel, (_cdiv(KV_LEN, block_n), B * HKV), *descriptors, dq_desc, dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], *fixed, sm_scale, sm_scale * LOG2E.value, *dropout_args,
+            *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value, *dropout_args,
             *self.rt._input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
             *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, DETERMINISTIC=deterministic,
-            num_warps=num_warps, maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags,
-            **dropout_flag)
+            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
+            maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags, **dropout_flag)
         dq = _empty_in_layout(q, D)
-        if deterministic:
-            _launch(_hopper_dq_finish_fixed, (_cdiv(TOTAL_Q, HOPPER_DQ_FINISH_ROWS), q.shape[0] * H), dq_sum, dq,
-                    exp_rows, columns[0] if columns is not None else exp_rows, *dq_sum.stride()[:3], H, TOTAL_Q,
-                    exp_rows.shape[-1],
-                    sm_scale, HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=HOPPER_DQ_FINISH_ROWS, PACKED=packed is not None,
-                    num_warps=4, bind=_plan_site(plan, "hopper dq finish fixed"))
-        else:
-            _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale,
-                    dq.numel() // 8, BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
+        _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale,
+                dq.numel() // 8, BLOCK=HOPPER_DQ_FINISH_BLOCK, num_warps=4, bind=_plan_site(plan, "hopper dq finish"))
         return dq, dk, dv, self.rt._summed_input_grads(grads, tensors), dsink
-
-    def _dq_bound(self, k, v, dropout=None):
-        """The deterministic dQ's bound (Portable._row_terms' dq_bound): K's and V's min and max, made on the
-        device (no sync), and log2 of the bound on |d score'/d score| times P's row sum (at most 1: a softmax,
-        sinks included). With `dropout` (the forward's) the kept dP are dO . V / (1 - p): V's extremes are
-        scaled by 1 / (1 - p) to bound them, so the fixed-point sum keeps its headroom."""
-        bound = self.rt.facts.score_grad_bound
-        extremes = torch.stack([*torch.aminmax(k), *torch.aminmax(v)]).float()
-        if dropout is not None:
-            extremes[2:] *= 1.0 / (1.0 - dropout[1])
-        return extremes, math.log2(bound) if bound > 0 else float("-inf")
 
 
 # The class the runtime serves a spec's Attention with (runtime.families).
@@ -426,71 +397,6 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
     offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
     dq = tl.load(DqSum + offs, mask=(groups < n_groups)[:, None]) * scale
     tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
-
-
-@triton.jit
-def _pow2(e):
-    # 2**e as float32, exactly, for integer-valued e in [-126, 127]: its bits (libdevice's exp2 is approximate).
-    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _hopper_fixed_scale(e, sign):
-    # 2**(sign * e) of a row's scale exponent e (kernels' DQ_BOUND: an integer in [-250, 250], or NaN for a
-    # row whose terms have no finite bound), as two float32 factors, each a power of two in float32's range;
-    # (0, 0) for a NaN row, whose terms then add nothing.
-    half = tl.floor(e * 0.5)
-    ok = e == e
-    high = tl.where(ok, _pow2(tl.where(ok, sign * half, 0.0)), 0.0)
-    low = tl.where(ok, _pow2(tl.where(ok, sign * (e - half), 0.0)), 0.0)
-    return high, low
-
-
-@gluon.jit
-def _hopper_dq_add_fixed(DqFixed, dq, DqExp, exp_row, head, stride_row, first_row, length, WIDTH: gl.constexpr,
-                         ROWS: gl.constexpr, WIDTH_PAD: gl.constexpr, layout: gl.constexpr):
-    # Deterministic mode's dQ_i (fp32, in its wgmma accumulator `layout`) into the int64 fixed-point dQ: row r
-    # times 2**s_r (its exponent in DqExp at exp_row + r: the row terms' pass made |sum of a row's terms| *
-    # 2**s_r < 2**58), truncated to an integer, added by an atomic per element. Integer adds are exact, so
-    # the sum is the same whatever order the key tiles add in. Rows below `length` and columns below WIDTH.
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, WIDTH_PAD, layout=gl.SliceLayout(0, layout))
-    # The exponents come padded to whole query tiles: every row of the tile has one.
-    high, low = _hopper_fixed_scale(gl.load(DqExp + exp_row + rows), 1.0)
-    scaled = dq * gl.expand_dims(high, 1) * gl.expand_dims(low, 1)
-    # Within the bound |scaled| < 2**58; the test keeps NaN (a row with NaN terms has a NaN exponent and
-    # scale 0) from the conversion.
-    fixed = gl.where(gl.abs(scaled) < 4.611686018427388e18, scaled, 0.0).to(gl.int64)
-    ptrs = DqFixed + head + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
-    gl.atomic_add(ptrs, fixed, mask=gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < WIDTH, 0), sem="relaxed")
-
-
-@triton.jit
-def _hopper_dq_finish_fixed(DqFixed, Dq, DqExp, Columns, stride_z, stride_h, stride_m, H, Q_LEN, exp_rows, scale,
-                            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                            PACKED: tl.constexpr):
-    # dQ = scale * the fixed-point sum * 2**-s of each row (deterministic mode), rounded to dQ's dtype; NaN
-    # for a row whose exponent is NaN (its terms had no finite bound: inputs holding inf or NaN). Both sums
-    # lie in q's layout (strides in elements). A packed call's exponents lie at its tokens' columns
-    # (_hopper_sequence_columns), read from Columns.
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM_PAD)
-    ok = rows < Q_LEN
-    if PACKED:
-        exp_cols = tl.load(Columns + rows, mask=ok, other=0)
-        e = tl.load(DqExp + off_h.to(tl.int64) * exp_rows + exp_cols, mask=ok, other=0.0)
-    else:
-        e = tl.load(DqExp + off_bh.to(tl.int64) * exp_rows + rows, mask=ok, other=0.0)
-    high, low = _hopper_fixed_scale(e, -1.0)
-    offs = (off_b.to(tl.int64) * stride_z + off_h.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_m
-            + cols[None, :])
-    tile_ok = ok[:, None] & (cols[None, :] < HEAD_DIM)
-    dq = tl.load(DqFixed + offs, mask=tile_ok, other=0).to(tl.float32) * high[:, None] * low[:, None] * scale
-    dq = tl.where((e == e)[:, None], dq, float("nan"))
-    tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=tile_ok)
 
 
 @gluon.jit

@@ -74,7 +74,7 @@ class Portable:
         if self.facts.sigmoid:
             delta, dsink = lse, None
         else:
-            delta, _, dsink, _ = self._row_terms(out, do, dlse, plan=plan, sink=(sink, lse) if sink is not None else None)
+            delta, _, dsink = self._row_terms(out, do, dlse, plan=plan, sink=(sink, lse) if sink is not None else None)
         tabled = tuple(bool(table) for table in tables)  # beside the plan's facts, the launches' arguments
         dq, dk, dv = _empty_in_layout(q, D), _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self._input_grads(tensors, q.device, deterministic, B * H * Q_LEN * KV_LEN)
