@@ -60,11 +60,11 @@ def main() -> None:
     for name, target in (("hopper", None), ("portable", "a100")):
         if name in only:
             attn = attngen.build(text, target=target) if target else attngen.build(text)
-            inputs = inputs_for(attn, N)
+            inputs = inputs_for(attn, B, H, N)
             calls[name] = (lambda attn=attn, inputs=inputs: attn(q, k, v, **inputs))
     if "flex" in only:
         flex = torch.compile(flex_attention)
-        flex_kwargs = attngen.to_flex(text).kwargs(q, k, **inputs_for(attngen.build(text), N))
+        flex_kwargs = attngen.to_flex(text).kwargs(q, k, **inputs_for(attngen.build(text), B, H, N))
         calls["flex"] = lambda: flex(q, k, v, **flex_kwargs)
     print(f"# {Path(args.spec).stem} B{B} H{H} N{N} D{D} bf16, {'forward+backward' if args.backward else 'forward'}")
     for name, forward in calls.items():

@@ -21,13 +21,20 @@ from pathlib import Path
 import torch
 
 import attngen
+from attngen import testing
 
 CAUSAL = "attention causal\nmask: causal\n"
 
 
-def inputs_for(attn, N: int) -> dict:
-    """Values for the catalog's inputs: document ids of 512-token documents."""
-    return {"doc": torch.arange(N, device="cuda", dtype=torch.int32) // 512} if "doc" in attn.module.FACTS.inputs else {}
+def inputs_for(attn, B: int, H: int, N: int) -> dict:
+    """Values for a spec's inputs at (B, H, N), as attngen.testing.random_inputs gives them, but the catalog's
+    `doc`: ids of 512-token documents. Learnable inputs require grad, so a backward computes their gradients."""
+    inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
+    if "doc" in inputs:
+        inputs["doc"] = torch.arange(N, device="cuda", dtype=torch.int32) // 512
+    for decl in attn.spec.learnable_inputs:
+        inputs[decl.name].requires_grad_()
+    return inputs
 
 
 def graph_time_us(call) -> str:
@@ -66,7 +73,7 @@ def main() -> None:
         attn = attngen.build(text, target=target) if target else attngen.build(text)
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
                    for _ in range(3))
-        inputs = inputs_for(attn, N)
+        inputs = inputs_for(attn, B, H, N)
 
         def call():
             if args.backward:

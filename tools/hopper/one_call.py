@@ -28,7 +28,7 @@ def main() -> None:
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
                for _ in range(3))
     do = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
-    inputs = inputs_for(attn, N)
+    inputs = inputs_for(attn, B, H, N)
     print("families:", attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
     for _ in range(args.calls):
         if args.backward:
