@@ -2,6 +2,7 @@
 FlexAttention, and the distribution of the ratios.
 
     python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--n 4096] [--json FILE] [--visits]
+                                         [--warm JOBS]
     python benchmarks/random_variants.py --published [--visits] [--json FILE]
     python benchmarks/random_variants.py --summarize FILE [FILE ...]
 
@@ -28,7 +29,10 @@ that visits too much. `--no-time` skips the timing (and the GPU: on a CPU the in
 small --n). `--published` runs the four published masks of benchmarks/published (2-D neighbourhood, block
 diffusion, sliding tiles with text, global tokens and a band; their params are written for N = 4096)
 instead of drawn specs. `--summarize` merges the rows of several --json files (a run split over device
-calls by --start/--count) and prints their summary.
+calls by --start/--count) and prints their summary. `--warm JOBS` first runs every spec once in JOBS worker
+processes and drops the results: compiling attngen's kernels and Flex's graphs is most of a spec's time, and
+in parallel it fills the on-disk caches (Triton's, Inductor's) that the timed pass, one spec at a time on
+the GPU, then reads.
 """
 
 from __future__ import annotations
@@ -140,6 +144,8 @@ def main() -> int:
     parser.add_argument("--visits", action="store_true", help="also count each kernel's visited tiles against those needed")
     parser.add_argument("--no-time", action="store_true", help="time nothing (with --visits: count only)")
     parser.add_argument("--published", action="store_true", help="the published masks of benchmarks/published")
+    parser.add_argument("--warm", type=int, default=1, metavar="JOBS",
+                        help="first compile every spec in JOBS worker processes, then time them one by one")
     parser.add_argument("--summarize", nargs="+", metavar="FILE", help="merge these --json files' rows and summarize")
     args = parser.parse_args()
     if args.summarize:
@@ -152,27 +158,16 @@ def main() -> int:
               "counts tiles on the CPU)", file=sys.stderr)
         return 2
 
+    specs = _specs(args)
+    if args.warm > 1:
+        _warm(args, specs)
     from attngen import bench
 
     problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
     rows: list[dict] = []
     summary: dict = {}
-    for index, text, spec in _specs(args):
-        row: dict = {"index": index, "spec": text, "params": spec.param_values}
-        try:
-            inputs = testing.random_inputs(spec, problem.B, problem.H, problem.HKV, args.n, args.n, device=device,
-                                           seed=2)
-            counted = bench.count_flops(spec, problem, inputs, device=device)
-            row["allowed"] = counted.pairs / counted.total_pairs
-            if counted.pairs == 0:
-                row["note"] = "the mask allows no pair at these sizes"
-            else:
-                if args.visits:
-                    row["visits"] = visit_row(spec, args.n, args.head_dim, device)
-                if not args.no_time:
-                    row.update(_timed(bench, spec, problem, counted))
-        except Exception as e:  # one spec's failure is its row's note; the run goes on
-            row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for index, text, spec in specs:
+        row = _row(args, bench, problem, device, index, text, spec)
         rows.append(row)
         fwd, fwdbwd = row.get("fwd_ratio"), row.get("fwdbwd_ratio")
         print(f"[{index}] allowed {row.get('allowed', float('nan')):.3f}  fwd "
@@ -181,6 +176,52 @@ def main() -> int:
         summary = _write(args, rows)  # after every spec: a run cut short keeps what it measured
     print(json.dumps(summary, indent=1))
     return 0
+
+
+def _row(args, bench, problem, device: str, index, text: str, spec: ir.Spec) -> dict:
+    """One spec's row: the share of pairs its mask allows, its visited tiles (--visits) and its times."""
+    row: dict = {"index": index, "spec": text, "params": spec.param_values}
+    try:
+        inputs = testing.random_inputs(spec, problem.B, problem.H, problem.HKV, args.n, args.n, device=device, seed=2)
+        counted = bench.count_flops(spec, problem, inputs, device=device)
+        row["allowed"] = counted.pairs / counted.total_pairs
+        if counted.pairs == 0:
+            row["note"] = "the mask allows no pair at these sizes"
+        else:
+            if args.visits:
+                row["visits"] = visit_row(spec, args.n, args.head_dim, device)
+            if not args.no_time:
+                row.update(_timed(bench, spec, problem, counted))
+    except Exception as e:  # one spec's failure is its row's note; the run goes on
+        row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return row
+
+
+def _warm(args, specs) -> None:
+    """Each spec's row computed once in --warm worker processes, its results dropped: the compiles it runs
+    (attngen's kernels, Flex's graphs under Inductor, the visit-counting kernels) land in the on-disk caches
+    that the timed pass then reads, so the compiling, which is most of a spec's time, runs in parallel on
+    the machine's cores while the timing stays alone on the GPU."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(max_workers=args.warm, mp_context=context) as pool:
+        for index in pool.map(_warm_one, [(vars(args), index, text) for index, text, _ in specs]):
+            print(f"[{index}] compiled", flush=True)
+
+
+def _warm_one(job) -> int | str:
+    """A worker's spec (_warm): its row, discarded."""
+    arguments, index, text = job
+    args = argparse.Namespace(**arguments)
+    from attngen import bench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
+    spec = parse_spec(text) if args.published else scaled(text, args.n)
+    _row(args, bench, problem, device, index, text, spec)
+    return index
 
 
 def _timed(bench, spec: ir.Spec, problem, counted) -> dict:

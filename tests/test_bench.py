@@ -390,3 +390,26 @@ def test_random_variants_count_visits_against_the_needed_tiles(monkeypatch, caps
     summary = json.loads(capsys.readouterr().out)
     assert summary["visits"] == {"specs": 8, "with_wasted_tiles": 0, "with_masked_full_tiles": 0}
     assert summary["fwd"] == {"count": 0}
+
+
+def test_random_variants_warm_compiles_every_spec_in_workers_and_changes_no_row(monkeypatch, capsys, tmp_path):
+    """--warm 2: every spec runs first in two worker processes (their compiles fill the on-disk caches), then
+    the pass that records rows, whose rows are those of a run without --warm."""
+    import importlib
+
+    # The spawned workers import the script by name, and pickle finds its functions only in that module.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "random_variants", raising=False)
+    rv = importlib.import_module("random_variants")
+    rows = {}
+    for warm in ("1", "2"):
+        out = tmp_path / f"warm{warm}.json"
+        monkeypatch.setattr(sys, "argv", ["random_variants.py", "--published", "--n", "48", "--no-time", "--visits",
+                                          "--warm", warm, "--json", str(out)])
+        assert rv.main() == 0
+        rows[warm] = json.loads(out.read_text())["rows"]
+        printed = capsys.readouterr().out
+        compiled = sorted(line.split()[0] for line in printed.splitlines() if line.endswith(" compiled"))
+        assert compiled == ([] if warm == "1" else
+                            ["[block_diffusion]", "[global_band]", "[natten_2d]", "[sliding_tiles_text]"])
+    assert rows["2"] == rows["1"] and len(rows["1"]) == 4
