@@ -1,4 +1,4 @@
-"""Dropout end to end: the reference's meaning, the keep-mask against an independent Philox4x32-10 and its keep
+"""Dropout end to end: the reference's meaning, the keep-mask against an independent Philox4x32-7 and its keep
 fraction against binomial bounds, the kernels' calls (GQA, learnable inputs, sinks, tile tables, packed calls,
 calls without grad) against the float64 reference with the call's mask, reproducibility from the generator,
 the errors, torch.compile, and their GPU twins (bf16 and fp16, the Hopper and portable families, Inductor)."""

@@ -85,8 +85,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
         deterministic=True, or torch.use_deterministic_algorithms(True) at the time of the call: its backward
-        gives the same bits every time (learnable inputs' gradients summed exactly, dQ in a fixed-point sum or
-        by the portable family, whose programs each write theirs once; the forward always does).
+        gives the same bits every time (the portable family's backward, whose programs each write their dQ, dK
+        and dV tiles once, and learnable inputs' gradients summed exactly; the forward always does).
         """
         if return_lse and self.facts.sigmoid:
             self._fail("return_lse=True needs a softmax spec, got one with normalize: sigmoid, which has no LSE (each "
