@@ -163,7 +163,7 @@ def main() -> int:
         _warm(args, specs)
     from attngen import bench
 
-    problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
+    problem = _problem(bench, args)
     rows: list[dict] = []
     summary: dict = {}
     for index, text, spec in specs:
@@ -197,6 +197,11 @@ def _row(args, bench, problem, device: str, index, text: str, spec: ir.Spec) -> 
     return row
 
 
+def _problem(bench, args):
+    """The shapes every spec of the run is timed at."""
+    return bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
+
+
 def _warm(args, specs) -> None:
     """Each spec's row computed once in --warm worker processes, its results dropped: the compiles it runs
     (attngen's kernels, Flex's graphs under Inductor, the visit-counting kernels) land in the on-disk caches
@@ -207,19 +212,18 @@ def _warm(args, specs) -> None:
 
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     with ProcessPoolExecutor(max_workers=args.warm, mp_context=context) as pool:
-        for index in pool.map(_warm_one, [(vars(args), index, text) for index, text, _ in specs]):
+        for index in pool.map(_warm_one, [(vars(args), *spec) for spec in specs]):
             print(f"[{index}] compiled", flush=True)
 
 
 def _warm_one(job) -> int | str:
     """A worker's spec (_warm): its row, discarded."""
-    arguments, index, text = job
+    arguments, index, text, spec = job
     args = argparse.Namespace(**arguments)
     from attngen import bench
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    problem = bench.Problem(args.batch, args.heads, args.heads, args.n, args.n, args.head_dim, "bf16")
-    spec = parse_spec(text) if args.published else scaled(text, args.n)
+    problem = _problem(bench, args)
     _row(args, bench, problem, device, index, text, spec)
     return index
 
