@@ -88,6 +88,9 @@ class Timing:
     fwdbwd_ms: float | None = None
     first_call_s: float | None = None
     note: str = ""
+    # The GPU's own time per call (gpu_time=True): the sum of its kernels' times, host gaps left out.
+    fwd_gpu_ms: float | None = None
+    fwdbwd_gpu_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ def summarize(timings: list[Timing], counted: Flops) -> list[dict]:
             "fwd_ratio": ratio(t.fwd_ms, base and base.fwd_ms),
             "fwdbwd_ms": t.fwdbwd_ms, "fwdbwd_tflops": tflops(counted.forward_backward, t.fwdbwd_ms),
             "fwdbwd_ratio": ratio(t.fwdbwd_ms, base and base.fwdbwd_ms),
+            "fwd_gpu_ms": t.fwd_gpu_ms, "fwd_gpu_ratio": ratio(t.fwd_gpu_ms, base and base.fwd_gpu_ms),
+            "fwdbwd_gpu_ms": t.fwdbwd_gpu_ms, "fwdbwd_gpu_ratio": ratio(t.fwdbwd_gpu_ms, base and base.fwdbwd_gpu_ms),
             "first_call_s": t.first_call_s, "note": t.note})
     return rows
 
@@ -339,10 +344,35 @@ def _synchronize(x: Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
+# Calls profiled for a GPU time (kernel_ms).
+GPU_TIME_CALLS = 10
+
+
+def kernel_ms(fn: Callable[[], object], before: Callable[[], None] = lambda: None) -> float:
+    """The GPU's time of one call of fn: the sum of the kernels it runs (torch.profiler's CUDA events), averaged
+    over GPU_TIME_CALLS calls after a warm-up, with the gaps the host leaves between them not counted. A call's
+    do_bench time is at least this; where it is well above, the call is bound by its host time. `before` runs
+    ahead of each call and should launch no kernel (it sets gradients to None)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        before()
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(GPU_TIME_CALLS):
+            before()
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / GPU_TIME_CALLS / 1e3
+
+
 def _time(name: str, call: Callable[[], Tensor], leaves: list[Tensor], dout: Tensor, backward: bool,
-          step: Callable[[str], None]) -> Timing:
+          step: Callable[[str], None], gpu_time: bool = False) -> Timing:
     """The forward's median under no_grad, then forward+backward's; the first call of each (compiles
-    included) untimed. A failure (a backend refusing the shape, a compile error) ends the row with a note."""
+    included) untimed; with `gpu_time`, each one's GPU time too (kernel_ms). A failure (a backend refusing
+    the shape, a compile error) ends the row with a note."""
     import triton
 
     def bench(fn, grad_to_none=None) -> float:
@@ -368,31 +398,42 @@ def _time(name: str, call: Callable[[], Tensor], leaves: list[Tensor], dout: Ten
                 times["first"] = first_call(call)
                 step(f"{name}: timing the forward")
                 times["fwd"] = bench(call)
+                if gpu_time:
+                    times["fwd_gpu"] = kernel_ms(call)
             if backward:
                 phase = "forward+backward"
                 step(f"{name}: first forward+backward (compiles)")
                 times["first"] += first_call(forward_backward)
                 step(f"{name}: timing forward+backward")
                 times["fwdbwd"] = bench(forward_backward, grad_to_none=leaves)
+                if gpu_time:
+                    times["fwdbwd_gpu"] = kernel_ms(forward_backward, before=lambda: _clear_grads(leaves))
         note = ""
     except Exception as e:
         verb = "refused" if name in SDPA_BACKENDS else "failed"
         note = f"{phase} {verb}: {_first_line(e)}"
     first = times.get("first")
-    return Timing(name, times.get("fwd"), times.get("fwdbwd"), round(first, 2) if first is not None else None, note)
+    return Timing(name, times.get("fwd"), times.get("fwdbwd"), round(first, 2) if first is not None else None, note,
+                  times.get("fwd_gpu"), times.get("fwdbwd_gpu"))
+
+
+def _clear_grads(leaves: list[Tensor]) -> None:
+    """Gradients set to None, as do_bench's grad_to_none does, so a backward writes them instead of adding."""
+    for x in leaves:
+        x.grad = None
 
 
 def time_all(calls: Mapping[str, Callable[[], Tensor]], leaves: list[Tensor], dout: Tensor, backward: bool,
-             step: Callable[[str], None], *, flex_one_stage: Callable[[], Tensor] | None = None
-             ) -> tuple[list[Timing], list[str]]:
+             step: Callable[[str], None], *, flex_one_stage: Callable[[], Tensor] | None = None,
+             gpu_time: bool = False) -> tuple[list[Timing], list[str]]:
     """_time of every call, in order, then, where Flex's forward+backward ran out of shared memory,
     `flex_one_stage` (Flex with FLEX_ONE_STAGE_OPTIONS) on a row of its own: (timings, notes)."""
-    timings = [_time(name, call, leaves, dout, backward, step) for name, call in calls.items()]
+    timings = [_time(name, call, leaves, dout, backward, step, gpu_time) for name, call in calls.items()]
     flex = next((t for t in timings if t.implementation == FLEX), None)
     # Triton's OutOfResources, as Inductor words it in the error _time keeps the first line of.
     if (backward and flex_one_stage is not None and flex is not None and flex.fwdbwd_ms is None
             and "out of resource" in flex.note):
-        timings.append(_time(FLEX_ONE_STAGE, flex_one_stage, leaves, dout, backward, step))
+        timings.append(_time(FLEX_ONE_STAGE, flex_one_stage, leaves, dout, backward, step, gpu_time))
         return timings, [f"Flex's own backward configurations ran out of shared memory; '{FLEX_ONE_STAGE}' "
                          f"passes kernel_options={FLEX_ONE_STAGE_OPTIONS}."]
     return timings, []
@@ -400,11 +441,12 @@ def time_all(calls: Mapping[str, Callable[[], Tensor]], leaves: list[Tensor], do
 
 def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, device: str = "cuda",
         step: Callable[[str], None] = lambda _: None,
-        counted: Flops | None = None) -> tuple[dict, list[dict], list[str]]:
+        counted: Flops | None = None, gpu_time: bool = False) -> tuple[dict, list[dict], list[str]]:
     """Build and time everything on the GPU: (info, summarized rows, notes). `spec` and `params` as in
     attngen.build; `step` is told what is being done (the command shows it while kernels compile);
     `counted`: the problem's count_flops, where the caller made it already (with the inputs this draws,
-    testing.random_inputs(..., seed=2))."""
+    testing.random_inputs(..., seed=2)); `gpu_time`: each row has its GPU time too (kernel_ms), which tells a
+    call bound by its host from one bound by its kernels."""
     import triton
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import flex_attention
@@ -449,7 +491,7 @@ def run(spec, params: dict | None, problem: Problem, *, backward: bool = True, d
                             tile_tables=tables, sdpa_backends=backends, is_causal=is_causal)
     one_stage = flex_call(variant, q, k, v, inputs, block_mask=block_mask, flex_kernel=flex_kernel,
                           kernel_options=FLEX_ONE_STAGE_OPTIONS)
-    timings, retried = time_all(calls, leaves, dout, backward, step, flex_one_stage=one_stage)
+    timings, retried = time_all(calls, leaves, dout, backward, step, flex_one_stage=one_stage, gpu_time=gpu_time)
 
     info = {"spec": attn.spec.name, "params": attn.spec.param_values,
             **asdict(problem), "DV": D, "backward": backward,

@@ -1,7 +1,7 @@
 """Variants nobody wrote by hand: random specs from attngen's own spec strategy, timed on the GPU against
 FlexAttention, and the distribution of the ratios.
 
-    python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--n 4096] [--json FILE] [--visits]
+    python benchmarks/random_variants.py [--count 50] [--seed 0] [--start 0] [--end 50] [--n 4096] [--json FILE] [--visits]
                                          [--warm JOBS]
     python benchmarks/random_variants.py --published [--visits] [--json FILE]
     python benchmarks/random_variants.py --summarize FILE [FILE ...]
@@ -9,7 +9,7 @@ FlexAttention, and the distribution of the ratios.
 The specs are `attngen.testing.strategies.spec_texts(with_mask=True, with_sink=False, with_sigmoid=False)`
 (Flex has neither sinks nor sigmoid): masks of every atom (windows, chunks, prefixes, documents, block layouts,
 flags, integers past int32, `%` and products) under `and`/`or`/`not`, scores of every function, learnable inputs included, drawn with a fixed seed, so a
-run is repeatable and `--start`/`--count` split one list over several device calls. The strategy sizes
+run is repeatable and `--start`/`--end` split one list of `--count` over several device calls. The strategy sizes
 its params (`w`, `c`) for 48-token interpreter cases; here they are scaled by N // 48, so windows and
 chunks keep their proportion to the sequence. A spec whose mask allows no pair at these sizes is
 listed and left out of the ratios.
@@ -20,7 +20,11 @@ the first call for a mask that reads no input, or tables built in every call, wh
 recorded too) and Flex (`to_flex(spec)` under `torch.compile(flex_attention)`, its BlockMask built
 outside the timed region); medians of `triton.testing.do_bench`, forward under no_grad, forward+backward
 with a fixed dO. Ratio: Flex's time over attngen's (above 1, attngen is faster). The target: median >=
-1.3x forward and >= 1.2x forward+backward, none below 1.0x, over at least 50 specs at N >= 4k.
+1.3x forward and >= 1.2x forward+backward, none below 1.0x, over at least 50 specs at N >= 4k. The default
+shape, B4 H16 N4096 D64, holds 16k tokens a batch, as FlashAttention-3's figures do. Each row also has each
+side's GPU time (bench.kernel_ms: its kernels' sum, the host's gaps left out) and their ratio, so a spec whose
+call is bound by its host's time (a mask that allows few pairs, where both sides' calls are mostly Python and
+launches) is told apart from one whose kernels are slower.
 
 `--visits` also records, per spec, what the portable kernels visit at this N for one batch row and head
 (`visit_counts`, bf16 tiles) against the tiles the reference mask needs: visited, needed, wasted (empty
@@ -29,7 +33,7 @@ that visits too much. `--no-time` skips the timing (and the GPU: on a CPU the in
 small --n). `--published` runs the four published masks of benchmarks/published (2-D neighbourhood, block
 diffusion, sliding tiles with text, global tokens and a band; their params are written for N = 4096)
 instead of drawn specs. `--summarize` merges the rows of several --json files (a run split over device
-calls by --start/--count) and prints their summary. `--warm JOBS` first runs every spec once in JOBS worker
+calls by --start/--end) and prints their summary. `--warm JOBS` first runs every spec once in JOBS worker
 processes and drops the results: compiling attngen's kernels and Flex's graphs is most of a spec's time, and
 in parallel it fills the on-disk caches (Triton's, Inductor's) that the timed pass, one spec at a time on
 the GPU, then reads.
@@ -118,7 +122,7 @@ def _specs(args) -> list[tuple[int | str, str, ir.Spec]]:
     """(index or name, text, spec) of what this run measures."""
     if args.published:
         return [(path.stem, path.read_text(), parse_spec(path.read_text())) for path in sorted(PUBLISHED.glob("*.attn"))]
-    texts = draw_specs(args.start + args.count, args.seed)[args.start:]
+    texts = draw_specs(args.count, args.seed)[args.start:args.end]
     return [(index, text, scaled(text, args.n)) for index, text in enumerate(texts, start=args.start)]
 
 
@@ -134,10 +138,11 @@ def _describe_visits(row: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=50)
-    parser.add_argument("--start", type=int, default=0, help="skip this many of the drawn specs")
+    parser.add_argument("--start", type=int, default=0, help="measure the drawn specs from this index")
+    parser.add_argument("--end", type=int, help="... up to (not including) this index (default: all --count)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n", type=int, default=4096, help="Q_LEN = KV_LEN")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="16k tokens a batch at the default N, as FA3 measures")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--json", help="write every row and the summary to this file")
@@ -169,13 +174,18 @@ def main() -> int:
     for index, text, spec in specs:
         row = _row(args, bench, problem, device, index, text, spec)
         rows.append(row)
-        fwd, fwdbwd = row.get("fwd_ratio"), row.get("fwdbwd_ratio")
-        print(f"[{index}] allowed {row.get('allowed', float('nan')):.3f}  fwd "
-              f"{'-' if fwd is None else f'{fwd:.2f}x'}  fwd+bwd {'-' if fwdbwd is None else f'{fwdbwd:.2f}x'}  "
+        ratios = "  ".join(f"{label} {_ratio(row.get(key))}" for label, key in (
+            ("fwd", "fwd_ratio"), ("fwd+bwd", "fwdbwd_ratio"), ("GPU fwd", "fwd_gpu_ratio"),
+            ("GPU fwd+bwd", "fwdbwd_gpu_ratio")))
+        print(f"[{index}] allowed {row.get('allowed', float('nan')):.3f}  {ratios}  "
               f"{row.get('note', '')}{_describe_visits(row)}\n    " + text.strip().replace("\n", "\n    "), flush=True)
         summary = _write(args, rows)  # after every spec: a run cut short keeps what it measured
     print(json.dumps(summary, indent=1))
     return 0
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _row(args, bench, problem, device: str, index, text: str, spec: ir.Spec) -> dict:
@@ -231,7 +241,7 @@ def _warm_one(job) -> int | str:
 def _timed(bench, spec: ir.Spec, problem, counted) -> dict:
     """One spec's times and ratios against Flex (attngen.bench.run), with the prebuilt tables' times where the
     mask's tables are built in every call."""
-    _, timed, _ = bench.run(spec, None, problem, counted=counted)
+    _, timed, _ = bench.run(spec, None, problem, counted=counted, gpu_time=True)
     by_name = {r["implementation"]: r for r in timed}
     ours, flex = by_name.get(bench.ATTNGEN, {}), by_name.get(bench.FLEX, {})
     prebuilt = by_name.get(bench.ATTNGEN_PREBUILT, {})
@@ -239,12 +249,16 @@ def _timed(bench, spec: ir.Spec, problem, counted) -> dict:
             "prebuilt_fwd_ms": prebuilt.get("fwd_ms"), "prebuilt_fwdbwd_ms": prebuilt.get("fwdbwd_ms"),
             "flex_fwd_ms": flex.get("fwd_ms"), "flex_fwdbwd_ms": flex.get("fwdbwd_ms"),
             "fwd_ratio": flex.get("fwd_ratio"), "fwdbwd_ratio": flex.get("fwdbwd_ratio"),
+            "attngen_fwd_gpu_ms": ours.get("fwd_gpu_ms"), "attngen_fwdbwd_gpu_ms": ours.get("fwdbwd_gpu_ms"),
+            "flex_fwd_gpu_ms": flex.get("fwd_gpu_ms"), "flex_fwdbwd_gpu_ms": flex.get("fwdbwd_gpu_ms"),
+            "fwd_gpu_ratio": flex.get("fwd_gpu_ratio"), "fwdbwd_gpu_ratio": flex.get("fwdbwd_gpu_ratio"),
             "note": "; ".join(n for n in (ours.get("note"), flex.get("note")) if n)}
 
 
 def _summaries(rows: list[dict]) -> dict:
     """The ratios' summary of `rows`, forward and forward+backward, and the tiles wasted where counted."""
-    summary = {part: _summary([r[f"{part}_ratio"] for r in rows if r.get(f"{part}_ratio")]) for part in ("fwd", "fwdbwd")}
+    summary = {part: _summary([r[f"{part}_ratio"] for r in rows if r.get(f"{part}_ratio")])
+               for part in ("fwd", "fwdbwd", "fwd_gpu", "fwdbwd_gpu")}
     counted = [r["visits"] for r in rows if r.get("visits")]
     if counted:
         summary["visits"] = {"specs": len(counted),

@@ -273,11 +273,19 @@ TIMINGS = [Timing(ATTNGEN, 1.0, 4.0, 3.2), Timing(FLEX, 2.0, 5.0, 40.0), Timing(
 def test_rows_carry_tflops_and_ratios_against_attngen():
     rows = bench.summarize(TIMINGS, COUNTED)
     assert rows[0] == {"implementation": ATTNGEN, "fwd_ms": 1.0, "fwd_tflops": 500.0, "fwd_ratio": 1.0,
-                            "fwdbwd_ms": 4.0, "fwdbwd_tflops": 437.5, "fwdbwd_ratio": 1.0, "first_call_s": 3.2,
-                            "note": ""}
+                            "fwdbwd_ms": 4.0, "fwdbwd_tflops": 437.5, "fwdbwd_ratio": 1.0, "fwd_gpu_ms": None,
+                            "fwd_gpu_ratio": None, "fwdbwd_gpu_ms": None, "fwdbwd_gpu_ratio": None,
+                            "first_call_s": 3.2, "note": ""}
     assert (rows[1]["fwd_ratio"], rows[1]["fwdbwd_ratio"]) == (2.0, 1.25)  # attngen twice as fast forward
     assert (rows[2]["fwd_ratio"], rows[2]["fwdbwd_tflops"], rows[2]["fwdbwd_ratio"]) == (0.5, None, None)
     assert rows[3]["fwd_ms"] is None and rows[3]["fwd_ratio"] is None
+
+
+def test_gpu_times_get_ratios_of_their_own():
+    timings = [Timing(ATTNGEN, 1.0, 4.0, fwd_gpu_ms=0.5, fwdbwd_gpu_ms=2.0),
+               Timing(FLEX, 0.8, 5.0, fwd_gpu_ms=0.75, fwdbwd_gpu_ms=3.0)]
+    flex = bench.summarize(timings, COUNTED)[1]
+    assert (flex["fwd_ratio"], flex["fwd_gpu_ratio"], flex["fwdbwd_gpu_ratio"]) == (0.8, 1.5, 1.5)
 
 
 def test_the_table_shows_every_row_and_why_one_is_empty():
@@ -324,6 +332,16 @@ def test_bench_times_attngen_flex_and_sdpa_on_the_gpu(monkeypatch, capsys, tmp_p
 
 
 @pytest.mark.gpu
+def test_gpu_times_are_the_kernels_share_of_each_call():
+    """bench.run(gpu_time=True): each implementation's GPU time, the sum of its kernels, is above 0 and at most
+    its do_bench time (which adds the host's gaps and a cold L2), forward and forward+backward."""
+    info, rows, _ = bench.run(CAUSAL, None, Problem(1, 4, 4, 1024, 1024, 64, "bf16"), gpu_time=True)
+    for row in rows:
+        for part in ("fwd", "fwdbwd"):
+            assert 0 < row[f"{part}_gpu_ms"] <= row[f"{part}_ms"] * 1.05, row
+
+
+@pytest.mark.gpu
 def test_bench_gives_every_implementation_the_transposed_views(monkeypatch, capsys, tmp_path):
     out = tmp_path / "causal.json"
     status, text, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, "--q-len", "1024", "--heads", "4",
@@ -358,6 +376,15 @@ def test_random_variants_draw_the_same_distinct_masked_specs_every_run():
         drawn = attngen.load_spec(text)[0].param_values
         assert spec.param_values == {**drawn, **{n: drawn[n] * (4096 // 48) for n in rv.LENGTH_PARAMS}}
         attngen.to_flex(spec)  # every drawn construct has a Flex spelling to time against
+
+
+def test_random_variants_split_one_drawn_list_by_start_and_end():
+    """--start/--end take a slice of the --count specs drawn, so device calls split one list between them."""
+    import argparse
+
+    rv = _random_variants()
+    args = argparse.Namespace(published=False, count=6, seed=3, start=2, end=4, n=4096)
+    assert [(index, text) for index, text, _ in rv._specs(args)] == list(enumerate(rv.draw_specs(6, seed=3), 0))[2:4]
 
 
 def test_random_variants_needs_a_gpu(monkeypatch, capsys):
