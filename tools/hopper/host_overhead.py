@@ -59,17 +59,35 @@ def graph_time_us(call) -> str:
     return f"{start.elapsed_time(end) / 50 * 1e3:.1f}"
 
 
+def torch_profile(call, calls=100) -> str:
+    """torch.profiler's CPU-side events of `calls` calls (the CUDA runtime and driver calls among them), by
+    self time: what a call's host time is spent on below Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", help="a .attn file (default: causal)")
     parser.add_argument("--shape", default="2,16,512,128", help="B,H,N,D")
     parser.add_argument("--backward", action="store_true", help="time forward+backward calls")
     parser.add_argument("--out")
+    parser.add_argument("--only", default="hopper,portable", help="which of hopper, portable")
+    parser.add_argument("--sort", default="tottime", choices=["tottime", "cumtime"], help="cProfile's order")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="also print torch.profiler's CPU-side events by self time (CUDA API calls, allocations)")
     args = parser.parse_args()
     B, H, N, D = (int(x) for x in args.shape.split(","))
     text = Path(args.spec).read_text() if args.spec else CAUSAL
     result = {}
     for name, target in (("hopper", None), ("portable", "a100")):
+        if name not in args.only.split(","):
+            continue
         attn = attngen.build(text, target=target) if target else attngen.build(text)
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
                    for _ in range(3))
@@ -99,13 +117,15 @@ def main() -> None:
         profile.disable()
         torch.cuda.synchronize()
         report = io.StringIO()
-        pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profile, stream=report).sort_stats(args.sort).print_stats(30)
         family = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
         result[name] = {"family": family, "wall_us_per_call": wall_us,
                         "graph_us_per_call": graph_us, "profile": report.getvalue()}
         print(name, family, f"{wall_us:.1f} us/call wall, {graph_us} us/call GPU "
               f"(CUDA graph)", flush=True)
         print(report.getvalue()[:5000], flush=True)
+        if args.torch_profile:
+            print(torch_profile(call), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
