@@ -82,6 +82,16 @@ def test_score_and_mask_hooks_carry_their_spec_line():
     assert str(context["fwd"]["mask"]).startswith("# mask: q >= k\n")
 
 
+def test_floor_division_of_operands_proven_non_negative_is_tritons_own():
+    """// and % of operands the intervals prove non-negative (positions over a positive param) are Triton's own,
+    which truncate and agree with Python's floor there; an operand that may be negative (q - k, k - 9) keeps
+    the helpers that floor. The kernel tests and the fuzz check both against the reference."""
+    text = "attention t\nparam c = 7\nmask: q // c == k // c and (q - k) % c != 3 and (k - 9) // c < 100\n"
+    mask = str(kernel_context(analyze(attngen.parse_spec(text)))["fwd"]["mask"])
+    assert "mk0 = pos_m[:, None] // 7\nmk1 = offs_n[None, :] // 7\n" in mask
+    assert "_floormod(mk3, 7)" in mask and "_floordiv(mk7, 7)" in mask
+
+
 # Int index expressions of q and k for the tile intervals (`TritonEmitter.interval`): the ops it follows,
 # and one it does not (%).
 _INDEX_LEAVES = st.sampled_from(["q", "k", "h", "3", "-5", "64", "q - k", "k - q"])

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from attngen import ir
 from attngen.analysis.spans import CLOSED_HI, CLOSED_LO, OPEN_HI, OPEN_LO, Bound, Extremum, Gate, Linear
-from attngen.intervals import Ranges
+from attngen.intervals import Num, Ranges
 from attngen.ir import I32_RANGE, I64_RANGE, postorder
 from attngen.analysis.fold import fold, pinned
 from attngen.analysis.gathers import corner_bounded, uniform
@@ -331,6 +331,11 @@ class TritonEmitter:
                 a = f"({a}) * 1.0"  # true division, as in Python
             return self._temp(f"{a} / {b}", dims)
         if e.op in ("floordiv", "mod"):
+            if self.ranges.is_int(e) and _at_least(self.ranges.value(e.left), 0) and _at_least(self.ranges.value(e.right), 1):
+                # Triton's // and % truncate toward zero, Python's floor: they agree where neither operand is
+                # negative, and there the helpers' sign fix-ups (a second division, compares, a select per
+                # element) are dead work.
+                return self._temp(f"{a} {'//' if e.op == 'floordiv' else '%'} {b}", dims, wide)
             helper = {"floordiv": "_floordiv", "mod": "_floormod"}[e.op]
             if not self.ranges.is_int(e):
                 helper += "_f"
@@ -468,3 +473,8 @@ class TritonEmitter:
             else:
                 code += f" + {magnitude}" if coef > 0 else f" - {magnitude}"
         return code
+
+
+def _at_least(value, bound: int) -> bool:
+    """Whether an int node's range (intervals.Num; a Truth for a bool) lies at or above `bound`."""
+    return isinstance(value, Num) and value.lo >= bound

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
-from attngen.runtime.helpers import LN2, _floordiv, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
+from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
 from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # its kernels call them
 
@@ -71,8 +71,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         if MASKED:
             # mask: layout[h, q // block, k // block]
-            mk0 = _floordiv(pos_m[:, None], 128)
-            mk1 = _floordiv(offs_n[None, :], 128)
+            mk0 = pos_m[:, None] // 128
+            mk1 = offs_n[None, :] // 128
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
             s2 = tl.where(allowed, s2, float("-inf"))
@@ -245,8 +245,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, Lse, Delta, row, stride_qm, s
         pT = tl.exp2(s2 - lse[None, :])
         if MASKED:
             # mask: layout[h, q // block, k // block]
-            mk0 = _floordiv(offs_m[None, :], 128)
-            mk1 = _floordiv(offs_n[:, None], 128)
+            mk0 = offs_m[None, :] // 128
+            mk1 = offs_n[:, None] // 128
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
             pT = tl.where(allowed, pT, 0.0)
@@ -400,8 +400,8 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kk, s
         p = tl.exp2(s2 - lse[:, None])
         if MASKED:
             # mask: layout[h, q // block, k // block]
-            mk0 = _floordiv(offs_m[:, None], 128)
-            mk1 = _floordiv(offs_n[None, :], 128)
+            mk0 = offs_m[:, None] // 128
+            mk1 = offs_n[None, :] // 128
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
             p = tl.where(allowed, p, 0.0)
@@ -741,8 +741,8 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
     if MASKED:
         # mask: layout[h, q // block, k // block]
-        mk0 = _floordiv(pos_m[:, None], 128)
-        mk1 = _floordiv(offs_n[None, :], 128)
+        mk0 = pos_m[:, None] // 128
+        mk1 = offs_n[None, :] // 128
         mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
         allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
         s2 = gl.where(allowed, s2, float("-inf"))
@@ -1214,8 +1214,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
         if MASKED:
             # mask: layout[h, q // block, k // block]
-            mk0 = _floordiv(offs_m[None, :], 128)
-            mk1 = _floordiv(offs_n[:, None], 128)
+            mk0 = offs_m[None, :] // 128
+            mk1 = offs_n[:, None] // 128
             mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
             allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
             pT = gl.where(allowed, pT, 0.0)
@@ -1466,8 +1466,8 @@ def _table_by_query_classify(State, layout_ptr, stride_layout_0, stride_layout_1
         loop_last = tl.minimum(loop_first + BLOCK_N, KV_LEN) - 1
         offs_n = _table_points(loop_first, loop_last, BLOCK_N, LOOP_STEP, LOOP_POINTS)
         # mask: layout[h, q // block, k // block]
-        mk0 = _floordiv(offs_m[:, None], 128)
-        mk1 = _floordiv(offs_n[None, :], 128)
+        mk0 = offs_m[:, None] // 128
+        mk1 = offs_n[None, :] // 128
         mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
         allowed = (mk2) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
         # Two flags an element, bit 0: allowed; bit 1: refused in a row before the end of the row
@@ -1506,8 +1506,8 @@ def _table_by_key_classify(State, layout_ptr, stride_layout_0, stride_layout_1, 
         loop_last = tl.minimum(loop_first + BLOCK_M, Q_LEN) - 1
         offs_m = _table_points(loop_first, loop_last, BLOCK_M, LOOP_STEP, LOOP_POINTS)
         # mask: layout[h, q // block, k // block]
-        mk0 = _floordiv(offs_m[None, :], 128)
-        mk1 = _floordiv(offs_n[:, None], 128)
+        mk0 = offs_m[None, :] // 128
+        mk1 = offs_n[:, None] // 128
         mk2 = (tl.load(layout_ptr + (off_h) * stride_layout_0 + (mk0) * stride_layout_1 + (mk1) * stride_layout_2, mask=(off_h >= 0) & (off_h < size_layout_0) & (mk0 >= 0) & (mk0 < size_layout_1) & (mk1 >= 0) & (mk1 < size_layout_2), other=0) != 0)
         allowed = (mk2) & (offs_m[None, :] < Q_LEN) & (offs_n[:, None] < KV_LEN)
         some = tl.max(tl.max(allowed.to(tl.int32), 1), 0)
@@ -1546,7 +1546,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "35a4ba2b183db187"
+MODULE_DIGEST = "5d561765d32f3a81"
 FACTS = SpecFacts(
     name="block_sparse",
     fingerprint="1f56b90c7d750266",
