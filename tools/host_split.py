@@ -1,0 +1,124 @@
+"""Where a call's host time goes on a GPU machine: each piece's inclusive wall time per call, by timer wrappers
+around the runtime's functions and Triton's launcher (no profiler, whose own cost would swamp microseconds).
+
+    python tools/host_split.py SPEC [SPEC ...] [--shape 4,16,4096,64]
+
+For each spec (a .attn file; a random_variants spec as its --json rows hold it, its length params scaled to
+N as that script scales them), the wall time per call of back-to-back forward (no_grad) and
+forward+backward (torch.autograd.grad) calls, then the same calls with the wrappers on, and each wrapped
+function's inclusive microseconds and calls per call. The wrappers add about a microsecond a wrapped call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from triton.backends.nvidia import driver as nvidia_driver
+
+import attngen
+from attngen import testing
+from attngen.families.hopper import runtime as hopper
+from attngen.runtime import attention, dispatch, launching, operators
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import random_variants  # noqa: E402
+
+TIMES: dict[str, float] = defaultdict(float)
+COUNTS: dict[str, int] = defaultdict(int)
+
+# (owner, function names): what the wrappers time.
+WRAPPED = (
+    (attention.Attention, ["attn", "_call_plan", "_sink_rows", "_dropout", "_check_learnable", "_builder", "_reduced",
+                           "_table_args"]),
+    (operators._Attention, ["forward", "backward"]),
+    (dispatch.Dispatch, ["_forward_with_tables", "_backward_with_tables"]),
+    (launching.LaunchArguments, ["_row_terms", "_input_grads", "_summed_input_grads", "_input_args"]),
+    (hopper.HopperFamily, ["prepare", "backward"]),
+    (hopper, ["_hopper_descriptor", "_hopper_row_descriptor", "_empty_in_layout"]),
+    (nvidia_driver, ["make_tensordesc_arg"]),
+    (nvidia_driver.CudaLauncher, ["__call__"]),
+    (torch.autograd, ["grad"]),
+)
+
+
+def _wrap(owner, name: str) -> None:
+    fn = getattr(owner, name)
+    label = f"{getattr(owner, '__name__', owner)}.{name}"
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[label] += time.perf_counter() - start
+            COUNTS[label] += 1
+    setattr(owner, name, timed)
+
+
+def wall_us(step, calls: int = 300, rounds: int = 3) -> float:
+    """Microseconds per call of `calls` back-to-back calls, the least over `rounds`."""
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def _steps(path: str, B: int, H: int, N: int, D: int):
+    spec = random_variants.scaled(Path(path).read_text(), N)
+    attn = attngen.build(spec)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda", seed=2)
+    leaves = [q, k, v] + [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
+
+    def forward():
+        with torch.no_grad():
+            attn(q, k, v, **inputs)
+
+    def forward_backward():
+        torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout)
+    families = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
+    return families, forward, forward_backward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="+")
+    parser.add_argument("--shape", default="4,16,4096,64", help="B,H,N,D")
+    args = parser.parse_args()
+    B, H, N, D = (int(x) for x in args.shape.split(","))
+    steps = {path: _steps(path, B, H, N, D) for path in args.specs}
+    for path, (families, forward, forward_backward) in steps.items():
+        print(f"{path} {families}: forward {wall_us(forward):.1f} us, forward+backward "
+              f"{wall_us(forward_backward):.1f} us a call, back to back", flush=True)
+    for owner, names in WRAPPED:
+        for name in names:
+            if hasattr(owner, name):
+                _wrap(owner, name)
+    for path, (_, forward, forward_backward) in steps.items():
+        for part, step in (("forward", forward), ("forward+backward", forward_backward)):
+            TIMES.clear()
+            COUNTS.clear()
+            wall = wall_us(step)
+            calls = 30 + 3 * 300
+            print(f"\n{path} {part}: {wall:.1f} us a call with the wrappers; inclusive us and calls per call:")
+            for label in sorted(TIMES, key=lambda label: -TIMES[label]):
+                print(f"  {TIMES[label] / calls * 1e6:8.1f}  x{COUNTS[label] / calls:4.1f}  {label}")
+
+
+if __name__ == "__main__":
+    main()
