@@ -419,6 +419,7 @@ def test_random_variants_count_visits_against_the_needed_tiles(monkeypatch, caps
     assert summary["fwd"] == {"count": 0}
 
 
+@pytest.mark.slow
 def test_random_variants_warm_compiles_every_spec_in_workers_and_changes_no_row(monkeypatch, capsys, tmp_path):
     """--warm 2: every spec runs first in two worker processes (their compiles fill the on-disk caches), then
     the pass that records rows, whose rows are those of a run without --warm."""

@@ -179,6 +179,7 @@ def test_explain_shows_a_context_parallel_call():
     assert bad.returncode == 2 and not bad.stdout and "needs its length to be a multiple of 6, got 100" in bad.stderr
 
 
+@pytest.mark.slow
 def test_check_fuzzes_a_spec_and_reruns_one_case():
     spec = str(ROOT / "specs" / "sliding_window.attn")
     ok = _run("-m", "attngen.cli", "check", spec, "-D", "window=5", "--examples", "4", "--device", "cpu")

@@ -292,6 +292,8 @@ def test_two_ranks_give_the_single_process_results(tmp_path):
     _run(2, ["shards", *TWO_RANKS], tmp_path)
 
 
+# Two ranks stay in the default tier.
+@pytest.mark.slow
 @CPU_CALLS
 def test_four_ranks_give_the_single_process_results(tmp_path):
     _run(4, ["shards", *FOUR_RANKS], tmp_path)

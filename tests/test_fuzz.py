@@ -244,6 +244,8 @@ def test_a_transposed_case_holds_the_dense_case_s_values_in_the_other_layout():
         assert b.transpose(1, 2).is_contiguous() and not b.is_contiguous()
 
 
+# The fuzz tool's own planted bugs, shrunk in the interpreter (36 s): the slow tier; the cache one stays here.
+@pytest.mark.slow
 def test_fuzz_finds_a_kernel_that_ignores_strides():
     """A call that reads q, k, v's memory as if dense scrambles transposed views: the layouts catch it."""
     spec = parse_spec("attention full\n")
@@ -268,6 +270,7 @@ def test_fuzz_finds_a_kernel_that_ignores_the_cache_lengths():
                           caches=["contiguous", "paged16"]).failure is None
 
 
+@pytest.mark.slow
 def test_fuzz_spec_reports_the_smallest_failing_case():
     """A kernel of the wrong spec (full attention checked as causal) fails once some query sees a later
     key; hypothesis shrinks that to one query and two keys."""
