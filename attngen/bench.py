@@ -276,6 +276,8 @@ def summarize(timings: list[Timing], counted: Flops) -> list[dict]:
 COLUMNS = (("fwd ms", "fwd_ms", "{:.3f}"), ("fwd TFLOP/s", "fwd_tflops", "{:.1f}"),
            ("fwd ratio", "fwd_ratio", "{:.2f}x"), ("fwd+bwd ms", "fwdbwd_ms", "{:.3f}"),
            ("fwd+bwd TFLOP/s", "fwdbwd_tflops", "{:.1f}"), ("fwd+bwd ratio", "fwdbwd_ratio", "{:.2f}x"))
+# Shown when the rows have GPU times (run's gpu_time).
+GPU_COLUMNS = (("fwd GPU ms", "fwd_gpu_ms", "{:.3f}"), ("fwd+bwd GPU ms", "fwdbwd_gpu_ms", "{:.3f}"))
 
 
 def table(rows: list[dict], title: str):
@@ -283,15 +285,17 @@ def table(rows: list[dict], title: str):
     from rich.table import Table
     from rich.text import Text
 
+    columns = COLUMNS + (GPU_COLUMNS if any(row.get(key) is not None for row in rows for _, key, _ in GPU_COLUMNS)
+                         else ())
     t = Table(title=title)
     t.add_column("implementation", no_wrap=True)
-    for header, _, _ in COLUMNS:
+    for header, _, _ in columns:
         t.add_column(header, justify="right")
     t.add_column("note")
     for row in rows:
         # Text, not markup: a note quotes error messages, which may hold brackets.
         t.add_row(Text(row["implementation"]),
-                  *[fmt.format(row[key]) if row[key] is not None else "-" for _, key, fmt in COLUMNS],
+                  *[fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in columns],
                   Text(row["note"]))
     return t
 

@@ -377,6 +377,9 @@ def bench_command(
     layout: Annotated[str, typer.Option(help="q, k, v as dense (B, H, N, D) tensors, or as the transposed "
                                              "views of (B, N, H, D) ones that transformers passes.")] = "dense",
     backward: Annotated[bool, typer.Option(help="Time forward+backward too.")] = True,
+    gpu_time: Annotated[bool, typer.Option("--gpu-time", help="Also give each call's GPU time, the sum of its "
+                                           "kernels' (torch.profiler): where a call's time is well above it, the "
+                                           "host bounds the call.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw TFLOP/s as bars into this image (needs matplotlib).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the rows to this JSON file.")] = None,
 ) -> None:
@@ -424,7 +427,7 @@ def bench_command(
                   console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"{spec.name}: starting", total=None)
         try:
-            info, rows, notes = bench.run(spec, params, problem, backward=backward,
+            info, rows, notes = bench.run(spec, params, problem, backward=backward, gpu_time=gpu_time,
                                           step=lambda what: progress.update(task, description=what))
         except (SpecError, ArgumentError, ValueError) as e:
             _fail(e)

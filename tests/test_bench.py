@@ -302,6 +302,38 @@ def test_the_table_shows_every_row_and_why_one_is_empty():
     assert "forward refused: RuntimeError: No available kernel [shape]" in text  # brackets are not markup
 
 
+def test_the_table_shows_gpu_times_where_the_rows_have_them():
+    from rich.console import Console
+
+    timings = [Timing(ATTNGEN, 1.0, 4.0, fwd_gpu_ms=0.5, fwdbwd_gpu_ms=2.0), Timing(FLEX, 0.8, 5.0)]
+    console = Console(record=True, width=260)
+    console.print(bench.table(bench.summarize(timings, COUNTED), "causal: B=2 ..."))
+    text = console.export_text()
+    assert "fwd GPU ms" in text and "fwd+bwd GPU ms" in text
+    attngen_line = next(line for line in text.splitlines() if line.startswith("│ attngen"))
+    assert "0.500" in attngen_line and "2.000" in attngen_line
+    console = Console(record=True, width=260)
+    console.print(bench.table(bench.summarize(TIMINGS, COUNTED), "causal: B=2 ..."))
+    assert "GPU ms" not in console.export_text()  # rows without GPU times: no such columns
+
+
+def test_gpu_time_reaches_the_run(monkeypatch, capsys):
+    """`attngen bench --gpu-time` asks bench.run for GPU times (on the CPU, with the GPU check and the run
+    stood in for; tests/test_bench.py's GPU test times them)."""
+    seen = {}
+
+    def run(spec, params, problem, **options):
+        seen.update(options)
+        return {"spec": "causal", "B": 1, "H": 1, "HKV": 1, "Q_LEN": 64, "KV_LEN": 64, "D": 64, "dtype": "bf16",
+                "layout": "dense", "gpu": "a stand-in"}, bench.summarize(TIMINGS, COUNTED), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    status, out, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, "--q-len", "64", "--gpu-time")
+    assert status == 0, err
+    assert seen["gpu_time"] is True
+
+
 def test_json_and_plot_are_written(tmp_path):
     rows = bench.summarize(TIMINGS, COUNTED)
     bench.write_json(tmp_path / "rows.json", {"spec": "causal"}, rows)
@@ -322,13 +354,14 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
 def test_bench_times_attngen_flex_and_sdpa_on_the_gpu(monkeypatch, capsys, tmp_path):
     out = tmp_path / "causal.json"
     status, text, err = _attngen(monkeypatch, capsys, "bench", CAUSAL, "--q-len", "1024", "--heads", "4",
-                                 "--json", str(out), "--plot", str(tmp_path / "causal.png"))
+                                 "--json", str(out), "--plot", str(tmp_path / "causal.png"), "--gpu-time")
     assert status == 0, err
     rows = {r["implementation"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == [ATTNGEN, FLEX, "sdpa flash", "sdpa cudnn"]
     for name in (ATTNGEN, FLEX):
         assert rows[name]["fwd_ms"] > 0 and rows[name]["fwdbwd_ms"] > 0 and rows[name]["fwd_tflops"] > 0, rows[name]
-    assert "fwd TFLOP/s" in text and (tmp_path / "causal.png").exists()
+        assert 0 < rows[name]["fwdbwd_gpu_ms"] <= rows[name]["fwdbwd_ms"] * 1.05, rows[name]
+    assert "fwd TFLOP/s" in text and "fwd GPU ms" in text and (tmp_path / "causal.png").exists()
 
 
 @pytest.mark.gpu
