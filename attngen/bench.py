@@ -352,24 +352,36 @@ def _synchronize(x: Tensor) -> None:
 GPU_TIME_CALLS = 10
 
 
-def kernel_ms(fn: Callable[[], object], before: Callable[[], None] = lambda: None) -> float:
-    """The GPU's time of one call of fn: the sum of the kernels it runs (torch.profiler's CUDA events), averaged
-    over GPU_TIME_CALLS calls after a warm-up, with the gaps the host leaves between them not counted. A call's
-    do_bench time is at least this; where it is well above, the call is bound by its host time. `before` runs
-    ahead of each call and should launch no kernel (it sets gradients to None)."""
+def kernel_times(fn: Callable[[], object], before: Callable[[], None] = lambda: None, *, calls: int = GPU_TIME_CALLS,
+                 warmup: int = 3) -> dict[str, float]:
+    """Each kernel's GPU microseconds per call of fn, by kernel name (torch.profiler's CUDA events), averaged
+    over `calls` calls after `warmup` unprofiled ones. `before` runs ahead of each call and should launch no
+    kernel (it sets gradients to None)."""
+    from collections import defaultdict
+
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    for _ in range(warmup):
         before()
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(GPU_TIME_CALLS):
+        for _ in range(calls):
             before()
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / GPU_TIME_CALLS / 1e3
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / calls
+    return dict(totals)
+
+
+def kernel_ms(fn: Callable[[], object], before: Callable[[], None] = lambda: None) -> float:
+    """The GPU's time of one call of fn: the sum of its kernels' times (kernel_times), with the gaps the host
+    leaves between them not counted. A call's do_bench time is at least this; where it is well above, the call
+    is bound by its host time."""
+    return sum(kernel_times(fn, before).values()) / 1e3
 
 
 def _time(name: str, call: Callable[[], Tensor], leaves: list[Tensor], dout: Tensor, backward: bool,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
-from torch.profiler import ProfilerActivity, profile
 
 import attngen
+from attngen import bench
 
 # The catalog's inputs as tools/hopper/host_overhead.py gives them, so the two tools time the same calls.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "hopper"))
@@ -28,18 +28,11 @@ ITERATIONS = 20
 
 
 def kernel_times(call) -> dict[str, float]:
-    """Each kernel's GPU microseconds per call (by name), over ITERATIONS profiled calls after a warm-up."""
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(ITERATIONS):
-            call()
-        torch.cuda.synchronize()
+    """Each kernel's GPU microseconds per call (by name, cut to 70 characters), over ITERATIONS profiled calls
+    after a warm-up (attngen.bench.kernel_times), the costliest first."""
     totals: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:70]] += event.device_time / ITERATIONS
+    for name, us in bench.kernel_times(call, calls=ITERATIONS, warmup=5).items():
+        totals[name[:70]] += us
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 

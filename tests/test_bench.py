@@ -302,6 +302,34 @@ def test_the_table_shows_every_row_and_why_one_is_empty():
     assert "forward refused: RuntimeError: No available kernel [shape]" in text  # brackets are not markup
 
 
+def test_kernel_times_average_each_kernel_over_the_profiled_calls(monkeypatch):
+    """bench.kernel_times on the CPU, torch.profiler stood in for by one that sees two kernels a call (and a
+    CPU event, which is not counted): each kernel's microseconds per call, and kernel_ms their sum in ms;
+    `before` runs ahead of every call, warm-up ones included."""
+    import contextlib
+    import types
+
+    import torch.profiler
+
+    calls = []
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    @contextlib.contextmanager
+    def profile(activities):
+        seen = len(calls)
+        prof = types.SimpleNamespace(events=lambda: [types.SimpleNamespace(name=name, device_type=kind, device_time=us)
+                                                     for _ in range(len(calls) - seen)
+                                                     for name, kind, us in (("fwd", cuda, 30.0), ("bwd", cuda, 70.0),
+                                                                            ("host", cpu, 500.0))])
+        yield prof
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    befores = []
+    times = bench.kernel_times(lambda: calls.append("call"), lambda: befores.append("before"), calls=4, warmup=2)
+    assert times == {"fwd": 30.0, "bwd": 70.0} and len(calls) == len(befores) == 6
+    assert bench.kernel_ms(lambda: calls.append("call")) == 0.1
+
+
 def test_the_table_shows_gpu_times_where_the_rows_have_them():
     from rich.console import Console
 
