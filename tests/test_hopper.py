@@ -396,6 +396,22 @@ def test_hopper_spec_scales_on_gpu(scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_scores_of_transcendental_functions_on_gpu(dtype):
+    # log2, log, tanh (one MUFU op in the family's scores), exp and sigmoid in a score, forward and
+    # backward: logs of numbers near 1 scaled up, exps of large and very negative scores, sigmoids
+    # saturating both ways, and one of a position-only rsqrt.
+    attn = attngen.build("attention transcendental\nmask: causal\n"
+                         "score: score + log2(2.0 + abs(score)) * 4.0 - log(1.0 + abs(score * 0.01)) * 30.0"
+                         " + tanh(score * 0.3) + exp(score * 0.2) - sigmoid(score) * 3.0"
+                         " + sigmoid(rsqrt(1.0 + abs((k - q) * 0.1)))\n")
+    q, k, v = testing.random_qkv(2, 4, 2, 300, 300, 64, 64, dtype, device="cuda")
+    assert (attn.forward_family(q, k, v), attn.backward_family(q, k, v)) == ("hopper", "hopper")
+    testing.check_against_reference(attn.spec, attn, q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_a_ragged_tile_reads_nothing_of_the_next_head_on_gpu():
     # The last key tile of head 0 overhangs its 200 rows. Those rows must be TMA's zeros, not head 1's
     # first rows: an inf there would give 0 * inf = NaN in head 0's P @ V, where the reference is finite.

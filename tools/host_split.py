@@ -7,6 +7,12 @@ For each spec (a .attn file; a random_variants spec as its --json rows hold it, 
 N as that script scales them), the wall time per call of back-to-back forward (no_grad) and
 forward+backward (torch.autograd.grad) calls, then the same calls with the wrappers on, and each wrapped
 function's inclusive microseconds and calls per call. The wrappers add about a microsecond a wrapped call.
+
+With --loops, forward+backward is instead timed in the loops benchmarks use, to tell which of their habits
+costs what: back to back with torch.autograd.grad and with .backward() (gradients set to None between calls,
+as do_bench's grad_to_none does), triton's do_bench (which also zeroes a 256 MB buffer before each call to
+flush L2), and CUDA events around each call with and without that flush; --trace DIR writes a torch.profiler
+trace of ten do_bench-style calls of each spec there.
 """
 
 from __future__ import annotations
@@ -92,16 +98,94 @@ def _steps(path: str, B: int, H: int, N: int, D: int):
     def forward_backward():
         torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout)
     families = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
+    forward_backward.leaves, forward_backward.call = leaves, lambda: attn(q, k, v, **inputs)
+    forward_backward.dout = dout
     return families, forward, forward_backward
+
+
+def _clear(leaves) -> None:
+    for x in leaves:
+        x.grad = None
+
+
+def event_us(step, before, flush: bool, calls: int = 200) -> float:
+    """The median over `calls` calls of step's time between CUDA events recorded around it, `before` run
+    first (untimed) and, with `flush`, a 256 MB buffer zeroed before each call as do_bench does."""
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    for _ in range(20):
+        before()
+        step()
+    torch.cuda.synchronize()
+    for start, end in zip(starts, ends):
+        before()
+        if flush:
+            cache.zero_()
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def loops(path: str, forward_backward, trace: str | None) -> None:
+    """Forward+backward of one spec in each benchmark loop (--loops)."""
+    import triton
+
+    leaves, call, dout = forward_backward.leaves, forward_backward.call, forward_backward.dout
+
+    def backward_step():
+        call().backward(dout)
+
+    def before():
+        _clear(leaves)
+
+    def backward_b2b():
+        _clear(leaves)
+        backward_step()
+
+    results = {
+        "back to back, autograd.grad": wall_us(forward_backward),
+        "back to back, .backward()": wall_us(backward_b2b),
+        "do_bench, .backward()": 1e3 * triton.testing.do_bench(backward_step, warmup=25, rep=100,
+                                                               grad_to_none=leaves, return_mode="median"),
+        "events, L2 flushed, .backward()": event_us(backward_step, before, flush=True),
+        "events, no flush, .backward()": event_us(backward_step, before, flush=False),
+        "events, L2 flushed, autograd.grad": event_us(forward_backward, lambda: None, flush=True),
+        "events, no flush, autograd.grad": event_us(forward_backward, lambda: None, flush=False),
+    }
+    for name, us in results.items():
+        print(f"  {us:8.1f} us  {name}", flush=True)
+    if trace:
+        cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            for _ in range(10):
+                before()
+                cache.zero_()
+                backward_step()
+            torch.cuda.synchronize()
+        Path(trace).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(trace) / f"{Path(path).stem}.json"))
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--shape", default="4,16,4096,64", help="B,H,N,D")
+    parser.add_argument("--loops", action="store_true", help="time forward+backward in each benchmark loop")
+    parser.add_argument("--trace", help="with --loops: a folder for torch.profiler traces")
     args = parser.parse_args()
     B, H, N, D = (int(x) for x in args.shape.split(","))
     steps = {path: _steps(path, B, H, N, D) for path in args.specs}
+    if args.loops:
+        for path, (families, _, forward_backward) in steps.items():
+            print(f"{path} {families}: forward+backward", flush=True)
+            loops(path, forward_backward, args.trace)
+        return
     for path, (families, forward, forward_backward) in steps.items():
         print(f"{path} {families}: forward {wall_us(forward):.1f} us, forward+backward "
               f"{wall_us(forward_backward):.1f} us a call, back to back", flush=True)
