@@ -412,6 +412,38 @@ def test_hopper_scores_of_transcendental_functions_on_gpu(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_every_forward_launch_finds_its_work_counter_zero_on_gpu():
+    # The persistent forward takes its work items from a counter kept per stream (_hopper_work_counter),
+    # which its last CTA sets back to zero. A counter left above zero would skip work items and leave rows
+    # of O unwritten: calls of other grids in a row, on a second stream, and a captured CUDA graph replayed
+    # between eager calls must all give the first eager call's bits (the forward is deterministic: one CTA
+    # computes a work item whole).
+    attn = attngen.build(SPECS / "causal.attn")
+    cases = [testing.random_qkv(B, 4, 2, n, n, 64, 64, torch.bfloat16, device="cuda", seed=n)
+             for B, n in ((1, 100), (3, 700), (2, 300), (8, 2000))]
+    testing.check_against_reference(attn.spec, attn, *cases[0], grads=False)
+    with torch.no_grad():
+        first = [attn(*case) for case in cases]
+        for _ in range(3):
+            assert all(torch.equal(attn(*case), out) for case, out in zip(cases, first))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            on_stream = [attn(*case) for case in cases]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = attn(*cases[1])
+        torch.cuda.current_stream().wait_stream(stream)
+        assert all(torch.equal(out, ref) for out, ref in zip(on_stream, first))
+        for _ in range(3):
+            graph.replay()
+            assert torch.equal(attn(*cases[3]), first[3])
+            torch.cuda.synchronize()
+            assert torch.equal(captured, first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_a_ragged_tile_reads_nothing_of_the_next_head_on_gpu():
     # The last key tile of head 0 overhangs its 200 rows. Those rows must be TMA's zeros, not head 1's
     # first rows: an inf there would give 0 * inf = NaN in head 0's P @ V, where the reference is finite.
