@@ -5,6 +5,7 @@ FlexAttention, and the distribution of the ratios.
                                          [--warm JOBS]
     python benchmarks/random_variants.py --published [--visits] [--json FILE]
     python benchmarks/random_variants.py --summarize FILE [FILE ...]
+    python benchmarks/random_variants.py --start 44 --end 45 --export DIR
 
 The specs are `attngen.testing.strategies.spec_texts(with_mask=True, with_sink=False, with_sigmoid=False)`
 (Flex has neither sinks nor sigmoid): masks of every atom (windows, chunks, prefixes, documents, block layouts,
@@ -36,7 +37,8 @@ instead of drawn specs. `--summarize` merges the rows of several --json files (a
 calls by --start/--end) and prints their summary. `--warm JOBS` first runs every spec once in JOBS worker
 processes and drops the results: compiling attngen's kernels and Flex's graphs is most of a spec's time, and
 in parallel it fills the on-disk caches (Triton's, Inductor's) that the timed pass, one spec at a time on
-the GPU, then reads.
+the GPU, then reads. `--export DIR` writes the selected specs as .attn files, as drawn and scaled to --n, for
+the tools that take a spec file (tools/host_split.py, tools/hopper/ncu_profile.sh).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 
 from attngen import ir, testing, with_params
 from attngen.frontend import parse_spec
+from attngen.frontend.printer import to_source
 from attngen.testing import strategies
 
 PUBLISHED = Path(__file__).resolve().parent / "published"
@@ -126,6 +129,16 @@ def _specs(args) -> list[tuple[int | str, str, ir.Spec]]:
     return [(index, text, scaled(text, args.n)) for index, text in enumerate(texts, start=args.start)]
 
 
+def _export(args) -> None:
+    """--export: the selected specs as .attn files, as drawn and scaled to --n."""
+    folder = Path(args.export)
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, text, spec in _specs(args):
+        (folder / f"rv{index}.attn").write_text(text)
+        (folder / f"rv{index}-n{args.n}.attn").write_text(to_source(spec))
+        print(folder / f"rv{index}.attn", folder / f"rv{index}-n{args.n}.attn")
+
+
 def _describe_visits(row: dict) -> str:
     seen = row.get("visits")
     if not seen:
@@ -152,7 +165,13 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=1, metavar="JOBS",
                         help="first compile every spec in JOBS worker processes, then time them one by one")
     parser.add_argument("--summarize", nargs="+", metavar="FILE", help="merge these --json files' rows and summarize")
+    parser.add_argument("--export", metavar="DIR",
+                        help="write each selected spec as DIR/rvINDEX.attn (as drawn: tools/host_split.py scales "
+                             "it) and DIR/rvINDEX-nN.attn (scaled to --n: for attngen.build, tools/hopper/one_call.py)")
     args = parser.parse_args()
+    if args.export:
+        _export(args)
+        return 0
     if args.summarize:
         rows = [row for name in args.summarize for row in json.loads(Path(name).read_text())["rows"]]
         print(json.dumps(_summaries(rows), indent=1))
