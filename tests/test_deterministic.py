@@ -200,6 +200,7 @@ def test_a_deterministic_packed_call_gives_the_same_bits_and_the_reference(shuff
     testing.check_against_reference(attn.spec, attn, q, k, v, {"slopes": slopes}, packed=packed)
 
 
+@pytest.mark.slow  # 32 s on 2 cores (interpreted backwards in five orders, dense and packed)
 @CPU_CALLS
 def test_a_deterministic_backward_with_dropout_gives_the_same_bits_in_any_program_order(shuffled_programs):
     # The keep-mask is a function of the call's words alone (the same generator state: the same mask), so

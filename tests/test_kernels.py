@@ -136,6 +136,7 @@ def test_atan_tan_and_round_helpers_match_torch():
     torch.testing.assert_close(tan[finite], torch.tan(x[finite].double()).float(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 19 s on 2 cores; the catalog's learnable tables stay in the default tier
 def test_learnable_gradients_scattered_from_tiles_that_are_mostly_at_one_address():
     # A clamp of +-4 on 16- and 32-wide tiles: most tiles lie wholly at a clamp (one load and one atomic for
     # the tile), tiles on the band's edge mix both clamps and the band, `bucket` saturates (abs, //, min) far

@@ -196,6 +196,7 @@ def _listed(table, n_rows: int, n_cols: int):
     return partial, full
 
 
+@pytest.mark.slow  # 16 s on 2 cores; test_static_tables_are_built_once_per_sizes_and_kept stays in the default tier
 def test_static_tables_are_kept_per_tiling_for_the_hopper_family_too():
     """On a Hopper target the Hopper family's forward and backward follow tables of their own tiles
     (128x128, and 64 query x 128 key tiles walked by key tile): kept beside the portable kernels' under their

@@ -2,7 +2,7 @@
 a template that Triton rejects is caught before any device time is spent; prints each kernel's PTX size.
 
     python tools/compile_sm90.py [--only causal document_causal ...] [--family hopper] [--head-dim 64] [--ptx DIR]
-                                 [--json] [--folder benchmarks/published] [--context-parallel]
+                                 [--json] [--folder benchmarks/published] [--context-parallel] [--plain]
 
 With --context-parallel it compiles instead the spec each rank of a context-parallel call runs (global
 positions read from scalar inputs, no sink: attngen.frontend.positions).
@@ -57,9 +57,11 @@ def _label(constants: dict) -> str:
     return f"{constants.get('PARTS', '')}{constants.get('LABEL', '')}"
 
 
-def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None, head_dim: int = 128) -> dict:
+def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = None, head_dim: int = 128,
+                   plain: bool = False) -> dict:
     """In a process without TRITON_INTERPRET: compile the module's kernels at D = DV = head_dim (a power of
-    two), bf16, on its h200 plan (only those of `families`, by name prefix, when given)."""
+    two), bf16, on its h200 plan (only those of `families`, by name prefix, when given; with `plain`, only the
+    launches without a label: no packed, paged, dropout or deterministic variants)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -138,6 +140,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     sizes = {}
     for name, constants, tiles in launches:
         if families and not any(name.startswith(f"_{family}") for family in families):
+            continue
+        if plain and constants.get("LABEL"):
             continue
         fn = getattr(module, name) if hasattr(module, name) else getattr(_runtime_module(module, name), name)
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
@@ -229,10 +233,12 @@ def main() -> None:
     parser.add_argument("--folder", default=str(ROOT / "specs"), help="the folder of the .attn specs (default specs/)")
     parser.add_argument("--context-parallel", action="store_true",
                         help="compile the specs with global positions that context-parallel calls run")
+    parser.add_argument("--plain", action="store_true",
+                        help="only the plain launches: no packed, paged, dropout or deterministic variants")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(compile_module(args.child, args.ptx, args.family, args.head_dim)))
+        print(json.dumps(compile_module(args.child, args.ptx, args.family, args.head_dim, args.plain)))
         return
     import attngen
     from attngen.frontend.positions import shifted, without_sink
@@ -253,8 +259,9 @@ def main() -> None:
             if args.ptx:
                 Path(args.ptx).mkdir(parents=True, exist_ok=True)
             family = ["--family", *args.family] if args.family else []
-            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx, *family, "--head-dim",
-                                  str(args.head_dim)], env=env,
+            plain = ["--plain"] if args.plain else []
+            run = subprocess.run([sys.executable, __file__, "--child", str(module), *ptx, *family, *plain,
+                                  "--head-dim", str(args.head_dim)], env=env,
                                  capture_output=True, text=True)
             if run.returncode != 0:
                 failed += 1
