@@ -22,13 +22,15 @@ import functools
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from triton.backends.nvidia import driver as nvidia_driver
 
 import attngen
-from attngen import testing
+from attngen import bench, testing
 from attngen.families.hopper import runtime as hopper
 from attngen.runtime import attention, dispatch, launching, operators
 
@@ -83,7 +85,19 @@ def wall_us(step, calls: int = 300, rounds: int = 3) -> float:
     return best
 
 
-def _steps(path: str, B: int, H: int, N: int, D: int):
+@dataclass
+class Steps:
+    """One spec's calls: which families serve it, a forward (no_grad), a forward+backward by torch.autograd.grad,
+    and what --loops builds its own loops from (the call, the leaves whose gradients it wants, dO)."""
+    families: tuple[str, str]
+    forward: Callable[[], None]
+    forward_backward: Callable[[], None]
+    call: Callable[[], torch.Tensor]
+    leaves: list[torch.Tensor]
+    dout: torch.Tensor
+
+
+def _steps(path: str, B: int, H: int, N: int, D: int) -> Steps:
     spec = random_variants.scaled(Path(path).read_text(), N)
     attn = attngen.build(spec)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -98,20 +112,12 @@ def _steps(path: str, B: int, H: int, N: int, D: int):
     def forward_backward():
         torch.autograd.grad(attn(q, k, v, **inputs), leaves, dout)
     families = (attn.forward_family(q, k, v, **inputs), attn.backward_family(q, k, v, **inputs))
-    forward_backward.leaves, forward_backward.call = leaves, lambda: attn(q, k, v, **inputs)
-    forward_backward.dout = dout
-    return families, forward, forward_backward
+    return Steps(families, forward, forward_backward, lambda: attn(q, k, v, **inputs), leaves, dout)
 
 
-def _clear(leaves) -> None:
-    for x in leaves:
-        x.grad = None
-
-
-def event_us(step, before, flush: bool, calls: int = 200) -> float:
+def event_us(step, before, flush: torch.Tensor | None, calls: int = 200) -> float:
     """The median over `calls` calls of step's time between CUDA events recorded around it, `before` run
-    first (untimed) and, with `flush`, a 256 MB buffer zeroed before each call as do_bench does."""
-    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    first (untimed) and, where `flush` is given (a 256 MB buffer), it zeroed before each call as do_bench does."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
     for _ in range(20):
@@ -120,8 +126,8 @@ def event_us(step, before, flush: bool, calls: int = 200) -> float:
     torch.cuda.synchronize()
     for start, end in zip(starts, ends):
         before()
-        if flush:
-            cache.zero_()
+        if flush is not None:
+            flush.zero_()
         start.record()
         step()
         end.record()
@@ -130,36 +136,35 @@ def event_us(step, before, flush: bool, calls: int = 200) -> float:
     return times[len(times) // 2]
 
 
-def loops(path: str, forward_backward, trace: str | None) -> None:
+def loops(path: str, steps: Steps, trace: str | None) -> None:
     """Forward+backward of one spec in each benchmark loop (--loops)."""
     import triton
 
-    leaves, call, dout = forward_backward.leaves, forward_backward.call, forward_backward.dout
+    forward_backward, cache = steps.forward_backward, torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
 
     def backward_step():
-        call().backward(dout)
+        steps.call().backward(steps.dout)
 
     def before():
-        _clear(leaves)
+        bench._clear_grads(steps.leaves)
 
     def backward_b2b():
-        _clear(leaves)
+        before()
         backward_step()
 
     results = {
         "back to back, autograd.grad": wall_us(forward_backward),
         "back to back, .backward()": wall_us(backward_b2b),
         "do_bench, .backward()": 1e3 * triton.testing.do_bench(backward_step, warmup=25, rep=100,
-                                                               grad_to_none=leaves, return_mode="median"),
-        "events, L2 flushed, .backward()": event_us(backward_step, before, flush=True),
-        "events, no flush, .backward()": event_us(backward_step, before, flush=False),
-        "events, L2 flushed, autograd.grad": event_us(forward_backward, lambda: None, flush=True),
-        "events, no flush, autograd.grad": event_us(forward_backward, lambda: None, flush=False),
+                                                               grad_to_none=steps.leaves, return_mode="median"),
+        "events, L2 flushed, .backward()": event_us(backward_step, before, flush=cache),
+        "events, no flush, .backward()": event_us(backward_step, before, flush=None),
+        "events, L2 flushed, autograd.grad": event_us(forward_backward, lambda: None, flush=cache),
+        "events, no flush, autograd.grad": event_us(forward_backward, lambda: None, flush=None),
     }
     for name, us in results.items():
         print(f"  {us:8.1f} us  {name}", flush=True)
     if trace:
-        cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as profiler:
             for _ in range(10):
@@ -182,19 +187,19 @@ def main() -> None:
     B, H, N, D = (int(x) for x in args.shape.split(","))
     steps = {path: _steps(path, B, H, N, D) for path in args.specs}
     if args.loops:
-        for path, (families, _, forward_backward) in steps.items():
-            print(f"{path} {families}: forward+backward", flush=True)
-            loops(path, forward_backward, args.trace)
+        for path, spec_steps in steps.items():
+            print(f"{path} {spec_steps.families}: forward+backward", flush=True)
+            loops(path, spec_steps, args.trace)
         return
-    for path, (families, forward, forward_backward) in steps.items():
-        print(f"{path} {families}: forward {wall_us(forward):.1f} us, forward+backward "
-              f"{wall_us(forward_backward):.1f} us a call, back to back", flush=True)
+    for path, spec_steps in steps.items():
+        print(f"{path} {spec_steps.families}: forward {wall_us(spec_steps.forward):.1f} us, forward+backward "
+              f"{wall_us(spec_steps.forward_backward):.1f} us a call, back to back", flush=True)
     for owner, names in WRAPPED:
         for name in names:
             if hasattr(owner, name):
                 _wrap(owner, name)
-    for path, (_, forward, forward_backward) in steps.items():
-        for part, step in (("forward", forward), ("forward+backward", forward_backward)):
+    for path, spec_steps in steps.items():
+        for part, step in (("forward", spec_steps.forward), ("forward+backward", spec_steps.forward_backward)):
             TIMES.clear()
             COUNTS.clear()
             wall = wall_us(step)

@@ -41,17 +41,14 @@ def _times(call, leaves, dout, backward: bool = True) -> dict:
     def forward_backward():
         call().backward(dout)
 
-    def clear():
-        for x in leaves:
-            x.grad = None
-
     with torch.no_grad():
         fwd = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
         fwd_gpu = bench.kernel_ms(call)
     if not backward:
         return {"fwd": fwd, "fwd_gpu": fwd_gpu}
     fwdbwd = triton.testing.do_bench(forward_backward, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
-    return {"fwd": fwd, "fwd_gpu": fwd_gpu, "fwdbwd": fwdbwd, "fwdbwd_gpu": bench.kernel_ms(forward_backward, clear)}
+    fwdbwd_gpu = bench.kernel_ms(forward_backward, lambda: bench._clear_grads(leaves))
+    return {"fwd": fwd, "fwd_gpu": fwd_gpu, "fwdbwd": fwdbwd, "fwdbwd_gpu": fwdbwd_gpu}
 
 
 def main() -> None:
@@ -64,14 +61,15 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
+    jobs = [(args, name, spec) for name, spec in _specs(args, int(args.shape.split(",")[2]))]
     if args.warm:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         with ProcessPoolExecutor(max_workers=args.warm, mp_context=context) as pool:
-            list(pool.map(_measure, [(args, i) for i in range(len(_specs(args, 1)))]))
-    rows = [_measure((args, i), quiet=False) for i in range(len(_specs(args, 1)))]
+            list(pool.map(_measure, jobs))
+    rows = [_measure(job, quiet=False) for job in jobs]
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                "triton": triton.__version__, "shape": args.shape,
@@ -79,40 +77,39 @@ def main() -> None:
 
 
 def _measure(job, quiet: bool = True) -> dict:
-    """The row of the run's spec number `index`; a --warm worker's (quiet) only compiles, by one untimed call
-    of each."""
-    args, index = job
+    """The row of one spec (job: the arguments, its name and its text or Spec); a --warm worker's (quiet) only
+    compiles, by one untimed call of each."""
+    args, name, spec = job
     B, H, N, D = (int(x) for x in args.shape.split(","))
-    for name, spec in _specs(args, N)[index:index + 1]:
-        hopper, portable = attngen.build(spec), attngen.build(spec, target="a100")
-        q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda", seed=2)
-        inputs = testing.random_inputs(hopper.spec, B, H, H, N, N, device="cuda", seed=2)
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-        leaves += [inputs[i.name].requires_grad_() for i in hopper.spec.learnable_inputs]
-        dout = torch.randn_like(q)
-        row = {"spec": name, "families": [hopper.forward_family(q, k, v, **inputs),
-                                          hopper.backward_family(q, k, v, **inputs),
-                                          portable.forward_family(q, k, v, **inputs)]}
-        calls = {"hopper": lambda: hopper(q, k, v, **inputs), "portable": lambda: portable(q, k, v, **inputs)}
-        if args.flex:
-            from torch.nn.attention.flex_attention import flex_attention
+    hopper, portable = attngen.build(spec), attngen.build(spec, target="a100")
+    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda", seed=2)
+    inputs = testing.random_inputs(hopper.spec, B, H, H, N, N, device="cuda", seed=2)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    leaves += [inputs[i.name].requires_grad_() for i in hopper.spec.learnable_inputs]
+    dout = torch.randn_like(q)
+    row = {"spec": name, "families": [hopper.forward_family(q, k, v, **inputs),
+                                      hopper.backward_family(q, k, v, **inputs),
+                                      portable.forward_family(q, k, v, **inputs)]}
+    calls = {"hopper": lambda: hopper(q, k, v, **inputs), "portable": lambda: portable(q, k, v, **inputs)}
+    if args.flex:
+        from torch.nn.attention.flex_attention import flex_attention
 
-            variant = attngen.to_flex(hopper.spec)
-            torch._dynamo.reset()  # a fresh compile a spec: past dynamo's recompile limit Flex runs eagerly
-            flex = torch.compile(flex_attention, dynamic=False)
-            calls["flex"] = bench.flex_call(variant, q, k, v, inputs, block_mask=variant.block_mask(q, k, **inputs),
-                                            flex_kernel=flex)
-        for label, call in calls.items():
-            if quiet:  # a --warm worker: compile only
-                with torch.no_grad():
-                    call()
-                if not args.forward_only:
-                    call().backward(dout)
-                continue
-            row[label] = _times(call, leaves, dout, backward=not args.forward_only)
-        if not quiet:
-            print(json.dumps(row), flush=True)
-        return row
+        variant = attngen.to_flex(hopper.spec)
+        torch._dynamo.reset()  # a fresh compile a spec: past dynamo's recompile limit Flex runs eagerly
+        flex = torch.compile(flex_attention, dynamic=False)
+        calls["flex"] = bench.flex_call(variant, q, k, v, inputs, block_mask=variant.block_mask(q, k, **inputs),
+                                        flex_kernel=flex)
+    for label, call in calls.items():
+        if quiet:  # a --warm worker: compile only
+            with torch.no_grad():
+                call()
+            if not args.forward_only:
+                call().backward(dout)
+            continue
+        row[label] = _times(call, leaves, dout, backward=not args.forward_only)
+    if not quiet:
+        print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":
