@@ -3,6 +3,7 @@
 import torch
 
 from ..families.portable.runtime import Portable
+from .ahead import compile_ahead
 from .arguments import _call_sizes, _sizes
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
@@ -129,7 +130,10 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         dropout = self._dropout(q, dropout_p, generator)
         if torch.compiler.is_compiling():
             out, lse = self._compiled_attention(q, k, v, tensors, known, sink, deterministic, dropout)
-        elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
+            return (out, lse) if return_lse else out
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
+        compile_ahead(self, plan, q, k, v, tensors, sink, dropout, deterministic, backward)
+        if backward:
             out, lse = _Attention.apply(self, q, k, v, known, plan, sink, deterministic, dropout, *tensors)
         else:  # nothing to differentiate: no autograd node (a tenth of a short call's host time)
             out, lse = self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors, plan),

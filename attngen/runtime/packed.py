@@ -2,6 +2,7 @@
 
 import torch
 
+from .ahead import compile_ahead
 from .checks import CHECKED_VALUES
 from .operators import _PackedAttention
 from .plans import _CallPlan, _call_facts
@@ -51,7 +52,10 @@ class Packed:
         if torch.compiler.is_compiling():
             return self.operators[4](q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      [sink] if sink is not None else [], *self._dropout_operands(dropout), deterministic)
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))):
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
+        compile_ahead(self, plan, q, k, v, tensors, sink, dropout, deterministic, backward,
+                      packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        if not backward:
             return self._packed_forward(q, k, v, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
                                         plan, dropout)
         return _PackedAttention.apply(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan, sink,

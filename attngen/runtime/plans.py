@@ -11,13 +11,15 @@ class _CallPlan:
     """The decisions of calls with one set of facts: their sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) after
     the checks passed, the forward's (family, launch) and the backward's (family, name, launch), the
     launches bound by site, and the plans of their backwards by the facts of dO and dLSE
-    (_backward_plan)."""
+    (_backward_plan); `compiled` what its calls compiled ahead (ahead.py): 0 nothing, 1 the forward's
+    kernels, 2 the backward's too."""
 
-    __slots__ = ("sizes", "family", "backward_family", "launches", "backwards")
+    __slots__ = ("sizes", "family", "backward_family", "launches", "backwards", "compiled")
 
     def __init__(self, sizes, family, backward_family):
         self.sizes, self.family, self.backward_family = sizes, family, backward_family
         self.launches, self.backwards = {}, {}
+        self.compiled = 0
 
 
 def _call_facts(q, k, v, inputs):

@@ -1,0 +1,206 @@
+"""Kernels compiled ahead (attngen/runtime/ahead.py): a plan's first call runs its host code over meta
+stand-ins, so that every launch compiles (in a pool) and none launches. On the CPU: the stand-ins have the
+facts Triton specializes on, and the stand-in run makes the very launches of the call it stands in for, in
+every family, keeping no table. On a GPU: a first training call compiles everything ahead and nothing at
+its launches, and gives the reference's answers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import attngen
+from attngen import testing
+from attngen.families.decode import runtime as decode
+from attngen.families.hopper import runtime as hopper
+from attngen.families.portable import runtime as portable
+from attngen.runtime import ahead, dropout as dropout_runtime, launch, launching, tables
+from attngen.runtime.plans import _CallPlan, _backward_plan
+
+SPECS = Path(__file__).parent.parent / "specs"
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _views():
+    """Tensors as calls pass them: dense, transposed, one of a fused projection's three, sliced off 16
+    bytes, expanded, empty."""
+    base = torch.zeros(2, 33, 3, 4, 64, dtype=torch.bfloat16)
+    yield base[:, :, 0].transpose(1, 2)
+    yield base.permute(2, 0, 3, 1, 4)[1]
+    yield torch.zeros(2, 4, 33, 64, dtype=torch.bfloat16)
+    for offset in range(1, 9):
+        yield torch.zeros(2, 4, 100, dtype=torch.float16).view(-1)[offset:offset + 640].view(2, 4, 80)
+    yield torch.zeros(3, dtype=torch.int64)[1:]
+    yield torch.zeros(4, 1, dtype=torch.float32).expand(4, 50)
+    yield torch.zeros(0, 4, 8, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("t", list(_views()), ids=lambda t: f"{tuple(t.shape)}/{t.stride()}/{t.storage_offset()}")
+def test_a_stand_in_has_the_facts_triton_specializes_on(t):
+    m = ahead._stand_in(t)
+    assert m.device.type == "meta" and (m.shape, m.stride(), m.dtype) == (t.shape, t.stride(), t.dtype)
+    assert launch._launch_fact(m) == launch._launch_fact(t)
+    assert m.data_ptr() % 16 == t.data_ptr() % 16
+
+
+# Every module that launches a kernel, by the name it imported _launch under.
+LAUNCHERS = (portable, launching, tables, hopper, decode, dropout_runtime)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Stubs every launch with one that records (whether it ran ahead, kernel, argument facts, options)."""
+    calls = []
+
+    def record(kernel, grid, *args, bind=None, **options):
+        calls.append((ahead.AHEAD.get(), getattr(kernel, "__name__", repr(kernel)),
+                      tuple(launch._launch_fact(a) for a in args), tuple(sorted(options.items()))))
+    for module in LAUNCHERS:
+        monkeypatch.setattr(module, "_launch", record)
+    return calls
+
+
+def _call(rt, spec, layout, dropout_p):
+    """A training call's q, k, v, the inputs' tensors, its sink rows and dropout, as Attention.attn hands
+    them to the families, on the CPU (B2 H4/HKV2, 100 queries over 300 keys, D64)."""
+    B, H, HKV, Q_LEN, KV_LEN, D = 2, 4, 2, 100, 300, 64
+    q, k, v = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, D, D, torch.bfloat16)
+    if layout == "transposed":  # (B, N, heads, D) memory, as transformers passes it
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    inputs = rt._reduced(testing.random_inputs(spec, B, H, HKV, Q_LEN, KV_LEN))
+    for i in spec.learnable_inputs:
+        inputs[i.name].requires_grad_()
+    tensors = [inputs[name].contiguous() for name in rt.facts.inputs]
+    return q, k, v, inputs, tensors, rt._sink_rows(q, k, inputs), rt._dropout(q, dropout_p, None)
+
+
+@pytest.mark.parametrize("name, dropout_p", [("causal", 0.0), ("causal", 0.25), ("document_causal", 0.0),
+                                             ("block_sparse", 0.0), ("learned_rel_bias", 0.0),
+                                             ("gpt_oss_sinks", 0.0), ("sigmoid_alibi", 0.0)])
+@pytest.mark.parametrize("family", ["portable", "hopper"])
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_the_stand_in_run_makes_the_launches_of_the_call(recorded, name, dropout_p, family, layout):
+    attn = attngen.build(SPECS / f"{name}.attn", target="h200")
+    rt = attn.module.ATTENTION
+    spec = attn.spec
+    q, k, v, inputs, tensors, sink, dropout = _call(rt, spec, layout, dropout_p)
+    plan = rt._call_plan(q, k, v, inputs, dropout=dropout is not None)
+    if family == "hopper":  # the plan a Hopper GPU would make (this CPU's is the portable family's)
+        hop = rt.families["hopper"]
+        plan = _CallPlan(plan.sizes, ("hopper", hop.forward), ("hopper", "hopper_bwd", hop.backward))
+    kept, built = dict(rt.static_tables), rt.table_stats["built"]
+    ahead.stand_in_run(rt, plan, q, k, v, tensors, sink, dropout, False, True)
+    assert rt.static_tables == kept and rt.table_stats["built"] == built
+
+    known = {}
+    build = rt._builder(plan.sizes[:5], q.device, tensors, plan)
+    with torch.no_grad():
+        out, lse = rt._forward_with_tables(q, k, v, tensors, known, build, plan, sink, dropout)
+        rt._backward_with_tables(q, k, v, out, lse, torch.randn_like(out), None, tensors, known, build, plan, False,
+                                 sink if sink is not None and sink.requires_grad else None, dropout)
+    stood_in = [call[1:] for call in recorded if call[0]]
+    called = [call[1:] for call in recorded if not call[0]]
+    assert stood_in and stood_in == called
+    kernels = {call[0] for call in called}
+    assert any(n.startswith("_hopper_fwd") for n in kernels) == (family == "hopper")
+
+
+def _packed_call(rt, spec, dropout_p):
+    """A packed training call's q, k, v (TOTAL, heads, D), inputs' tensors, sink rows, dropout and
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) on the CPU: four sequences of 37, 100, 1 and 64."""
+    lengths, H, HKV, D = [37, 100, 1, 64], 4, 2, 64
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total, longest = int(cu[-1]), max(lengths)
+    q = torch.randn(total, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(total, HKV, D, dtype=torch.bfloat16) for _ in range(2))
+    inputs = rt._reduced(testing.random_inputs(spec, len(lengths), H, HKV, longest, longest))
+    for i in spec.learnable_inputs:
+        inputs[i.name].requires_grad_()
+    tensors = [inputs[name].contiguous() for name in rt.facts.inputs]
+    packed = (cu, cu, longest, longest)
+    return (q, k, v, inputs, tensors, rt._sink_rows(q, k, inputs, packed=(cu, cu)), rt._dropout(q, dropout_p, None),
+            packed)
+
+
+@pytest.mark.parametrize("name, dropout_p", [("causal", 0.0), ("causal", 0.25), ("learned_rel_bias", 0.0),
+                                             ("gpt_oss_sinks", 0.0), ("sigmoid_alibi", 0.0)])
+@pytest.mark.parametrize("family", ["portable", "hopper"])
+def test_the_stand_in_run_makes_the_launches_of_a_packed_call(recorded, name, dropout_p, family):
+    attn = attngen.build(SPECS / f"{name}.attn", target="h200")
+    rt = attn.module.ATTENTION
+    q, k, v, inputs, tensors, sink, dropout, packed = _packed_call(rt, attn.spec, dropout_p)
+    plan = rt._packed_plan(q, k, v, inputs, *packed, dropout=dropout is not None)
+    if family == "hopper":
+        hop = rt.families["hopper"]
+        plan = _CallPlan(plan.sizes, ("hopper", hop.forward), ("hopper", "hopper_bwd", hop.backward))
+    ahead.stand_in_run(rt, plan, q, k, v, tensors, sink, dropout, False, True, packed)
+
+    with torch.no_grad():
+        out, lse = rt._packed_forward(q, k, v, tensors, *packed, sink, plan, dropout)
+        do, dlse = torch.randn_like(out), torch.zeros_like(lse)
+        rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, *packed, _backward_plan(plan, do, dlse), False,
+                            sink if sink is not None and sink.requires_grad else None, dropout)
+    stood_in = [call[1:] for call in recorded if call[0]]
+    called = [call[1:] for call in recorded if not call[0]]
+    assert stood_in and stood_in == called
+    assert any(n.startswith("_hopper_bwd") for n, *_ in called) == (family == "hopper")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name, target, dropout_p", [
+    ("causal", "h200", 0.0), ("causal", "h200", 0.2), ("document_causal", "h200", 0.0),
+    ("learned_rel_bias", "h200", 0.0), ("gpt_oss_sinks", "h200", 0.0), ("sigmoid_alibi", "h200", 0.0),
+    ("causal", "a100", 0.0), ("learned_rel_bias", "a100", 0.0)])
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_a_first_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, name, target, dropout_p, layout):
+    # A spec of its own name: a module no other test imported, so its kernels are compiled here.
+    text = (SPECS / f"{name}.attn").read_text().replace(f"attention {name}", f"attention {name}_ahead_{layout}", 1)
+    compiles = []
+
+    def hook(**kwargs):
+        compiles.append((kwargs["fn"].name, ahead.AHEAD.get()))
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
+    monkeypatch.setattr(ahead, "LAST_ERROR", None)
+    attn = attngen.build(text, target=target)
+    B, H, HKV, N, D = 2, 8, 4, 1000, 128
+    q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.bfloat16, device="cuda")
+    if layout == "transposed":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    inputs = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
+    out = attn(q, k, v, dropout_p=dropout_p, **inputs)
+    torch.autograd.grad(out, leaves, torch.randn_like(out))
+    assert ahead.LAST_ERROR is None
+    assert [fn for fn, was_ahead in compiles if not was_ahead] == []
+    assert any(fn.endswith(("_fwd_kernel", "_bwd_kernel")) for fn, _ in compiles)
+    if dropout_p == 0.0:
+        testing.check_against_reference(attn.spec, attn, q.detach(), k.detach(), v.detach(), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["causal", "learned_rel_bias", "gpt_oss_sinks"])
+def test_a_first_packed_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, name):
+    text = (SPECS / f"{name}.attn").read_text().replace(f"attention {name}", f"attention {name}_ahead_packed", 1)
+    compiles = []
+
+    def hook(**kwargs):
+        compiles.append((kwargs["fn"].name, ahead.AHEAD.get()))
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
+    monkeypatch.setattr(ahead, "LAST_ERROR", None)
+    attn = attngen.build(text)
+    lengths, H, HKV, D = [300, 1000, 17, 640], 8, 4, 128
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total, longest = int(cu[-1]), max(lengths)
+    q = torch.randn(total, H, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k, v = (torch.randn(total, HKV, D, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
+    inputs = testing.random_inputs(attn.spec, len(lengths), H, HKV, longest, longest, device="cuda")
+    leaves = [q, k, v] + [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
+    out = attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **inputs)
+    grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+    assert ahead.LAST_ERROR is None
+    assert [fn for fn, was_ahead in compiles if not was_ahead] == []
+    assert any(fn.endswith(("_fwd_kernel", "_bwd_kernel")) for fn, _ in compiles)
+    assert all(g.isfinite().all() for g in (out, *grads))
