@@ -147,6 +147,23 @@ def test_the_stand_in_run_makes_the_launches_of_a_packed_call(recorded, name, dr
     assert any(n.startswith("_hopper_bwd") for n, *_ in called) == (family == "hopper")
 
 
+@pytest.fixture
+def compiles(monkeypatch):
+    """Every kernel compile from here on, as (kernel, whether a stand-in run asked for it), by Triton's hook
+    that runs before each; LAST_ERROR cleared."""
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
+                        lambda **kwargs: seen.append((kwargs["fn"].name, ahead.AHEAD.get())))
+    monkeypatch.setattr(ahead, "LAST_ERROR", None)
+    return seen
+
+
+def _assert_all_compiled_ahead(compiles):
+    assert ahead.LAST_ERROR is None
+    assert [fn for fn, was_ahead in compiles if not was_ahead] == []  # nothing compiled at a launch
+    assert any(fn.endswith(("_fwd_kernel", "_bwd_kernel")) for fn, _ in compiles)  # the spec's own, ahead
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name, target, dropout_p", [
@@ -154,15 +171,9 @@ def test_the_stand_in_run_makes_the_launches_of_a_packed_call(recorded, name, dr
     ("learned_rel_bias", "h200", 0.0), ("gpt_oss_sinks", "h200", 0.0), ("sigmoid_alibi", "h200", 0.0),
     ("causal", "a100", 0.0), ("learned_rel_bias", "a100", 0.0)])
 @pytest.mark.parametrize("layout", ["dense", "transposed"])
-def test_a_first_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, name, target, dropout_p, layout):
+def test_a_first_training_call_compiles_every_kernel_ahead_on_gpu(compiles, name, target, dropout_p, layout):
     # A spec of its own name: a module no other test imported, so its kernels are compiled here.
     text = (SPECS / f"{name}.attn").read_text().replace(f"attention {name}", f"attention {name}_ahead_{layout}", 1)
-    compiles = []
-
-    def hook(**kwargs):
-        compiles.append((kwargs["fn"].name, ahead.AHEAD.get()))
-    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
-    monkeypatch.setattr(ahead, "LAST_ERROR", None)
     attn = attngen.build(text, target=target)
     B, H, HKV, N, D = 2, 8, 4, 1000, 128
     q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.bfloat16, device="cuda")
@@ -172,9 +183,7 @@ def test_a_first_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, n
     leaves = [t.requires_grad_() for t in (q, k, v)] + [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
     out = attn(q, k, v, dropout_p=dropout_p, **inputs)
     torch.autograd.grad(out, leaves, torch.randn_like(out))
-    assert ahead.LAST_ERROR is None
-    assert [fn for fn, was_ahead in compiles if not was_ahead] == []
-    assert any(fn.endswith(("_fwd_kernel", "_bwd_kernel")) for fn, _ in compiles)
+    _assert_all_compiled_ahead(compiles)
     if dropout_p == 0.0:
         testing.check_against_reference(attn.spec, attn, q.detach(), k.detach(), v.detach(), inputs)
 
@@ -182,14 +191,8 @@ def test_a_first_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, n
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", ["causal", "learned_rel_bias", "gpt_oss_sinks"])
-def test_a_first_packed_training_call_compiles_every_kernel_ahead_on_gpu(monkeypatch, name):
+def test_a_first_packed_training_call_compiles_every_kernel_ahead_on_gpu(compiles, name):
     text = (SPECS / f"{name}.attn").read_text().replace(f"attention {name}", f"attention {name}_ahead_packed", 1)
-    compiles = []
-
-    def hook(**kwargs):
-        compiles.append((kwargs["fn"].name, ahead.AHEAD.get()))
-    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
-    monkeypatch.setattr(ahead, "LAST_ERROR", None)
     attn = attngen.build(text)
     lengths, H, HKV, D = [300, 1000, 17, 640], 8, 4, 128
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -200,7 +203,5 @@ def test_a_first_packed_training_call_compiles_every_kernel_ahead_on_gpu(monkeyp
     leaves = [q, k, v] + [inputs[i.name].requires_grad_() for i in attn.spec.learnable_inputs]
     out = attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **inputs)
     grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
-    assert ahead.LAST_ERROR is None
-    assert [fn for fn, was_ahead in compiles if not was_ahead] == []
-    assert any(fn.endswith(("_fwd_kernel", "_bwd_kernel")) for fn, _ in compiles)
+    _assert_all_compiled_ahead(compiles)
     assert all(g.isfinite().all() for g in (out, *grads))
