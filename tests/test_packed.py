@@ -199,7 +199,8 @@ def test_hopper_row_terms_start_each_sequence_at_an_aligned_column(lengths):
     cu = _offsets(lengths)
     total, block_m = sum(lengths), 64
     rows = torch.arange(2 * total, dtype=torch.float32).view(1, 2, total) + 1
-    columns = runtime_hopper._hopper_sequence_columns((cu, cu, max(lengths), max(lengths), total), block_m)
+    columns = runtime_hopper._hopper_sequence_columns((cu, cu, max(lengths), max(lengths), total), block_m,
+                                                      store=False)
     moved = runtime_hopper._hopper_sequence_rows(rows, columns, -1.0)
     assert moved.shape[:2] == (1, 2) and moved.shape[2] % block_m == 0
     for b, n in enumerate(lengths):

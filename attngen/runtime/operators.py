@@ -140,7 +140,8 @@ class Operators:
             # The user's tables, if any, else the table of the family that runs, built here (at run time,
             # where the family is known without guarding the compiled graph on the shapes).
             known = dict(zip(self._table_kernels(True), _pairs(tables)))
-            return self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors),
+            return self._forward_with_tables(q, k, v, tensors, known,
+                                             self._builder(_sizes(q, k), q.device, tensors, store=False),
                                              sink=sink[0] if sink else None, dropout=_dropout(rng, dropout_p))
 
         # The fakes allocate by the rule every family's launch follows (_empty_in_layout), so the strides
@@ -158,7 +159,8 @@ class Operators:
             # The user's tables, if any, else those of the family that runs, built here (as the forward does).
             known = dict(zip(self._table_kernels(True), _pairs(tables)))
             dq, dk, dv, input_grads, _ = self._backward_with_tables(q, k, v, out, lse, do, dlse, tensors, known,
-                                                                 self._builder(_sizes(q, k), q.device, tensors),
+                                                                 self._builder(_sizes(q, k), q.device, tensors,
+                                                                               store=False),
                                                                  deterministic=deterministic,
                                                                  dropout=_dropout(rng, dropout_p))
             return dq, dk, dv, [g for g in input_grads if g is not None]

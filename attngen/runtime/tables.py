@@ -52,7 +52,11 @@ def _table_sampling(step, block):
 # the sizes it reads and the device: each is built on first use and kept, as a BlockMask built once. At
 # most STATIC_TABLES are kept, for the Attention's life (past that, tables of new keys are built per call
 # and not kept): a CUDA graph that captured a call reads the kept tensors, so none may be freed under it.
-# Nor is one kept from inside a graph capture, whose memory belongs to the graph.
+# Nor is one kept from inside a graph capture, whose memory belongs to the graph, nor from the custom
+# operators a compiled graph runs (they use kept tables, and keep none): under mode="reduce-overhead"
+# Inductor's CUDA-graph trees run a graph's first calls with every allocation in the trees' own pool,
+# whose memory they later hand out again as they see fit (torch._inductor.cudagraph_trees'
+# _use_cuda_memory_pool_manager), and nothing tells a call that it runs there.
 STATIC_TABLES = 64
 
 
@@ -115,9 +119,10 @@ class Tables:
             result.append(known[kernel])
         return result
 
-    def _builder(self, sizes, device, tensors, plan=None):
-        """build(key) for _resolve in eager calls: runs the two table kernels (bound in `plan`, if given)."""
-        return lambda key: self._build_table(key, sizes, device, tensors, plan)
+    def _builder(self, sizes, device, tensors, plan=None, store=True):
+        """build(key) for _resolve: runs the two table kernels (bound in `plan`, if given); without `store`
+        (the custom operators'), a static table built is not kept (STATIC_TABLES says why)."""
+        return lambda key: self._build_table(key, sizes, device, tensors, plan, store=store)
 
     def _checked_tables(self, tables, q, v, sizes):
         """The tables of a user's TileTables, after checking they were built for a call like this one."""
@@ -138,11 +143,11 @@ class Tables:
         named = dict(zip(("B", "H", "HKV", "Q_LEN", "KV_LEN"), sizes))
         return key, tuple(named[name] for name in self.facts.static_tables), device
 
-    def _build_table(self, key, sizes, device, tensors, plan=None, keep=True):
+    def _build_table(self, key, sizes, device, tensors, plan=None, keep=True, store=True):
         """(counts, indices) of the tile table `key` (_table_key) of these mask inputs; () when the
         kernels follow no table. `plan`: the call's _CallPlan, which binds the two launches. With `keep`, a
-        static table (SpecFacts.static_tables) comes from those kept, else is built and kept; without, it is
-        built anew."""
+        static table (SpecFacts.static_tables) comes from those kept, else is built, and kept if `store`;
+        without `keep`, it is built anew."""
         if not self.facts.tile_table:
             return ()
         if self.facts.static_tables is None or not keep:
@@ -152,7 +157,7 @@ class Tables:
         if table is None:
             table = self._classified(key, sizes, device, tensors, plan)
             capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if not capturing and len(self.static_tables) < STATIC_TABLES:
+            if store and not capturing and len(self.static_tables) < STATIC_TABLES:
                 self.static_tables[static] = table
         return table
 

@@ -118,13 +118,14 @@ def _hopper_row_descriptor(t, rows):
 _HOPPER_LAYOUTS = {}
 
 
-def _hopper_sequence_columns(packed, block_m):
+def _hopper_sequence_columns(packed, block_m, store):
     """Where a packed call's row terms go for the backward kernel: each token's column, sequence b's rows
     from column 4 * (cu_seqlens_q[b] // 4 + b), 16-byte aligned as TMA reads them (the kernel's row_start),
     and the width of the moved rows, padded to whole query tiles. Made on the device without a sync
     (_token_sequences), once per offsets tensor while it is unchanged (every layer of a model's step
-    passes the same one), except while a CUDA graph is captured, and for offsets not on a GPU (the meta
-    stand-ins of runtime/ahead.py, the CPU tests' tensors), whose entries would only push real ones out."""
+    passes the same one), and kept (CHECKED_VALUES) only where `store` (an eager call, with a plan: see
+    _WORK_COUNTERS), outside a CUDA graph's capture, for offsets on a GPU (not the meta stand-ins of
+    runtime/ahead.py or the CPU tests' tensors, whose entries would only push real ones out)."""
     cu, TOTAL_Q = packed[0], packed[4]
     keep = cu.is_cuda and not torch.cuda.is_current_stream_capturing()
     facts = ("hopper sequence columns", TOTAL_Q, block_m)
@@ -135,7 +136,7 @@ def _hopper_sequence_columns(packed, block_m):
     # 4 * (start // 4 + b) + (token - start), with start = cu[b]
     columns = tokens + 4 * sequence - cu[:-1].long()[sequence] % 4
     known = columns, _cdiv(TOTAL_Q + 4 * (cu.shape[0] - 1), block_m) * block_m
-    if keep:
+    if keep and store:
         CHECKED_VALUES.keep((cu,), facts, known)
     return known
 
@@ -161,17 +162,21 @@ def _hopper_layout(block_shape, dtype):
 # so every launch on that stream finds them zero without a torch.zeros of its own (13 us of host time on an
 # H100's host, a seventh of a short forward's). Launches on one stream run in order; other streams get their
 # own counters; a CUDA graph being captured gets a fresh one from the graph's memory, zeroed in the graph.
+# Only eager calls (those with a call plan) keep one: a call without a plan may be a compiled graph's custom
+# operator, which uses a kept counter but keeps none (runtime/tables.py's STATIC_TABLES says why).
 _WORK_COUNTERS = {}
 
 
-def _hopper_work_counter(device):
+def _hopper_work_counter(device, store):
     # (A device other than CUDA is the CPU tests' stand-in for one, with the launches stubbed.)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
     key = (device, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _WORK_COUNTERS.get(key)
     if counter is None:
-        counter = _WORK_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        counter = torch.zeros(2, dtype=torch.int32, device=device)
+        if store:
+            _WORK_COUNTERS[key] = counter
     return counter
 
 
@@ -227,7 +232,7 @@ class HopperFamily:
         # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
         # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
         grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
-        work_counter = _hopper_work_counter(q.device)
+        work_counter = _hopper_work_counter(q.device, store=plan is not None)
         sm_scale = self.rt.facts.softmax_scale(D)
         table_args = self.rt._table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
         packed_args, packed_flags = _packed_launch(packed, lse)
@@ -289,7 +294,7 @@ class HopperFamily:
             delta, lse2, dsink = self.rt._row_terms(out, do, dlse, lse, q_rows, dq_sum, plan=plan,
                                                     sink=(sink, lse) if sink is not None else None)
             if packed is not None:
-                columns = _hopper_sequence_columns(packed, block_m)
+                columns = _hopper_sequence_columns(packed, block_m, store=plan is not None)
                 delta, lse2 = (_hopper_sequence_rows(delta, columns, 0.0),
                                _hopper_sequence_rows(lse2, columns, float("inf")))
             rows = (_hopper_row_descriptor(lse2, block_m), _hopper_row_descriptor(delta, block_m))
