@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attngen
 from attngen import testing
+from attngen.testing import strategies
 from attngen.families.decode import runtime as decode
 from attngen.families.hopper import runtime as hopper
 from attngen.families.portable import runtime as portable
@@ -48,17 +51,43 @@ def test_a_stand_in_has_the_facts_triton_specializes_on(t):
 LAUNCHERS = (portable, launching, tables, hopper, decode, dropout_runtime)
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """Stubs every launch with one that records (whether it ran ahead, kernel, argument facts, options)."""
-    calls = []
-
+def _record_launches(patch, calls):
+    """Stubs every launch with one that appends (whether it ran ahead, kernel, argument facts, options) to calls."""
     def record(kernel, grid, *args, bind=None, **options):
         calls.append((ahead.AHEAD.get(), getattr(kernel, "__name__", repr(kernel)),
                       tuple(launch._launch_fact(a) for a in args), tuple(sorted(options.items()))))
     for module in LAUNCHERS:
-        monkeypatch.setattr(module, "_launch", record)
+        patch.setattr(module, "_launch", record)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = []
+    _record_launches(monkeypatch, calls)
     return calls
+
+
+def _in_family(rt, plan, family):
+    """`plan`, or for "hopper" the plan a Hopper GPU would make (this CPU's is the portable family's)."""
+    if family != "hopper":
+        return plan
+    hop = rt.families["hopper"]
+    return _CallPlan(plan.sizes, ("hopper", hop.forward), ("hopper", "hopper_bwd", hop.backward))
+
+
+def _stood_in_and_called(calls):
+    """The launches of the stand-in run and of the call, apart."""
+    return [call[1:] for call in calls if call[0]], [call[1:] for call in calls if not call[0]]
+
+
+def _run_dense(rt, plan, q, k, v, tensors, sink, dropout):
+    """A training call's forward and backward host code as _Attention runs them, dO in out's layout."""
+    known = {}
+    build = rt._builder(plan.sizes[:5], q.device, tensors, plan)
+    with torch.no_grad():
+        out, lse = rt._forward_with_tables(q, k, v, tensors, known, build, plan, sink, dropout)
+        rt._backward_with_tables(q, k, v, out, lse, torch.randn_like(out), None, tensors, known, build, plan, False,
+                                 sink if sink is not None and sink.requires_grad else None, dropout)
 
 
 def _call(rt, spec, layout, dropout_p):
@@ -85,25 +114,33 @@ def test_the_stand_in_run_makes_the_launches_of_the_call(recorded, name, dropout
     rt = attn.module.ATTENTION
     spec = attn.spec
     q, k, v, inputs, tensors, sink, dropout = _call(rt, spec, layout, dropout_p)
-    plan = rt._call_plan(q, k, v, inputs, dropout=dropout is not None)
-    if family == "hopper":  # the plan a Hopper GPU would make (this CPU's is the portable family's)
-        hop = rt.families["hopper"]
-        plan = _CallPlan(plan.sizes, ("hopper", hop.forward), ("hopper", "hopper_bwd", hop.backward))
+    plan = _in_family(rt, rt._call_plan(q, k, v, inputs, dropout=dropout is not None), family)
     kept, built = dict(rt.static_tables), rt.table_stats["built"]
     ahead.stand_in_run(rt, plan, q, k, v, tensors, sink, dropout, False, True)
     assert rt.static_tables == kept and rt.table_stats["built"] == built
-
-    known = {}
-    build = rt._builder(plan.sizes[:5], q.device, tensors, plan)
-    with torch.no_grad():
-        out, lse = rt._forward_with_tables(q, k, v, tensors, known, build, plan, sink, dropout)
-        rt._backward_with_tables(q, k, v, out, lse, torch.randn_like(out), None, tensors, known, build, plan, False,
-                                 sink if sink is not None and sink.requires_grad else None, dropout)
-    stood_in = [call[1:] for call in recorded if call[0]]
-    called = [call[1:] for call in recorded if not call[0]]
+    _run_dense(rt, plan, q, k, v, tensors, sink, dropout)
+    stood_in, called = _stood_in_and_called(recorded)
     assert stood_in and stood_in == called
     kernels = {call[0] for call in called}
     assert any(n.startswith("_hopper_fwd") for n in kernels) == (family == "hopper")
+
+
+@settings(max_examples=20)
+@given(text=strategies.spec_texts(), family=st.sampled_from(["portable", "hopper"]),
+       layout=st.sampled_from(["dense", "transposed"]))
+def test_the_stand_in_run_makes_the_launches_of_calls_of_drawn_specs(text, family, layout):
+    # Masks and scores of every construct, inputs learnable or not, sinks and sigmoid, as the fuzz draws them.
+    attn = attngen.build(text, target="h200")
+    rt = attn.module.ATTENTION
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:  # (hypothesis runs examples inside one test: no fixture)
+        _record_launches(patch, calls)
+        q, k, v, inputs, tensors, sink, dropout = _call(rt, attn.spec, layout, 0.0)
+        plan = _in_family(rt, rt._call_plan(q, k, v, inputs), family)
+        ahead.stand_in_run(rt, plan, q, k, v, tensors, sink, dropout, False, True)
+        _run_dense(rt, plan, q, k, v, tensors, sink, dropout)
+    stood_in, called = _stood_in_and_called(calls)
+    assert stood_in and stood_in == called
 
 
 def _packed_call(rt, spec, dropout_p):
@@ -130,10 +167,7 @@ def test_the_stand_in_run_makes_the_launches_of_a_packed_call(recorded, name, dr
     attn = attngen.build(SPECS / f"{name}.attn", target="h200")
     rt = attn.module.ATTENTION
     q, k, v, inputs, tensors, sink, dropout, packed = _packed_call(rt, attn.spec, dropout_p)
-    plan = rt._packed_plan(q, k, v, inputs, *packed, dropout=dropout is not None)
-    if family == "hopper":
-        hop = rt.families["hopper"]
-        plan = _CallPlan(plan.sizes, ("hopper", hop.forward), ("hopper", "hopper_bwd", hop.backward))
+    plan = _in_family(rt, rt._packed_plan(q, k, v, inputs, *packed, dropout=dropout is not None), family)
     ahead.stand_in_run(rt, plan, q, k, v, tensors, sink, dropout, False, True, packed)
 
     with torch.no_grad():
@@ -141,8 +175,7 @@ def test_the_stand_in_run_makes_the_launches_of_a_packed_call(recorded, name, dr
         do, dlse = torch.randn_like(out), torch.zeros_like(lse)
         rt._packed_backward(q, k, v, out, lse, do, dlse, tensors, *packed, _backward_plan(plan, do, dlse), False,
                             sink if sink is not None and sink.requires_grad else None, dropout)
-    stood_in = [call[1:] for call in recorded if call[0]]
-    called = [call[1:] for call in recorded if not call[0]]
+    stood_in, called = _stood_in_and_called(recorded)
     assert stood_in and stood_in == called
     assert any(n.startswith("_hopper_bwd") for n, *_ in called) == (family == "hopper")
 
