@@ -65,5 +65,5 @@ def test_a_bundle_is_the_thin_module_then_the_runtime_then_the_declaration():
     assert kernels.startswith(thin[:thin.index("from attngen.runtime")]) and thin[first_kernel:].startswith(
         kernels[kernels.index("@triton.jit"):].rstrip("\n"))
     # Only the runtime files a plan's families use: the a100 plan has no Hopper family.
-    assert "'families.hopper.runtime': (r'''" in runtime
+    assert "'families.hopper.runtime': (r'''" in runtime and "'families.hopper.device': (r'''" in runtime
     assert "'families.hopper.runtime': (r'''" not in attngen.compile_source(spec, target="a100")

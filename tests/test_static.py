@@ -123,8 +123,9 @@ def test_thin_modules_import_the_runtime_and_no_other_attngen_code(thin_sources)
     for name, source in thin_sources.items():
         attngen_imports = {m for m in _absolute_imports(ast.parse(source)) if m.split(".")[0] == "attngen"}
         assert attngen_imports <= {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.helpers",
-                                   "attngen.runtime.kernels", *(f"attngen.families.{family}.runtime"
-                                                                for family in families.FAMILIES)}, name
+                                   "attngen.runtime.kernels", *(f"attngen.families.{family}.{side}"
+                                                                for family in families.FAMILIES
+                                                                for side in ("runtime", "device"))}, name
         assert {"attngen.runtime.attention", "attngen.runtime.facts", "attngen.runtime.kernels"} <= attngen_imports, name
 
 
@@ -135,15 +136,26 @@ def test_modules_import_every_helper_the_runtime_offers_kernels():
     assert sorted(_top_level_names(kernels)) == sorted(emit.SHARED_KERNEL_NAMES)
     for family in families.FAMILIES:
         runtime = ast.parse((PACKAGE / "families" / family / "runtime.py").read_text())
-        jitted = [node.name for node in runtime.body if isinstance(node, ast.FunctionDef) and node.decorator_list
-                  and ast.unparse(node.decorator_list[0]) in ("gluon.jit", "triton.jit", "_gluon_builtin")]
-        # Besides the helpers a module's kernels import, a family's runtime holds the kernels it launches itself
-        # (no spec changes them): those its own host code names as _launch's kernel and no module imports.
+        # A family's runtime holds no device code but the kernels it launches itself (no spec changes them):
+        # those its own host code names as _launch's kernel.
         launched = {node.args[0].id for node in ast.walk(runtime) if isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Name) and node.func.id == "_launch"
                     and node.args and isinstance(node.args[0], ast.Name)}
+        assert set(_jitted(runtime)) <= launched, family
+        # Its device library (device.py) offers a module's kernels the helpers it imports (DEVICE_HELPERS);
+        # each of its other functions is one the library calls itself.
         helpers = emit_side(family).DEVICE_HELPERS
-        assert sorted(name for name in jitted if name not in launched or name in helpers) == sorted(helpers), family
+        path = PACKAGE / "families" / family / "device.py"
+        device = ast.parse(path.read_text()) if path.exists() else ast.Module(body=[], type_ignores=[])
+        called = {node.id for function in device.body if isinstance(function, ast.FunctionDef)
+                  for node in ast.walk(function) if isinstance(node, ast.Name) and node.id != function.name}
+        assert set(helpers) <= set(_jitted(device)), family
+        assert set(_jitted(device)) - set(helpers) <= called, family
+
+
+def _jitted(tree: ast.Module) -> list[str]:
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.decorator_list
+            and ast.unparse(node.decorator_list[0]) in ("gluon.jit", "triton.jit", "_gluon_builtin")]
 
 
 @pytest.mark.parametrize("target", ["h200", "a100", "interpreter"])

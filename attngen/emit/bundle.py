@@ -2,7 +2,7 @@
 the spec's part first, then the runtime package's own files, verbatim, below a marker.
 
 Each runtime file (attngen/runtime/*.py, and the runtime side of each family the module's plan names,
-attngen/families/<name>/runtime.py with its packages) becomes a module of a private package whose name
+attngen/families/<name>/runtime.py and its device library device.py where it has one, with their packages) becomes a module of a private package whose name
 carries a digest of their text (so a bundle never meets an installed attngen, nor a bundle of another
 runtime), laid out as in attngen and served by a small import hook from the strings it is written in here;
 the module's declaration then runs against it.
@@ -18,7 +18,8 @@ from importlib import resources
 
 from attngen.emit.module import DECLARATION_MARKER, _with_digest, runtime_imports
 
-RUNTIME_MARKER = "# ---- attngen's runtime (attngen/runtime/*.py and its families' runtime.py), inlined from here on ----\n"
+RUNTIME_MARKER = ("# ---- attngen's runtime (attngen/runtime/*.py and its families' runtime.py and device.py), inlined from "
+                  "here on ----\n")
 
 # The hook that serves the private package from _RUNTIME_SOURCES. The text sits in linecache under the
 # file name it is compiled with, so inspect.getsource (which triton.jit reads the helpers with) and
@@ -68,6 +69,8 @@ def _runtime_files(families: tuple[str, ...]) -> list[str]:
     files.append("families/__init__.py")
     for name in families:
         files += [f"families/{name}/__init__.py", f"families/{name}/runtime.py"]
+        if root.joinpath(f"families/{name}/device.py").is_file():
+            files.append(f"families/{name}/device.py")
     return files
 
 

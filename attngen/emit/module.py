@@ -52,7 +52,7 @@ def runtime_imports(code: str) -> str:
     for name in registry.FAMILIES:
         family_helpers = ", ".join(h for h in emit_side(name).DEVICE_HELPERS if h in used)
         if family_helpers:
-            lines.append(f"from attngen.families.{name}.runtime import {family_helpers}  # its kernels call them\n")
+            lines.append(f"from attngen.families.{name}.device import {family_helpers}  # its kernels call them\n")
     return "".join(lines)
 
 

@@ -37,6 +37,13 @@ class Signature:
         partition's function and its arguments apart)."""
         return _wrapped("(", self._values(values), ")", column)
 
+    @classmethod
+    def of(cls, function) -> "Signature":
+        """The signature of a @triton.jit (or @gluon.jit) function of attngen's own (a family's device
+        library), read from its definition: a module's kernels call it by this."""
+        return cls(function.__name__, tuple(function.arg_names),
+                   frozenset(name for name, param in zip(function.arg_names, function.params) if param.is_constexpr))
+
     def _values(self, values: dict) -> list[str]:
         unknown = set(values) - set(self.params)
         assert not unknown, f"{self.name} has no parameter(s) {sorted(unknown)}"
@@ -61,6 +68,27 @@ def _wrapped(opening: str, items: list[str], closing: str, column: int) -> str:
             line = f"{line} {text}" if line else text
     lines.append(line)
     return ("\n" + " " * len(opening)).join([opening + lines[0], *lines[1:]])
+
+
+def packing(name: str, items: tuple[str, ...], column: int) -> str:
+    """Lines starting at `column`, after a line break, that bind `name` to the tuple of the parameters
+    `items` (the empty tuple without any): how a kernel hands one kind of the spec's parameters to a device
+    library's function, which passes them on unopened."""
+    spelled = [*items[:-1], items[-1] + ("," if len(items) == 1 else "")] if items else []
+    return _at_column(_wrapped(f"{name} = (", spelled, ")", column) if items else f"{name} = ()", column)
+
+
+def unpacking(name: str, items: tuple[str, ...], column: int) -> str:
+    """The inverse of `packing`, in the module's function that reads them: lines starting at `column`, after
+    a line break, that bind each of `items` from the tuple `name`; nothing without any."""
+    if not items:
+        return ""
+    spelled = [*items[:-1], items[-1] + ("," if len(items) == 1 else "")]
+    return _at_column(_wrapped("(", spelled, f") = {name}", column), column)
+
+
+def _at_column(text: str, column: int) -> str:
+    return "".join(f"\n{' ' * column}{line}" for line in text.split("\n"))
 
 
 def _strides(tensor: str, rows: str) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
-from attngen.families.hopper.runtime import _hopper_round_pairs, _hopper_tile_start, _hopper_box, _hopper_take_turn, _hopper_pass_turn, _hopper_store_rows, _hopper_reduce_add, _hopper_dq_finish, _hopper_bwd_sequence  # its kernels call them
+from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -552,48 +552,20 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, sm_scale, qk_scale, Rng, dr
 
 
 
-# --- hopper forward (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization) --------------
-# A producer warp streams K/V tiles by TMA into a ring of shared-memory stages guarded by mbarriers;
-# two consumer warpgroups of 64 query rows take turns at the tensor cores (FA3's pingpong), each
-# overlapping the softmax of key tile j with the P.V product of tile j-1, P kept in registers. The
-# spec's score and mask run on each S accumulator tile in the wgmma layout: the same elementwise code
-# as the portable forward's (hooks.HOPPER_SCORE / HOPPER_MASK), and the same tile ranges and tables.
-# The Gluon API is triton 3.6's (its family entry, families/hopper/family.py, checks the version); tools/hopper/NOTES.md pins it.
+# --- hopper forward and backward (Gluon): the spec's parts; the pipelines are attngen/families/hopper/device.py --
 from triton.experimental import gluon  # noqa: E402  (the family's kernels are Gluon, not tl)
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-HOPPER_PRODUCER_REGS = gl.constexpr(24)
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = True
 
 
 @gluon.jit
-def _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
-    # Work item `work` of a persistent CTA: a query tile of BLOCK_M rows of one (batch, head), and the
-    # key tiles it visits (TILE_RANGE). Items run head by head, each head's query tiles last first: under
-    # causal-like masks those visit the most keys, and the CTAs running one head's items side by side
-    # share its K/V in L2. Producer and consumers both call this, so they walk the same tiles.
-    off_bh = work // n_m
-    start_m = n_m - 1 - work % n_m
-    off_b = off_bh // H
-    off_h = off_bh % H
-    off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
-    # Where the item's sequence lies in the descriptors (SEQUENCE): batch off_b from row 0, or in a packed
-    # call (VARLEN) sequence b = off_b of the (1, heads, TOTAL, D) views, from its first rows; Q_LEN and
-    # KV_LEN arrive as the longest sequence's (the item numbering's) and become this sequence's, so the
-    # tile range below is the sequence's and no tile of another sequence is visited.
-    tma_b = off_b
-    q_start = off_b * 0
-    k_start = off_b * 0
-    if VARLEN:
-        tma_b = off_b * 0
-        q_start = gl.load(CuSeqlensQ + off_b)
-        k_start = gl.load(CuSeqlensK + off_b)
-        Q_LEN = gl.load(CuSeqlensQ + off_b + 1) - q_start
-        KV_LEN = gl.load(CuSeqlensK + off_b + 1) - k_start
+def _hopper_fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, inputs, table,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # The key tiles a forward work item's query tile start_m visits, with mask code and without (TILE_RANGE).
     # The family takes no cache calls: queries sit at positions 0 .. Q_LEN - 1.
     q_off = 0
     q_first = start_m * BLOCK_M + q_off
@@ -611,89 +583,18 @@ def _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK
     # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
     masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
     full_tiles, full_lo, full_hi = 0, t1, t2
-    n_tiles = (masked_hi - masked_lo) + (full_hi - full_lo)
-    # An item past its sequence's end (packed calls number every sequence's items by the longest) has no
-    # rows: no tile to visit, nothing to store.
-    n_tiles = gl.where(start_m * BLOCK_M < Q_LEN, n_tiles, 0)
-    return (start_m * BLOCK_M, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo,
-            masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, tma_b, q_start, k_start, Q_LEN + off_b * 0,
-            KV_LEN + off_b * 0)
-
-
-@gluon.jit
-def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV, Q_LEN, KV_LEN,
-                     CuSeqlensQ, CuSeqlensK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                     Q_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                     VARLEN: tl.constexpr):
-    # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers, running ahead
-    # of the consumers across work items (the next item's Q and first K/V tiles load while the consumers
-    # finish this one). Boxes are (1, 1 head, rows, width) of (B, heads, length, D) tensors in their own
-    # strides: TMA fills the rows past a head's length with zeros (a tile never reads the next head's rows,
-    # whose values could be anything, inf included).
-    ROWS: gl.constexpr = q_desc.block_type.shape[2]
-    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    ring = 0  # K/V stages handed out so far: the ring's position carries over from item to item
-    done = 0  # work items loaded so far
-    # Items are handed out by a counter in global memory (zero at launch): a CTA takes the next one when
-    # it is ready for it, so CTAs whose items are short take more of them.
-    work = gl.atomic_add(work_counter, 1)
-    while work < n_work:
-        tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
-            full_tiles, full_lo, full_hi, tma_b, q_start, k_start, seq_q_len, seq_kv_len = \
-            _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N,
-                             FOLLOW_TABLE, VARLEN)
-        n_masked = masked_hi - masked_lo
-        slot = done % Q_BUFFERS
-        # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
-        mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) & 1) ^ 1)
-        # The consumers read the item's number once its Q has landed (the arrival below releases it).
-        work_ids.index(slot).store(gl.full([1], work, gl.int32, id_layout))
-        if tile_m < seq_q_len:
-            mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
-            for c in gl.static_range(NUM_CONSUMERS):
-                tma.async_copy_global_to_shared(q_desc, [tma_b, off_h, q_start + tile_m + c * ROWS, 0],
-                                                q_ready.index(slot),
-                                                _hopper_box(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
-        else:  # an item past its sequence's end (packed calls): no Q to load, only its number to pass on
-            mbarrier.arrive(q_ready.index(slot), count=1)
-        for i in range(n_tiles):
-            stage = (ring + i) % STAGES
-            phase = (((ring + i) // STAGES) & 1) ^ 1
-            start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                         full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
-            mbarrier.wait(k_empty.index(stage), phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n, 0], k_ready.index(stage),
-                                            _hopper_box(k_bufs.index(stage), k_desc))
-            mbarrier.wait(v_empty.index(stage), phase)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n, 0], v_ready.index(stage),
-                                            _hopper_box(v_bufs.index(stage), v_desc))
-        ring += n_tiles
-        done += 1
-        work = gl.atomic_add(work_counter, 1)
-    # No item left: the consumers' next slot says so (n_work), with an arrival and no copy.
-    slot = done % Q_BUFFERS
-    mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) & 1) ^ 1)
-    work_ids.index(slot).store(gl.full([1], n_work, gl.int32, id_layout))
-    mbarrier.arrive(q_ready.index(slot), count=1)
-    # The last CTA to take its last number sets the counter back to zero (no CTA takes one after it), so
-    # a later launch with the same counter starts from item 0.
-    if gl.atomic_add(work_counter + 1, 1) == gl.num_programs(0) - 1:
-        gl.atomic_xchg(work_counter, 0)
-        gl.atomic_xchg(work_counter + 1, 0)
+    return masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi
 
 
 @gluon.jit
 def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
-                         B, H, HKV, Q_LEN, KV_LEN, dropout_seed, dropout_offset, dropout_threshold,
+                         B, H, HKV, Q_LEN, KV_LEN, inputs, dropout_seed, dropout_offset, dropout_threshold,
                          dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
                          s_layout: tl.constexpr, DROPOUT: tl.constexpr):
     # The portable forward's step on one S tile (qk, fp32, s_layout): the spec's score, its mask on
-    # MASKED steps, the online softmax in base 2.
+    # MASKED steps, the online softmax in base 2 (the forward's consumers run it: device.py's SPEC_STEP).
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if DEFER_SCALE:
         # No score expression and a positive scale: the row max is the raw products', scaled once a row,
@@ -730,189 +631,6 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
 
 
 @gluon.jit
-def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
-                          masked_hi, gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b,
-                          off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, dropout_seed, dropout_offset,
-                          dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
-                          FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, dtype: tl.constexpr,
-                          s_layout: tl.constexpr, o_layout: tl.constexpr, p_layout: tl.constexpr,
-                          WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr, DROPOUT: tl.constexpr):
-    # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
-    # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
-    # pingpong's issue count then (both carry over from the CTA's earlier work items).
-    n_masked = masked_hi - masked_lo
-    for i in range(i_lo, i_hi):
-        stage = (ring + i) % STAGES
-        phase = ((ring + i) // STAGES) & 1
-        prev = (ring + i - 1) % STAGES
-        prev_phase = ((ring + i - 1) // STAGES) & 1
-        k_smem = k_bufs.index(stage)
-        v_prev = v_bufs.index(prev)
-        start_n = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                     full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
-
-        mbarrier.wait(k_ready.index(stage), phase)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
-        _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
-        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_prev, o, is_async=True)
-        _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-        # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
-        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
-        mbarrier.arrive(k_empty.index(stage), count=1)
-
-        p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
-                                                      qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN,
-                                                      dropout_seed, dropout_offset, dropout_threshold,
-                                                      dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                                      HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, MASKED, DEFER_SCALE,
-                                                      s_layout, DROPOUT)
-        p_next = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
-
-        o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        o = o * gl.expand_dims(alpha_o, 1)
-        p = p_next
-    return o, p, m_i, l_i
-
-
-@gluon.jit
-def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-                     o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work, n_m, sm_scale,
-                     qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                     DEFER_SCALE: tl.constexpr, WG: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-                     VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
-    # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
-    dtype: gl.constexpr = q_bufs.dtype
-    NUM_WARPS: gl.constexpr = BLOCK_M // 16
-    # One 16-row slab per warp, so rows never span warps: row max/sum are intra-warp shuffles and the
-    # accumulator-to-A-operand conversion of P stays in registers.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM_V_PAD, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
-    ring = 0  # K/V stages consumed so far, over this CTA's work items
-    turn = 0  # pingpong issue points so far
-    done = 0  # work items finished
-    # The first item's Q and number.
-    mbarrier.wait(q_ready.index(0), 0)
-    work = gl.max(work_ids.index(0).load(id_layout), 0)
-    while work < n_work:
-        tile_m, off_bh, off_b, off_h, off_hkv, n_tiles, masked_tiles, masked_lo, masked_hi, gap_at, gap, \
-            full_tiles, full_lo, full_hi, tma_b, q_start, k_start, seq_q_len, seq_kv_len = \
-            _hopper_fwd_work(work, n_m, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                             BLOCK_M * NUM_CONSUMERS, BLOCK_N, FOLLOW_TABLE, VARLEN)
-        slot = done % Q_BUFFERS
-        q_smem = q_bufs.index(slot * NUM_CONSUMERS + WG)
-        off_m = tile_m + WG * BLOCK_M
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        # Query positions: the family takes no cache calls, so query i sits at position i.
-        pos_m = offs_m
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-        o = gl.zeros([BLOCK_M, HEAD_DIM_V_PAD], gl.float32, o_layout)
-        n_masked = masked_hi - masked_lo
-        if n_tiles > 0:
-            # Peeled step 0: there is no PV to overlap yet. Masked whichever tile it is (masks are exact
-            # on any tile), so the loops below need not special-case it.
-            start_n = _hopper_tile_start(0, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                         full_lo, full_hi, BLOCK_N, FOLLOW_TABLE)
-            first = ring % STAGES
-            mbarrier.wait(k_ready.index(first), (ring // STAGES) & 1)
-            _hopper_take_turn(sched, turn, WG, NUM_CONSUMERS)
-            s_tok = warpgroup_mma(q_smem, k_bufs.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-            qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k_bufs.index(first)))
-            mbarrier.arrive(k_empty.index(first), count=1)
-            p_f32, alpha, m_i, l_i = _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale,
-                                                          qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
-                                                          seq_kv_len, dropout_seed, dropout_offset,
-                                                          dropout_threshold, dropout_scale, HEAD_DIM,
-                                                          HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                                                          BLOCK_N, True, DEFER_SCALE, s_layout, DROPOUT)
-            p = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
-
-            o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs,
-                                                   v_bufs, k_ready, k_empty, v_ready, v_empty, sched, off_m,
-                                                   offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
-                                                   gap_at, gap, full_tiles, full_lo, full_hi, sm_scale,
-                                                   qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len,
-                                                   seq_kv_len, dropout_seed, dropout_offset, dropout_threshold,
-                                                   dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                                   HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE,
-                                                   DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG,
-                                                   NUM_CONSUMERS, DROPOUT)
-            o, p, m_i, l_i = _hopper_consumer_loop(o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn,
-                                                   q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                                   sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo,
-                                                   masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
-                                                   sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                                   seq_q_len, seq_kv_len, dropout_seed, dropout_offset,
-                                                   dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
-                                                   HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
-                                                   False, FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout,
-                                                   p_layout, WG, NUM_CONSUMERS, DROPOUT)
-
-            # Drain: the last tile's PV.
-            last = (ring + n_tiles - 1) % STAGES
-            v_last = v_bufs.index(last)
-            mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
-            _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(p, v_last, o, is_async=True)
-            _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
-            o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
-            mbarrier.arrive(v_empty.index(last), count=1)
-            ring += n_tiles
-            turn += n_tiles + 1
-
-        # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
-        empty_row = l_i == 0.0
-        inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
-        if DROPOUT:
-            inv_l = inv_l * dropout_scale
-        lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
-        o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
-
-        if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN:
-            # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
-            # past the head's Q_LEN and the columns past HEAD_DIM_V. The buffer takes a later item's Q once the
-            # store has read it. (A packed call's next rows are the next sequence's: stored by row below.)
-            q_smem.store(o.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, off_m, 0], _hopper_box(q_smem, o_desc))
-            tma.store_wait(pendings=0)
-        else:
-            _hopper_store_rows(Out, o.to(dtype), tma_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-                               + q_start.to(gl.int64) * stride_om, stride_om, off_m, seq_q_len, HEAD_DIM_V, BLOCK_M,
-                               HEAD_DIM_V_PAD, o_layout)
-        # The producer may refill the slot: O has left it, and the item's number was read at its start.
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        if VARLEN:  # LSE (1, H, TOTAL_Q): the sequence's rows of the head's row
-            lse_row = off_h.to(gl.int64) * TOTAL_Q + q_start
-        else:
-            lse_row = off_bh.to(gl.int64) * Q_LEN
-        gl.store(Lse + lse_row + offs_m, lse, mask=offs_m < seq_q_len)
-        done += 1
-        # The next item's Q (the wait covers its number too); Q's buffer is O's staging buffer in the
-        # epilogue, so the wait comes even for an item that visits no tile.
-        mbarrier.wait(q_ready.index(done % Q_BUFFERS), (done // Q_BUFFERS) & 1)
-        work = gl.max(work_ids.index(done % Q_BUFFERS).load(id_layout), 0)
-
-
-@gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
                        sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                        TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -920,108 +638,22 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                        STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
                        FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr,
                        DROPOUT: tl.constexpr):
-    # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
-    # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
-    # while the consumers finish this one, and the CTA's set-up is paid once.
-    # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
-    # PINGPONG=True: two 4-warp consumer partitions (default + a worker), BLOCK_M / 2 query rows each,
-    # taking turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then
-    # BLOCK_M / 2 rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
-    NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
-    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    n_m = gl.cdiv(Q_LEN, BLOCK_M)
-    n_work = n_m * B * H
-
-    dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(q_desc.block_type.shape[2] == ROWS)
-    # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_PAD], tile_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # Each Q buffer's work item number, from the producer to the consumers.
-    work_ids = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    for i in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
-        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
-    for i in gl.static_range(2):
-        mbarrier.init(sched.index(i), count=HOPPER_PARTITION_ARRIVALS)
-    # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
-    fence_async_shared()
-
-    if PINGPONG:
-        gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
-                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS,
-                                 VARLEN, DROPOUT)),
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
-                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 1, NUM_CONSUMERS,
-                                 VARLEN, DROPOUT)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                 k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV,
-                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
-                                 NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
-        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                 sched, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_ids, n_work,
-                                 n_m, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ,
-                                 CuSeqlensK, TOTAL_Q, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS,
-                                 BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE, DEFER_SCALE, 0, NUM_CONSUMERS,
-                                 VARLEN, DROPOUT)),
-            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                 k_empty, v_ready, v_empty, work_ids, work_counter, n_work, n_m, B, H, HKV,
-                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
-                                 NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
-        ], [1], [HOPPER_PRODUCER_REGS])
-
-
-# Triton 3.6 lowers mbarrier.arrive in a multi-warp partition to `bar.sync` over the partition's threads
-# followed by one arrival from the partition's first thread (PTX: `@(tid & (threads-1)) == 0
-# mbarrier.arrive`), so a partition counts once however many warpgroups it has. Newer Triton arrives
-# once per warpgroup (tid & 127): re-check this when upgrading.
-HOPPER_PARTITION_ARRIVALS = gl.constexpr(1)
-# Consumer worker budget in the pingpong variant (FA3 gives its two consumer warpgroups 240 each).
-HOPPER_CONSUMER_REGS = gl.constexpr(240)
-
-
-# --- hopper backward (Gluon): FlashAttention-3's layout ------------------------------------------
-# One CTA per key tile of one (batch, kv head) keeps K_j, V_j in shared memory and dK_j, dV_j in
-# registers, and walks the query tiles of every query head of its group (so GQA sums dK/dV in
-# registers, no atomics). A TMA producer warp streams Q_i and dO_i into a ring of stages; the consumer
-# (BLOCK_N / 16 warps, a 16-key slab each) computes per step, on transposed tiles (rows are keys):
-#   S^T = K Q^T, dP^T = V dO^T (asynchronous wgmmas), P^T = exp2(score - LSE) with the spec's score and
-#   mask (hooks.HOPPER_BWD_*, the portable dK/dV kernel's code), dV += P^T dO (P^T from registers),
-#   dS^T = P^T (dP^T - delta) through the score's derivative, dK += dS^T Q (registers), and
-#   dQ_i = dS K (dS through shared memory), added into an fp32 dQ by a TMA reduce-add.
-# The learnable inputs' gradients are scattered from dS^T as in the portable dQ kernel, by fp32 atomics.
-# The key tiles' dQ_i and those atomics add in an order the GPU decides, so the last bits of dQ and of the
-# learnable inputs' gradients may vary from run to run: deterministic calls run the portable backward
-# (HopperFamily.backward_serves).
+    # A persistent kernel over the spec's functions and inputs: device.py's _hopper_fwd_pipeline.
+    inputs = ()
+    table = ()
+    sink_args = ()
+    SPEC_RANGE: gl.constexpr = _hopper_fwd_tile_range
+    SPEC_STEP: gl.constexpr = _hopper_softmax_step
+    _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args,
+                         work_counter, sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN,
+                         KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
+                         HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, PINGPONG,
+                         FOLLOW_TABLE, DEFER_SCALE, False, False, VARLEN, DROPOUT)
 
 
 @gluon.jit
-def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, inputs, table,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
     # The query tiles key tile start_n visits for query head off_h, with mask code and without (TILE_RANGE):
     # the dK/dV kernel's tile range, over this family's tiles.
     k_first = start_n * BLOCK_N
@@ -1043,65 +675,17 @@ def _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 
 
 @gluon.jit
-def _hopper_bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-                         delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b, off_hkv, B, H, HKV,
-                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, VARLEN: tl.constexpr):
-    # One warp, scalars only: K_j and V_j once, then Q_i, dO_i and their rows' base-2 LSE and delta for
-    # every step, in the consumer's order. Boxes are (1, 1 head, rows, width) and (1 head, rows): TMA
-    # zero-fills the rows past a head's length (LSE and delta come padded to whole tiles, +inf and 0 there).
-    tma_b, q_start, k_start, row_start, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ,
-                                                                             CuSeqlensK, VARLEN)
-    # A packed call's key tile past its sequence's end (the grid follows the longest) takes no step, as a key
-    # tile no query tile sees: its K and V boxes are still loaded (TMA zero-fills past the tensor), so both
-    # partitions keep the one protocol.
-    live = start_n * BLOCK_N < KV_LEN
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
-                                    _hopper_box(k_smem, k_desc))
-    tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n * BLOCK_N, 0], kv_bar,
-                                    _hopper_box(v_smem, v_desc))
-    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                                + delta_desc.block_type.nbytes)
-    group = H // HKV
-    t = 0
-    for g in range(group):
-        off_h = off_hkv * group + g
-        masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
-            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
-                                   FOLLOW_TABLE)
-        n_masked = masked_hi - masked_lo
-        n_steps = gl.where(live, n_masked + (full_hi - full_lo), 0)
-        for i in range(n_steps):
-            start_m = _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                         full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
-            stage = t % STAGES
-            # Fresh mbarriers count as having completed phase 1, so the first lap passes straight through.
-            mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, step_bytes)
-            tma.async_copy_global_to_shared(q_desc, [tma_b, off_h, q_start + start_m, 0], bar,
-                                            _hopper_box(q_bufs.index(stage), q_desc))
-            tma.async_copy_global_to_shared(do_desc, [tma_b, off_h, q_start + start_m, 0], bar,
-                                            _hopper_box(do_bufs.index(stage), do_desc))
-            tma.async_copy_global_to_shared(lse_desc, [tma_b * H + off_h, row_start + start_m], bar,
-                                            _hopper_box(lse_bufs.index(stage), lse_desc))
-            tma.async_copy_global_to_shared(delta_desc, [tma_b * H + off_h, row_start + start_m], bar,
-                                            _hopper_box(delta_bufs.index(stage), delta_desc))
-            t += 1
-
-
-@gluon.jit
 def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem,
                       dq_smem, ready, empty, dq_desc, start_n, n_masked, masked_tiles, masked_lo, masked_hi,
                       gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B,
-                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, dropout_seed, dropout_offset,
-                      dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                      HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
+                      H, HKV, Q_LEN, KV_LEN, tma_b, q_start, k_start, inputs, grads, dropout_seed,
+                      dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
                       dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
-    # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads.
+    # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads (the
+    # backward's consumer runs them: device.py's SPEC_STEPS). lse_bufs and delta_bufs are None in a sigmoid spec.
     dtype: gl.constexpr = k_smem.dtype
     # One 16-key slab per warp, as in dK/dV's layouts (ROW_WARPS x COL_WARPS, the consumer's): P^T, dS^T
     # and the dK/dV accumulators share rows. Unsplit, the accumulator to A-operand conversions stay in
@@ -1206,76 +790,6 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
 
 
 @gluon.jit
-def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                         stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p, B, H, HKV,
-                         Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, HEAD_DIM: tl.constexpr,
-                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                         FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                         DROPOUT: tl.constexpr):
-    # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
-    # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
-    # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
-    ROW_WARPS: gl.constexpr = BLOCK_N // 16
-    COL_WARPS: gl.constexpr = 2 if SPLIT_D else 1
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
-                                                        instr_shape=[16, HEAD_DIM_PAD // COL_WARPS, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
-                                                        instr_shape=[16, HEAD_DIM_V_PAD // COL_WARPS, 16])
-    dk = gl.zeros([BLOCK_N, HEAD_DIM_PAD], gl.float32, dk_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM_V_PAD], gl.float32, dv_layout)
-    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
-    tma_b, q_start, k_start, _, Q_LEN, KV_LEN = _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                                                     VARLEN)
-    # A ragged key tile's rows past KV_LEN hold TMA's zeros, whose P need not be 0: every step is masked.
-    ragged = (start_n + 1) * BLOCK_N > KV_LEN
-    # A packed call's key tile past its sequence's end takes no step and stores nothing (rows >= KV_LEN).
-    live = start_n * BLOCK_N < KV_LEN
-    mbarrier.wait(kv_bar, 0)
-    group = H // HKV
-    t = 0
-    for g in range(group):
-        off_h = off_hkv * group + g
-        masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi = \
-            _hopper_bwd_tile_range(start_n, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, BLOCK_M, BLOCK_N,
-                                   FOLLOW_TABLE)
-        n_masked = masked_hi - masked_lo
-        n_steps = gl.where(live, n_masked + (full_hi - full_lo), 0)
-        n_checked = gl.minimum(n_masked, n_steps)
-        if ragged:
-            n_checked = n_steps
-        t, dk, dv = _hopper_bwd_steps(t, 0, n_checked, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
-                                      v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n, n_masked,
-                                      masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo,
-                                      full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN,
-                                      KV_LEN, tma_b, q_start, k_start, dropout_seed, dropout_offset,
-                                      dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                      HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, SPLIT_D,
-                                      VARLEN, dk_layout, dv_layout, DROPOUT)
-        t, dk, dv = _hopper_bwd_steps(t, n_checked, n_steps, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                                      k_smem, v_smem, ds_smem, dq_smem, ready, empty, dq_desc, start_n,
-                                      n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                                      full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                                      Q_LEN, KV_LEN, tma_b, q_start, k_start, dropout_seed, dropout_offset,
-                                      dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD,
-                                      HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False, FOLLOW_TABLE, SPLIT_D,
-                                      VARLEN, dk_layout, dv_layout, DROPOUT)
-    # The last reduce must have read dq_smem before the CTA's shared memory goes away.
-    tma.store_wait(pendings=0)
-    if DROPOUT:
-        dv = dv * dropout_scale
-    _hopper_store_rows(DK, (dk * sm_scale).to(DK.dtype.element_ty),
-                       tma_b.to(gl.int64) * stride_dkz + off_hkv.to(gl.int64) * stride_dkh
-                       + k_start.to(gl.int64) * stride_dkn, stride_dkn, start_n * BLOCK_N, KV_LEN, HEAD_DIM, BLOCK_N,
-                       HEAD_DIM_PAD, dk_layout)
-    _hopper_store_rows(DV, dv.to(DV.dtype.element_ty),
-                       tma_b.to(gl.int64) * stride_dvz + off_hkv.to(gl.int64) * stride_dvh
-                       + k_start.to(gl.int64) * stride_dvn, stride_dvn, start_n * BLOCK_N, KV_LEN, HEAD_DIM_V,
-                       BLOCK_N, HEAD_DIM_V_PAD, dv_layout)
-
-
-@gluon.jit
 def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
                        stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
                        dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
@@ -1283,51 +797,18 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
                        HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
                        VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
-    # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
-    start_n = gl.program_id(0)
-    off_bhkv = gl.program_id(1)
-    off_b = off_bhkv // HKV
-    off_hkv = off_bhkv % HKV
-    # A packed call's sequence is read by each partition (_hopper_bwd_sequence), not here: values computed
-    # before the warp specialization reach the partitions through shared memory, and the kernel faulted so.
-    dtype: gl.constexpr = q_desc.dtype
-    # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_PAD], tile_layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_V_PAD], tile_layout)
-    # The rows' LSE and delta, unswizzled fp32 vectors (the TMA boxes (1, BLOCK_M) are the same bytes).
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_PAD], tile_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
-    # dS^T (BLOCK_N, BLOCK_M): stored from registers each step, read transposed as dQ's A operand (and
-    # with SPLIT_D, P^T first, then dS^T, as dV's and dK's A operands).
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout)
-    # dQ_i's fp32 staging box for the reduce-add (the descriptor's layout, rank 2).
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM_PAD],
-                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=HOPPER_PARTITION_ARRIVALS)
-    # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
-    fence_async_shared()
-    gl.warp_specialize([
-        (_hopper_bwd_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_smem,
-                                 kv_bar, ready, empty, dq_desc, DK, DV, stride_dkz, stride_dkh, stride_dkn,
-                                 stride_dvz, stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale,
-                                 qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES,
-                                 FOLLOW_TABLE, SPLIT_D, VARLEN, DROPOUT)),
-        (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
-                                 lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b,
-                                 off_hkv, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, BLOCK_M, BLOCK_N,
-                                 STAGES, FOLLOW_TABLE, VARLEN)),
-    ], [1], [HOPPER_PRODUCER_REGS])
+    # A CTA per key tile of one (batch, kv head), over the spec's functions and inputs: device.py's
+    # _hopper_bwd_pipeline.
+    inputs = ()
+    grads = ()
+    table = ()
+    SPEC_RANGE: gl.constexpr = _hopper_bwd_tile_range
+    SPEC_STEPS: gl.constexpr = _hopper_bwd_steps
+    _hopper_bwd_pipeline(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, stride_dkz,
+                         stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
+                         dropout_p, inputs, grads, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                         SPEC_RANGE, SPEC_STEPS, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                         BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D, False, VARLEN, DROPOUT)
 
 
 # --- decode (split-KV) forward ----------------------------------------------------------------
@@ -1461,7 +942,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "4fa93047f0e66a8f"
+MODULE_DIGEST = "7917783c4da8ef4a"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",

@@ -9,16 +9,18 @@ from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
 from attngen.emit.signatures import (DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES,
-                                     TILE_RANGE, Signature, SpecParams, _strides, signature)
+                                     TILE_RANGE, Signature, SpecParams, _strides, packing, signature, spec_params,
+                                     unpacking)
 from attngen.analysis.gathers import NO_OFFSET
+from attngen.families.hopper import device
 
 # What the module hands to the family's runtime (families/hopper/runtime.py), by keyword.
 DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel, "
                "dq_finish_kernel=_hopper_dq_finish, plain_score=HOPPER_PLAIN_SCORE")
-# The device helpers its kernels import from its runtime side: the ones no spec changes.
-DEVICE_HELPERS = ("_hopper_round_pairs", "_hopper_sigmoid2", "_hopper_tile_start", "_hopper_box", "_hopper_take_turn",
-                  "_hopper_pass_turn", "_hopper_store_rows", "_hopper_reduce_add", "_hopper_dq_finish",
-                  "_hopper_bwd_sequence")
+# What its kernels import from its device library (device.py), which no spec changes: the pipelines and the
+# helpers a module's functions call.
+DEVICE_HELPERS = ("_hopper_fwd_pipeline", "_hopper_bwd_pipeline", "_hopper_sigmoid2", "_hopper_tile_start",
+                  "_hopper_box", "_hopper_reduce_add", "_hopper_dq_finish")
 # What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
 _HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
 
@@ -74,17 +76,42 @@ def _hopper_backward_hooks(facts: Analysis) -> dict:
             "remask": not all(_is_constant(d, facts) for d in derivatives)}
 
 
+def _pipeline_arguments(facts: Analysis) -> dict:
+    """How its kernels hand the spec's parameters and functions to the device library's pipelines: the
+    spec's inputs, tile table, learnable inputs' gradients and sink as tuples (`packing`, unpacked only
+    by the module's own functions: `unpacking`), its functions as the constexprs SPEC_* (bound by an
+    annotated assignment: Triton makes a Gluon function constexpr only so), and None for the row terms a
+    sigmoid spec lacks."""
+    p = spec_params(facts.spec, facts.tile_table)
+    flags = {"SIGMOID": not p.softmax}
+    forward = {"SPEC_RANGE": "_hopper_fwd_tile_range", "SPEC_STEP": "_hopper_softmax_step"}
+    backward = {"SPEC_RANGE": "_hopper_bwd_tile_range", "SPEC_STEPS": "_hopper_bwd_steps"}
+    return {
+        "unpack_inputs": unpacking("inputs", p.inputs, 4), "unpack_table": unpacking("table", p.table, 4),
+        "unpack_grads": unpacking("grads", p.grads, 4),
+        "pack_forward": "".join([*(packing(name, items, 4) for name, items in
+                                   (("inputs", p.inputs), ("table", p.table), ("sink_args", p.sink))),
+                                 *(f"\n    {name}: gl.constexpr = {fn}" for name, fn in forward.items())]),
+        "pack_backward": "".join([*(packing(name, items, 4) for name, items in
+                                    (("inputs", p.inputs), ("grads", p.grads), ("table", p.table))),
+                                  *(f"\n    {name}: gl.constexpr = {fn}" for name, fn in backward.items())]),
+        "forward_values": dict(SINK=bool(p.sink), **flags, **({} if p.softmax else {"Lse": None})),
+        "backward_values": dict(**flags, **({} if p.softmax else {"lse_desc": None, "delta_desc": None})),
+    }
+
+
 def context(facts: Analysis) -> dict:
-    """What its template (kernels.py.jinja) fills in for this spec: its forward's and its backward's hooks."""
-    return dict(hopper=_hopper_hooks(facts), hopper_bwd=_hopper_backward_hooks(facts))
+    """What its template (kernels.py.jinja) fills in for this spec: its forward's and its backward's hooks,
+    and how its kernels call the pipelines."""
+    return dict(hopper=_hopper_hooks(facts) | _pipeline_arguments(facts), hopper_bwd=_hopper_backward_hooks(facts))
 
 
 def signatures(p: SpecParams) -> dict[str, Signature]:
     """Its kernels' signatures, for a spec's parameters."""
     sig, inputs, grads, table, sink = signature, p.inputs, p.grads, p.table, p.sink
     lse = ROW_TERMS[:1] if p.softmax else ()
-    # The row terms as the backward's producer and consumers hold them: TMA descriptors, shared buffers.
-    row_descriptors, row_buffers = (("lse_desc", "delta_desc"), ("lse_bufs", "delta_bufs")) if p.softmax else ((), ())
+    # The backward's row terms, as TMA descriptors.
+    row_descriptors = ("lse_desc", "delta_desc") if p.softmax else ()
     return {
         # The Hopper family's Gluon forward: the kernel, its TMA producer warp, its consumer warpgroups, their
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
@@ -93,54 +120,30 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
              "VARLEN", "DROPOUT")),
-        # A persistent CTA takes work items (a query tile of one batch x head) from work_counter;
-        # _hopper_fwd_work says which tile and key tiles item `work` is.
-        "hopper_work": sig("_hopper_fwd_work", ("work", "n_m", *inputs, *table, *SIZES, "CuSeqlensQ", "CuSeqlensK"),
-                           ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_producer": sig("_hopper_producer", (
-            "q_desc", "k_desc", "v_desc", "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty",
-            "v_ready", "v_empty", "work_ids", "work_counter", "n_work", "n_m", *inputs, *table, *SIZES,
-            "CuSeqlensQ", "CuSeqlensK"),
-            ("BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "NUM_CONSUMERS", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_consumer": sig("_hopper_consumer", (
-            "q_bufs", "k_bufs", "v_bufs", "q_ready", "q_empty", "k_ready", "k_empty", "v_ready", "v_empty", "sched",
-            "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_ids", "n_work", "n_m", "sm_scale", "qk_scale",
-            *DROPOUT, *inputs, *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "FOLLOW_TABLE", "DEFER_SCALE", "WG",
-             "NUM_CONSUMERS", "VARLEN", "DROPOUT")),
-        "hopper_loop": sig("_hopper_consumer_loop", (
-            "o", "p", "m_i", "l_i", "i_lo", "i_hi", "ring", "turn", "q_smem", "k_bufs", "v_bufs", "k_ready",
-            "k_empty", "v_ready", "v_empty", "sched", "off_m", "offs_m", "pos_m", "s_zero", *TILE_RANGE, *_HOOK_ARGS,
-            *inputs, *DROPOUT_STATE),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "DEFER_SCALE", "dtype", "s_layout",
-             "o_layout", "p_layout", "WG", "NUM_CONSUMERS", "DROPOUT")),
+        # The spec's parts of it: the key tiles a work item visits, and the softmax step on an S tile, where
+        # the spec's score and mask hooks run (the pipeline's SPEC_RANGE and SPEC_STEP). The spec's inputs
+        # and tile table reach them as the tuples `inputs` and `table`.
+        "hopper_range": sig("_hopper_fwd_tile_range", ("start_m", *POSITIONS, *SIZES, "inputs", "table"),
+                            ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, *inputs, *DROPOUT_STATE),
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, "inputs", *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
-        # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), its TMA
-        # producer warp, its consumer warpgroups, their steps over query tiles (where the spec's hooks run)
-        # and the tile range of one query head of the group.
+        "hopper_fwd_pipeline": Signature.of(device._hopper_fwd_pipeline),
+        # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), the tile
+        # range of one query head of the group and the consumer's steps over query tiles (where the spec's
+        # hooks run): the pipeline's SPEC_RANGE and SPEC_STEPS.
         "hopper_bwd": sig("_hopper_bwd_kernel", (
             "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
             *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *DROPOUT, *inputs, *grads,
             *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
-        "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, *inputs, *table),
+        "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, "inputs", "table"),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
-        "hopper_bwd_producer": sig("_hopper_bwd_producer", (
-            "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "q_bufs", "do_bufs", *row_buffers,
-            "k_smem", "v_smem", "kv_bar", "ready", "empty", "start_n", "off_b", "off_hkv", *SIZES,
-            "CuSeqlensQ", "CuSeqlensK", *inputs, *table),
-            ("BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "VARLEN")),
-        "hopper_bwd_consumer": sig("_hopper_bwd_consumer", (
-            "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem", "ds_smem", "dq_smem", "kv_bar",
-            "ready", "empty", "dq_desc", "DK", "DV", *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "start_n",
-            "off_b", "off_hkv", "sm_scale", "qk_scale", *DROPOUT, *SIZES, "CuSeqlensQ", "CuSeqlensK", *inputs, *grads,
-            *table), (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
-            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", *row_buffers, "k_smem", "v_smem",
+            "t", "i_lo", "i_hi", "dk", "dv", "q_bufs", "do_bufs", "lse_bufs", "delta_bufs", "k_smem", "v_smem",
             "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
-            "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, *inputs, *grads, *DROPOUT_STATE),
+            "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "inputs", "grads", *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
              "dv_layout", "DROPOUT")),
+        "hopper_bwd_pipeline": Signature.of(device._hopper_bwd_pipeline),
     }

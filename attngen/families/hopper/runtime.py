@@ -1,19 +1,13 @@
-"""The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels,
-and the device helpers its kernels call that no spec changes."""
+"""The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels
+(whose device side no spec changes is device.py)."""
 
 import torch
-import triton
-import triton.language as tl
-from triton._C.libtriton import ir as _triton_ir
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin as _gluon_builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime.arguments import _call_sizes, _packed_launch, _sizes, _sm_count
 from ...runtime.checks import CHECKED_VALUES
-from ...runtime.helpers import LOG2E, _tile_start
+from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
 from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
@@ -324,124 +318,3 @@ class HopperFamily:
 
 # The class the runtime serves a spec's Attention with (runtime.families).
 FAMILY = HopperFamily
-
-
-# --- device helpers the Hopper kernels call (no spec expression in them; every module of this family
-# imports them: its emit side's DEVICE_HELPERS) -------------------------------------------------
-@gluon.jit
-def _hopper_round_pairs(x, dtype: gl.constexpr):
-    # fp32 to dtype, two neighbours (the pair one wgmma A-operand register holds) in one packed cvt. With
-    # Triton's per-element rounding, P crosses the loop's back edge as 16-bit values and ptxas packs each
-    # pair in the wrong half order, then swaps the halves with a PRMT: at D=64, 504 PRMTs a 128x128 tile,
-    # 12% of the consumers' instructions (ncu). cvt.rn.*x2 puts its first source in the upper
-    # half, so the pair's second element goes first.
-    if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-    else:
-        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.float16,
-                                         is_pure=True, pack=2)
-
-
-@gluon.jit
-def _hopper_sigmoid2(s2):
-    # sigmoid(score') of a base-2 score s2 = score' * log2(e): 1 / (1 + 2^-s2) in two MUFU ops, ex2 and rcp
-    # (relative error of a few ulps; Triton's division would add a range check and a rescale to each element,
-    # which the argument 1 + 2^-s2 >= 1 never needs). 2^-s2 = inf (s2 = -inf on a masked key, or a very
-    # negative score) gives rcp(inf) = 0. The tanh form, one MUFU op, cancels catastrophically for the small
-    # weights sigmoid attention's -log(n) bias makes common.
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + gl.exp2(-s2)], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _hopper_tile_start(i, n_masked, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi,
-                       BLOCK: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
-    # Step i's tile (key tiles in the forward, query tiles in the backward), as its first row: the
-    # masked tiles come first, then the unmasked ones (TILE_RANGE). Producer and consumers both walk this
-    # one sequence, so a stage of the ring always holds the tile a step expects.
-    if i < n_masked:
-        start = _tile_start(masked_tiles, masked_lo + i, masked_hi, gap_at, gap, BLOCK, FOLLOW_TABLE)
-    else:
-        start = _tile_start(full_tiles, full_lo + (i - n_masked), full_hi, 0, 0, BLOCK, FOLLOW_TABLE)
-    return start
-
-
-@gluon.jit
-def _hopper_box(buffer, desc):
-    # A tile buffer seen as the box of a TMA descriptor, (1, 1, rows, width) or (1, rows): the same bytes,
-    # since leading dims of 1 change nothing in the swizzled layout; the wgmmas read the 2-D view.
-    return buffer._reinterpret(buffer.dtype, desc.block_type.shape, desc.layout)
-
-
-@gluon.jit
-def _hopper_take_turn(sched, t, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    # FA3 pingpong: the two consumer warpgroups take turns issuing their MMAs, so one warpgroup's
-    # softmax runs while the other's GEMMs own the tensor cores. t counts this warpgroup's issue points;
-    # warpgroup 0 goes first (a fresh mbarrier passes a wait on parity 1).
-    if NUM_CONSUMERS == 2:
-        mbarrier.wait(sched.index(WG), (t & 1) ^ (1 - WG))
-
-
-@gluon.jit
-def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    if NUM_CONSUMERS == 2:
-        mbarrier.arrive(sched.index(1 - WG), count=1)
-
-
-@gluon.jit
-def _hopper_store_rows(Out, tile, head, stride_row, first_row, length, WIDTH: gl.constexpr, ROWS: gl.constexpr,
-                       WIDTH_PAD: gl.constexpr, layout: gl.constexpr):
-    # A tile's rows straight from its wgmma accumulator layout into one head's rows (offset `head`, rows
-    # stride_row apart, columns unit-stride): the rows below `length` and the columns below WIDTH. For O
-    # where it is wider or narrower than Q's buffer (which stages the TMA store otherwise), and for dK and dV.
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, WIDTH_PAD, layout=gl.SliceLayout(0, layout))
-    ptrs = Out + head + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, tile, mask=gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < WIDTH, 0))
-
-
-@_gluon_builtin
-def _hopper_reduce_add(tensor_desc, coord, src, _semantic=None):
-    # cp.reduce.async.bulk.tensor .add (FA3's dQ accumulation). Gluon 3.6's builder has it, but no public
-    # function calls it (hopper.tma has loads, stores and store_wait); this is that missing wrapper,
-    # written like tma.async_copy_shared_to_global. Private API: the family pins triton 3.6.
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                              src.handle)
-
-
-@triton.jit
-def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
-    # dQ = scale * the fp32 sum the backward's reduce-adds left, rounded to dQ's dtype. Both are laid out
-    # alike (q's layout, densely), so the pass walks their memory; it holds groups of 8 elements (head
-    # dims are multiples of 8, and the last dim is innermost), so the mask is per group and the pass reads
-    # 32 and writes 16 bytes a group (torch.mul with a dtype change does not vectorize).
-    groups = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
-    dq = tl.load(DqSum + offs, mask=(groups < n_groups)[:, None]) * scale
-    tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
-
-
-@gluon.jit
-def _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, VARLEN: gl.constexpr):
-    # Where a backward program's sequence lies in the descriptors (SEQUENCE) and its lengths: batch off_b
-    # from row 0 with the call's lengths, or in a packed call (VARLEN) sequence b = off_b of the (1, heads,
-    # TOTAL, D) views from its first rows, with its own lengths (the grid is sized by the longest).
-    # row_start: where its rows begin in the rows' LSE and delta. TMA reads those fp32 rows from a 16-byte
-    # aligned column only (an unaligned one is an illegal instruction), so a packed call's sequence b
-    # starts at 4 * (q_start // 4 + b) there, never before the previous one's end (_hopper_sequence_rows).
-    tma_b = off_b
-    q_start = off_b * 0
-    k_start = off_b * 0
-    row_start = off_b * 0
-    q_len = Q_LEN + off_b * 0
-    kv_len = KV_LEN + off_b * 0
-    if VARLEN:
-        tma_b = off_b * 0
-        q_start = gl.load(CuSeqlensQ + off_b)
-        k_start = gl.load(CuSeqlensK + off_b)
-        row_start = (q_start // 4 + off_b) * 4
-        q_len = gl.load(CuSeqlensQ + off_b + 1) - q_start
-        kv_len = gl.load(CuSeqlensK + off_b + 1) - k_start
-    return tma_b, q_start, k_start, row_start, q_len, kv_len
