@@ -238,6 +238,22 @@ def test_compile_outputs_state_about_the_lines_it_writes(page):
             f"{_rel(page)}: `attngen compile {command}` writes {lines} lines, the page says {stated}")
 
 
+# docs/cli.md's figure for the thin module of one catalog spec, on two targets.
+THIN_SIZES = re.compile(r"`sliding_window\.attn`: (\d+) lines for `--target h200`, (\d+) for `a100`")
+
+
+def test_thin_modules_are_as_long_as_cli_md_says_and_hold_no_shared_code():
+    stated = THIN_SIZES.search(" ".join((ROOT / "docs" / "cli.md").read_text().split()))
+    assert stated, "docs/cli.md states no thin module's length"
+    # The budgets: a thin module holds what the spec decides; code no spec changes (the runtime, the families'
+    # device libraries) is imported, so a module past them has taken shared code in again.
+    for target, figure, budget in (("h200", int(stated[1]), 1300), ("a100", int(stated[2]), 700)):
+        lines = len(attngen.compile_source(ROOT / "specs" / "sliding_window.attn", target=target,
+                                           thin=True).splitlines())
+        assert abs(figure - lines) <= lines / 10, f"docs/cli.md says {figure} lines for {target}, it is {lines}"
+        assert lines <= budget, f"the thin sliding_window module for {target} has {lines} lines (budget {budget})"
+
+
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 RESULTS = ROOT / "benchmarks" / "history" / "results"
 # "date, raw file" or "date GPU, raw file" (the raw file's name carries the GPU: h200 unless named).

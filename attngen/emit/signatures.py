@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from attngen import families as registry
@@ -40,14 +41,22 @@ class Signature:
     @classmethod
     def of(cls, function) -> "Signature":
         """The signature of a @triton.jit (or @gluon.jit) function of attngen's own (a family's device
-        library), read from its definition: a module's kernels call it by this."""
-        return cls(function.__name__, tuple(function.arg_names),
-                   frozenset(name for name, param in zip(function.arg_names, function.params) if param.is_constexpr))
+        library), read from its Python definition (Triton's interpreter wraps it differently): a module's
+        kernels call it by this."""
+        params = inspect.signature(function.fn).parameters.values()
+        return cls(function.__name__, tuple(p.name for p in params),
+                   frozenset(p.name for p in params if _is_constexpr(p.annotation)))
 
     def _values(self, values: dict) -> list[str]:
         unknown = set(values) - set(self.params)
         assert not unknown, f"{self.name} has no parameter(s) {sorted(unknown)}"
         return [_code(values.get(p, p)) for p in self.params]
+
+
+def _is_constexpr(annotation) -> bool:
+    # tl.constexpr and gl.constexpr, as objects or (postponed annotations) as text.
+    return getattr(annotation, "__name__", None) == "constexpr" or (
+        isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr")
 
 
 def _code(value) -> str:

@@ -6,8 +6,8 @@ spec's code in its kernels' spellings, their signatures, the names its template 
 module declares to the runtime); `kernels.py.jinja`, its template (emit/module.py.jinja includes it for
 every family of a plan); `runtime.py`, its host side (its per-call rule, allocations, strides and
 launches), imported only by modules whose plan names it; and, where its kernels share device code that no
-spec changes, `device.py`, its device library (the Hopper family's pipelines), imported by those modules'
-kernels. Adding a family is a folder and one entry below;
+spec changes, `device.py`, its device library (the portable forward's program, the Hopper family's
+pipelines), imported by those modules' kernels. Adding a family is a folder and one entry below;
 shared code names no family, it reads them from this tuple. The last family serves every call of every spec
 on every target: the others serve the calls their rules admit, and pass the rest down the list.
 """

@@ -26,6 +26,7 @@ from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
 from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish  # its kernels call them
+from attngen.families.portable.device import _fwd_program  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
 # Notation: one program owns BLOCK_M query rows of one (batch, head); it streams BLOCK_N-key
@@ -37,12 +38,14 @@ from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pip
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
                stride_vk, tiles, j_lo, j_hi, gap_at, gap, visits, offs_m, pos_m, q_off, q_first, offs_d,
-               offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, doc_ptr,
-               stride_doc_0, size_doc_0, pages, NUM_PAGES, dropout_seed, dropout_offset, dropout_threshold,
-               dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, inputs, pages,
+               NUM_PAGES, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DROPOUT: tl.constexpr):
+    # The passes over key tiles (device.py's _fwd_program runs it as SPEC_INNER).
+    (doc_ptr, stride_doc_0, size_doc_0) = inputs
     start_n = _tile_start(tiles, j_lo, j_hi, gap_at, gap, BLOCK_N, FOLLOW_TABLE)
     if PAGED:
         next_page = _page_numbers(pages, start_n + tl.arange(0, BLOCK_N), KV_LEN, PAGE_SIZE)
@@ -96,70 +99,11 @@ def _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
-                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
-                stride_vk, stride_oz, stride_oh, stride_om, stride_ok, doc_ptr, stride_doc_0, size_doc_0,
-                TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
-                PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
-                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr,
-                DROPOUT: tl.constexpr):
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
-    visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
-        (KV_LEN + BLOCK_N - 1) // BLOCK_N)
-    lse_row = off_bh.to(tl.int64) * Q_LEN
-# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
-    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
-    # and become this sequence's, so every bound below is the sequence's and no tile of another
-    # sequence is visited; a program past the end of its sequence has nothing to do.
-    q_start = 0
-    if VARLEN:
-        q_start = tl.load(CuSeqlensQ + off_b)
-        k_start = tl.load(CuSeqlensK + off_b)
-        Q_LEN = tl.load(CuSeqlensQ + off_b + 1) - q_start
-        KV_LEN = tl.load(CuSeqlensK + off_b + 1) - k_start
-        if start_m * BLOCK_M >= Q_LEN:
-            return
-        Q += q_start.to(tl.int64) * stride_qm
-        Out += q_start.to(tl.int64) * stride_om
-        K += k_start.to(tl.int64) * stride_kn
-        V += k_start.to(tl.int64) * stride_vn
-
-    if VARLEN:  # LSE (H, TOTAL_Q): the sequence's rows of the head's row
-        lse_row = off_h.to(tl.int64) * TOTAL_Q + q_start
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    Q_head = Q + off_b.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
-    # A paged cache (PAGED): K and V hold pages (NUM_PAGES, PAGE_SIZE, HKV, D), their strides arrive as
-    # (page, head, slot, d), and the row's keys are found through its page table.
-    K_head = K + off_hkv.to(tl.int64) * stride_kh
-    V_head = V + off_hkv.to(tl.int64) * stride_vh
-    pages = PageTable + off_b.to(tl.int64) * stride_pt
-    if not PAGED:
-        K_head += off_b.to(tl.int64) * stride_kz
-        V_head += off_b.to(tl.int64) * stride_vz
-    q = _load_tile(Q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
-                   offs_m[:, None] < Q_LEN, offs_d[None, :] < HEAD_DIM, True, HEAD_DIM != HEAD_DIM_PAD)
-    # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
-    # kv_len[b] (clamped to the cache, so no value can reach past its memory).
-    q_off = 0
-    if HAS_Q_OFFSET:
-        q_off = tl.load(QOffset + off_b)
-    if HAS_KV_LEN:
-        KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
-    pos_m = offs_m + q_off
-
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-    dropout_seed, dropout_offset, dropout_threshold, dropout_scale = _dropout_state(Rng, dropout_p, DROPOUT)
+def _fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, q_off, inputs, table,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLLOW_TABLE: tl.constexpr):
+    # The key tiles query tile start_m visits, with mask code and without (TILE_RANGE).
+    (doc_ptr, stride_doc_0, size_doc_0) = inputs
+    (TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols) = table
     if FOLLOW_TABLE:
         # This tile's partial tiles (listed from the left of its row) and full ones (from the right).
         trow = off_b.to(tl.int64) * tbl_sb + off_h * tbl_sh + start_m
@@ -179,33 +123,33 @@ def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, stride_qz
         # costs one pipeline fill, not two), then the stretch itself; no table to read tiles from.
         masked_tiles, masked_lo, masked_hi, gap_at, gap = 0, t0, t1 + (t3 - t2), t1, t2 - t1
         full_tiles, full_lo, full_hi = 0, t1, t2
-    q_first = start_m * BLOCK_M + q_off
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
-                               stride_vn, stride_vk, masked_tiles, masked_lo, masked_hi, gap_at, gap, visits,
-                               offs_m, pos_m, q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h,
-                               off_hkv, B, H, HKV, Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, pages,
-                               NUM_PAGES, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-                               HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, True,
-                               COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE, DROPOUT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_kz, stride_kn, stride_kk, stride_vz,
-                               stride_vn, stride_vk, full_tiles, full_lo, full_hi, 0, 0, visits, offs_m, pos_m,
-                               q_off, q_first, offs_d, offs_dv, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H,
-                               HKV, Q_LEN, KV_LEN, doc_ptr, stride_doc_0, size_doc_0, pages, NUM_PAGES,
-                               dropout_seed, dropout_offset, dropout_threshold, dropout_scale, HEAD_DIM,
-                               HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, False, COUNT_VISITS,
-                               DOT_PRECISION, FOLLOW_TABLE, PAGED, PAGE_SIZE, DROPOUT)
+    return masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles, full_lo, full_hi
 
-    # A row with no allowed key: O = 0 and LSE = -inf (never 0/0).
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    acc = acc / l_safe[:, None]
-    if DROPOUT:
-        acc = acc * dropout_scale
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
-    tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
-             acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(Lse + lse_row + offs_m, lse, mask=offs_m < Q_LEN)
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
+                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
+                stride_vk, stride_oz, stride_oh, stride_om, stride_ok, doc_ptr, stride_doc_0, size_doc_0,
+                TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
+                PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr):
+    # The program over the spec's functions and inputs: families/portable/device.py's _fwd_program.
+    inputs = (doc_ptr, stride_doc_0, size_doc_0)
+    table = (TblNum, TblIdx, tbl_sb, tbl_sh, tbl_cols)
+    sink_args = ()
+    SPEC_RANGE: tl.constexpr = _fwd_tile_range
+    SPEC_INNER: tl.constexpr = _fwd_inner
+    _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh,
+                 stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
+                 stride_vn, stride_vk, stride_oz, stride_oh, stride_om, stride_ok, inputs, table, B, H, HKV,
+                 Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK,
+                 TOTAL_Q, SPEC_RANGE, SPEC_INNER, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
+                 BLOCK_N, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE,
+                 False, False, VARLEN, DROPOUT)
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -288,10 +232,8 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
     group = H // HKV
     n_k_tiles = (KV_LEN + BLOCK_N - 1) // BLOCK_N
     n_q_tiles = (Q_LEN + BLOCK_M - 1) // BLOCK_M
-# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
-    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
-    # and become this sequence's, so every bound below is the sequence's and no tile of another
-    # sequence is visited; a program past the end of its sequence has nothing to do.
+    # A packed call (VARLEN): this sequence's rows and lengths, as in the forward (families/portable/device.py);
+    # a program past the end of its sequence has nothing to do.
     q_start = 0
     if VARLEN:
         q_start = tl.load(CuSeqlensQ + off_b)
@@ -306,7 +248,6 @@ def _bwd_dkdv_program(start_n, off_bhkv, Q, K, V, DO, Lse, Delta, DK, DV, sm_sca
         V += k_start.to(tl.int64) * stride_vn
         DK += k_start.to(tl.int64) * stride_dkn
         DV += k_start.to(tl.int64) * stride_dvn
-
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_first = start_n * BLOCK_N
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -438,10 +379,8 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
     row = off_bh.to(tl.int64) * Q_LEN
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
-# A packed call (VARLEN): batch row b is sequence b, tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of
-    # (1, heads, TOTAL, D) views. Q_LEN and KV_LEN arrive as the longest sequence's lengths (the grid's)
-    # and become this sequence's, so every bound below is the sequence's and no tile of another
-    # sequence is visited; a program past the end of its sequence has nothing to do.
+    # A packed call (VARLEN): this sequence's rows and lengths, as in the forward (families/portable/device.py);
+    # a program past the end of its sequence has nothing to do.
     q_start = 0
     if VARLEN:
         q_start = tl.load(CuSeqlensQ + off_b)
@@ -455,7 +394,6 @@ def _bwd_dq_program(start_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_s
         DQ += q_start.to(tl.int64) * stride_dqm
         K += k_start.to(tl.int64) * stride_kn
         V += k_start.to(tl.int64) * stride_vn
-
     if VARLEN:  # LSE and delta (H, TOTAL_Q): the sequence's rows of the head's row
         row = off_h.to(tl.int64) * TOTAL_Q + q_start
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1108,7 +1046,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "094ee91e73fe3bc6"
+MODULE_DIGEST = "ea83ceb8015029f9"
 FACTS = SpecFacts(
     name="document_causal",
     fingerprint="55a63ad3f59944a6",

@@ -12,12 +12,14 @@ from attngen.emit.hooks import (FORWARD_ROWS, ROW_MAJOR, TRANSPOSED, Hook, _dsco
                                 _mask_hook, _score_hook, _tile_range_hook)
 from attngen.emit.signatures import (CACHE, CACHE_FLAGS, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING,
                                      POSITIONS, ROW_TERMS, SIZES, TABLE, TILE_LOOP, Signature, SpecParams, _strides,
-                                     signature, table_params)
+                                     packing, signature, spec_params, table_params, unpacking)
+from attngen.families.portable import device
 
 # Its kernels are the Attention's own (runtime.facts.Kernels, in the module's declaration): nothing to hand
-# over by keyword, and its device helpers are the shared ones (runtime/helpers.py).
+# over by keyword. Its device library (device.py) offers the forward's program; its other device helpers
+# are the shared ones (runtime/helpers.py).
 DECLARATION = None
-DEVICE_HELPERS: tuple[str, ...] = ()
+DEVICE_HELPERS = ("_fwd_program",)
 _INNER_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "COUNT_VISITS", "DOT_PRECISION")
 _PROGRAM_CONSTANTS = (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION")
 
@@ -43,10 +45,26 @@ def _kernel_hooks(facts: Analysis, spelling: Spelling, loop: str, ds_var: str) -
     return hooks
 
 
+def _forward_program(facts: Analysis) -> dict:
+    """How its forward kernel hands the spec's parameters and functions to the device library's _fwd_program:
+    the spec's inputs, tile table and sink as tuples (unpacked only by the module's _fwd_tile_range and
+    _fwd_inner), those functions as the constexprs SPEC_RANGE and SPEC_INNER (bound by an annotated
+    assignment: Triton makes a function constexpr only so), and None for the LSE a sigmoid spec lacks."""
+    p = spec_params(facts.spec, facts.tile_table)
+    functions = {"SPEC_RANGE": "_fwd_tile_range", "SPEC_INNER": "_fwd_inner"}
+    return {
+        "unpack_inputs": unpacking("inputs", p.inputs, 4), "unpack_table": unpacking("table", p.table, 4),
+        "pack": "".join([*(packing(name, items, 4) for name, items in
+                           (("inputs", p.inputs), ("table", p.table), ("sink_args", p.sink))),
+                         *(f"\n    {name}: tl.constexpr = {fn}" for name, fn in functions.items())]),
+        "program_values": dict(SIGMOID=not p.softmax, SINK=bool(p.sink), **({} if p.softmax else {"Lse": None})),
+    }
+
+
 def context(facts: Analysis) -> dict:
     """What its templates (kernels.py.jinja and the files it includes) fill in for this spec."""
     return dict(
-        fwd=_kernel_hooks(facts, FORWARD_ROWS, "k", ""),
+        fwd=_kernel_hooks(facts, FORWARD_ROWS, "k", "") | _forward_program(facts),
         dq=_kernel_hooks(facts, ROW_MAJOR, "k", "ds"),
         dkdv=_kernel_hooks(facts, TRANSPOSED, "q", "dsT"),
         # _bwd_kernel's two tables, passed to the programs' unprefixed table parameters.
@@ -64,11 +82,16 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
     return {
         # FOLLOW_TABLE: the forward follows the call's tile table; off in cache calls (whose positions a
         # table does not describe) and in every call of a spec without tables.
+        # The spec's parts of the forward (device.py's _fwd_program runs them): its inner loop over key tiles,
+        # where its score and mask run, and its tile range; the spec's inputs and table reach them as tuples.
         "fwd_inner": sig("_fwd_inner", (
             "acc", "l_i", "m_i", "q", "K_head", "V_head", "stride_kz", "stride_kn", "stride_kk", "stride_vz",
             "stride_vn", "stride_vk", *TILE_LOOP, "offs_m", "pos_m", "q_off", "q_first", "offs_d", "offs_dv",
-            "sm_scale", "qk_scale", *POSITIONS, *SIZES, *inputs, "pages", "NUM_PAGES", *DROPOUT_STATE),
+            "sm_scale", "qk_scale", *POSITIONS, *SIZES, "inputs", "pages", "NUM_PAGES", *DROPOUT_STATE),
             (*_INNER_CONSTANTS, "FOLLOW_TABLE", *PAGING, "DROPOUT")),
+        "fwd_range": sig("_fwd_tile_range", ("start_m", *POSITIONS, *SIZES, "q_off", "inputs", "table"),
+                         ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
+        "fwd_program": Signature.of(device._fwd_program),
         "fwd_kernel": sig("_fwd_kernel", (
             "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *DROPOUT, *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
