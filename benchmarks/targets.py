@@ -1,5 +1,7 @@
 """Issue 13's targets table: attngen beside cuDNN, SDPA flash and FlexAttention on the issue's shapes, each
 target met or missed, for attngen as built for this GPU and for its portable family; prints it, writes JSON.
+With issue 35's first-call cases (`--only first_call`): each catalog spec's first forward and backward with
+cold caches, attngen's against Flex's.
 
     PYTHONPATH=$PWD python benchmarks/targets.py                      # every case, on an H200
     PYTHONPATH=$PWD python benchmarks/targets.py --quick              # a smoke run: N/4, three catalog specs
@@ -17,6 +19,10 @@ A case is a measurement or two and the targets issue 13 sets on them. "x cuDNN" 
 speed ratios as attngen bench defines them (the other's time over attngen's: above 1, attngen is faster);
 the softcap and learned_rel_bias targets are time ratios (the variant's time over plain attention's, both
 by the same implementation). A target whose times are missing is "not measured", never "met".
+
+A first-call case (group `first_call`) runs benchmarks/first_call.py's measurement: attngen's and Flex's first
+forward and backward of the spec at B2 H16 N4096 D128, each in a process of its own whose Triton, Inductor and
+attngen caches are empty folders; its target is attngen's first call no longer than Flex's (a speed ratio >= 1).
 
 Where Flex's own configurations run out of shared memory in its backward (a score reading a learnable table
 does), its forward+backward is timed again with one pipeline stage in the backward (as `attngen bench` does,
@@ -50,7 +56,13 @@ PORTABLE_TARGET = "a100"
 CUDNN = "sdpa cudnn"
 # The two attngen builds each target is evaluated for, in the table's order.
 JUDGED = (ATTNGEN, PORTABLE)
-PHASES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+PHASES = {"fwd": "forward", "fwdbwd": "forward+backward", "first": "first call"}
+# Issue 35's first-call cases: one catalog spec's first forward and backward, compiles included, with cold
+# Triton, Inductor and attngen caches (benchmarks/first_call.py, a process per implementation), attngen as built
+# for this GPU beside Flex; the portable build is not measured there. Their shape is first_call.py's default.
+FIRST_CALL = "first_call"
+FIRST_CALL_SHAPE = (2, 16, 4096, 128)
+FIRST_CALL_RUNS = {ATTNGEN: "attngen", FLEX: "flex"}  # the implementation's name in first_call.py
 
 PLAIN = "attention plain\n"
 SOFTCAP = "attention softcap\nparam cap = 30.0\nscore: softcap(score, cap)\n"
@@ -69,12 +81,13 @@ class Measurement:
     label: str  # the spec's short name in the tables
     spec: str  # an .attn path or spec text, as attngen.build takes it
     problem: Problem
+    first_call: bool = False  # a first call with cold caches (FIRST_CALL), not timed calls
 
     @property
     def key(self) -> str:
         p = self.problem
         heads = f"H{p.H}" if p.HKV == p.H else f"H{p.H}/{p.HKV}"
-        return f"{self.label} B{p.B} {heads} N{p.Q_LEN} D{p.D}"
+        return f"{'first call ' if self.first_call else ''}{self.label} B{p.B} {heads} N{p.Q_LEN} D{p.D}"
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,8 @@ def phase_ms(results: Results, measurement: Measurement, implementation: str,
 def _ms(timing: Timing | None, phase: str) -> float | None:
     if timing is None:
         return None
+    if phase == "first":
+        return timing.first_call_s * 1000 if timing.first_call_s is not None else None
     return timing.fwd_ms if phase == "fwd" else timing.fwdbwd_ms
 
 
@@ -244,7 +259,7 @@ def cases(quick: bool = False) -> list[Case]:
         m = catalog(stem, size(4, 16, 4096, 128))
         result.append(Case(stem, (SpeedTarget(m, "fwd", CUDNN, 1.0), SpeedTarget(m, "fwdbwd", CUDNN, 0.9))))
     m = catalog("causal", size(4, 16, 8192, 64))
-    result.append(Case("causal_d64", tuple(SpeedTarget(m, phase, other, at_least) for phase in PHASES
+    result.append(Case("causal_d64", tuple(SpeedTarget(m, phase, other, at_least) for phase in ("fwd", "fwdbwd")
                                            for other, at_least in ((CUDNN, 0.9), (FLEX, 1.2)))))
     for stem in catalog_stems(quick):
         m = catalog(stem, size(2, 16, 8192, 128))
@@ -256,6 +271,9 @@ def cases(quick: bool = False) -> list[Case]:
     bias = catalog("learned_rel_bias", size(4, 16, 4096, 128))
     plain = Measurement("plain", PLAIN, size(4, 16, 4096, 128))
     result.append(Case("learned_rel_bias", (TimeTarget(bias, plain, "fwdbwd", 2.0),)))
+    for stem in catalog_stems(quick):
+        m = Measurement(stem, str(SPECS / f"{stem}.attn"), size(*FIRST_CALL_SHAPE), first_call=True)
+        result.append(Case(f"{FIRST_CALL}/{stem}", (SpeedTarget(m, "first", FLEX, 1.0),)))
     return result
 
 
@@ -464,6 +482,24 @@ def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Resu
     return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted), notes)
 
 
+def measure_first_call(m: Measurement, step: Callable[[str], None]) -> Result:
+    """Each implementation's first call on one catalog spec, cold caches, in a process of its own
+    (benchmarks/first_call.py); a failure is that implementation's note."""
+    import first_call  # benchmarks/first_call.py, beside this script
+
+    p = m.problem
+    shape = f"{p.B},{p.H},{p.Q_LEN},{p.D}"
+    timings = {}
+    for implementation, name in FIRST_CALL_RUNS.items():
+        step(f"{m.key}: {implementation}'s first call, cold caches")
+        row = first_call.run_one(name, Path(m.spec).stem, shape)
+        timings[implementation] = Timing(implementation, first_call_s=row.get("first_s"),
+                                         note=row.get("error", "") or row.get("ahead_error", "") or "")
+    return Result(timings, absent={PORTABLE: "first calls are measured for attngen as built for this GPU"},
+                  notes=[f"{name}: first call {t.first_call_s:.2f} s" if t.first_call_s is not None
+                         else f"{name}: no first call ({t.note})" for name, t in timings.items()])
+
+
 def run_info(args: argparse.Namespace) -> dict:
     """The run's context, as bench.run's info dict gives it."""
     import torch
@@ -524,14 +560,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Result] = {}
     for m in plan:
         try:
-            results[m.key] = measure(m, backward=not args.no_backward, step=step)
+            results[m.key] = (measure_first_call(m, step) if m.first_call
+                              else measure(m, backward=not args.no_backward, step=step))
         except Exception as e:  # the set-up failed (out of memory, an input the spec refuses): its targets say so
             results[m.key] = Result(error=bench._first_line(e))
         torch.cuda.empty_cache()
         result = results[m.key]
         if result.error:
             console.print(f"{m.key}: {result.error}", markup=False, highlight=False)
-        else:
+        elif result.rows:
             console.print(bench.table(raw_rows(result), f"{m.key} {m.problem.dtype} on {info['gpu']}"))
             for note in result.notes:
                 console.print(note, markup=False, highlight=False)
@@ -540,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = target_rows(args.selected, results)
     quick = " (--quick: smaller N, the targets' shapes are not these)" if args.quick else ""
-    console.print(targets_table(rows, f"Issue 13's targets, bf16, on {info['gpu']}{quick}"))
+    console.print(targets_table(rows, f"Issue 13's and 35's targets, bf16, on {info['gpu']}{quick}"))
     for line in tally(rows):
         console.print(line, markup=False, highlight=False)
     console.print("speed ratio: the other's time over attngen's (above 1: attngen is faster); time ratio: the "

@@ -144,9 +144,52 @@ def test_every_catalog_spec_has_a_case_with_the_flex_targets_at_the_catalog_size
         assert [(t.phase, t.other, t.at_least) for t in case.targets] == [("fwd", FLEX, 1.2), ("fwdbwd", FLEX, 1.1)]
 
 
+def test_every_catalog_spec_has_a_first_call_case_judged_against_flexs_first_call():
+    stems = {path.stem for path in (ROOT / "specs").glob("*.attn")}
+    first = {c.name.split("/", 1)[1]: c for c in targets.cases() if c.group == targets.FIRST_CALL}
+    assert set(first) == stems
+    case = first["causal"]
+    m, = case.measurements
+    target, = case.targets
+    assert m.first_call and m.key == "first call causal B2 H16 N4096 D128"
+    assert (target.phase, target.other, target.at_least) == ("first", FLEX, 1.0)
+    assert target.describe() == f"first call >= 1.0x {FLEX}"
+
+    def result(ours, theirs, portable_absent=True):
+        timings = {ATTNGEN: Timing(ATTNGEN, first_call_s=ours), FLEX: Timing(FLEX, first_call_s=theirs, note="x")}
+        return {m.key: targets.Result(timings, absent={PORTABLE: "not this build"} if portable_absent else {})}
+
+    met = targets.evaluate(target, result(6.0, 15.0), ATTNGEN)
+    assert (met.status, met.ratio) == (targets.MET, pytest.approx(2.5))
+    assert targets.evaluate(target, result(16.0, 15.0), ATTNGEN).status == targets.MISSED
+    unmeasured = targets.evaluate(target, result(6.0, None), ATTNGEN)
+    assert unmeasured.status == targets.NOT_MEASURED and FLEX in unmeasured.why
+    portable = targets.evaluate(target, result(6.0, 15.0), PORTABLE)
+    assert portable.status == targets.NOT_MEASURED and "not this build" in portable.why
+
+
+def test_a_first_call_measurement_runs_each_implementation_by_first_call_py(monkeypatch):
+    calls = []
+
+    def run_one(implementation, spec_name, shape):
+        calls.append((implementation, spec_name, shape))
+        return ({"first_s": 6.5} if implementation == "attngen"
+                else {"spec": spec_name, "implementation": implementation, "error": "flex cannot express it"})
+
+    monkeypatch.setitem(sys.modules, "first_call", type(sys)("first_call"))
+    monkeypatch.setattr(sys.modules["first_call"], "run_one", run_one, raising=False)
+    m, = _case("first_call/gpt_oss_sinks").measurements
+    result = targets.measure_first_call(m, lambda what: None)
+    assert calls == [("attngen", "gpt_oss_sinks", "2,16,4096,128"), ("flex", "gpt_oss_sinks", "2,16,4096,128")]
+    assert result.timings[ATTNGEN].first_call_s == 6.5
+    assert result.timings[FLEX].first_call_s is None and result.timings[FLEX].note == "flex cannot express it"
+    verdict = targets.evaluate(_case("first_call/gpt_oss_sinks").targets[0], {m.key: result}, ATTNGEN)
+    assert verdict.status == targets.NOT_MEASURED and "flex cannot express it" in verdict.why
+
+
 def test_the_issues_shapes_and_bounds():
     described = {c.name: ([m.key for m in c.measurements], [t.describe() for t in c.targets])
-                 for c in targets.cases() if c.group != targets.CATALOG}
+                 for c in targets.cases() if c.group not in (targets.CATALOG, targets.FIRST_CALL)}
     assert described == {
         "full": (["full B4 H16 N4096 D128"],
                  ["forward >= 1.0x sdpa cudnn", "forward+backward >= 0.9x sdpa cudnn"]),
