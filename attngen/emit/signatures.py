@@ -96,6 +96,15 @@ def unpacking(name: str, items: tuple[str, ...], column: int) -> str:
     return _at_column(_wrapped("(", spelled, f") = {name}", column), column)
 
 
+def handover(tuples: dict[str, tuple[str, ...]], functions: dict[str, str], constexpr: str) -> str:
+    """The lines, at column 4 of a kernel's body, by which it hands what its spec decides to a device library's
+    function: each kind of the spec's parameters as a tuple (`packing`), each of the module's functions bound
+    to a constexpr (an annotated assignment, `constexpr` spelled as the kernel's dialect spells it: Triton makes
+    a function constexpr only so)."""
+    return "".join([*(packing(name, items, 4) for name, items in tuples.items()),
+                    *(f"\n    {name}: {constexpr} = {function}" for name, function in functions.items())])
+
+
 def _at_column(text: str, column: int) -> str:
     return "".join(f"\n{' ' * column}{line}" for line in text.split("\n"))
 

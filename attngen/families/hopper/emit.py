@@ -9,7 +9,7 @@ from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
 from attngen.emit.signatures import (DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES,
-                                     TILE_RANGE, Signature, SpecParams, _strides, packing, signature, spec_params,
+                                     TILE_RANGE, Signature, SpecParams, _strides, handover, signature, spec_params,
                                      unpacking)
 from attngen.analysis.gathers import NO_OFFSET
 from attngen.families.hopper import device
@@ -89,12 +89,10 @@ def _pipeline_arguments(facts: Analysis) -> dict:
     return {
         "unpack_inputs": unpacking("inputs", p.inputs, 4), "unpack_table": unpacking("table", p.table, 4),
         "unpack_grads": unpacking("grads", p.grads, 4),
-        "pack_forward": "".join([*(packing(name, items, 4) for name, items in
-                                   (("inputs", p.inputs), ("table", p.table), ("sink_args", p.sink))),
-                                 *(f"\n    {name}: gl.constexpr = {fn}" for name, fn in forward.items())]),
-        "pack_backward": "".join([*(packing(name, items, 4) for name, items in
-                                    (("inputs", p.inputs), ("grads", p.grads), ("table", p.table))),
-                                  *(f"\n    {name}: gl.constexpr = {fn}" for name, fn in backward.items())]),
+        "pack_forward": handover({"inputs": p.inputs, "table": p.table, "sink_args": p.sink}, forward,
+                                 "gl.constexpr"),
+        "pack_backward": handover({"inputs": p.inputs, "grads": p.grads, "table": p.table}, backward,
+                                  "gl.constexpr"),
         "forward_values": dict(SINK=bool(p.sink), **flags, **({} if p.softmax else {"Lse": None})),
         "backward_values": dict(**flags, **({} if p.softmax else {"lse_desc": None, "delta_desc": None})),
     }

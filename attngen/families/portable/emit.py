@@ -12,7 +12,7 @@ from attngen.emit.hooks import (FORWARD_ROWS, ROW_MAJOR, TRANSPOSED, Hook, _dsco
                                 _mask_hook, _score_hook, _tile_range_hook)
 from attngen.emit.signatures import (CACHE, CACHE_FLAGS, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING,
                                      POSITIONS, ROW_TERMS, SIZES, TABLE, TILE_LOOP, Signature, SpecParams, _strides,
-                                     packing, signature, spec_params, table_params, unpacking)
+                                     handover, signature, spec_params, table_params, unpacking)
 from attngen.families.portable import device
 
 # Its kernels are the Attention's own (runtime.facts.Kernels, in the module's declaration): nothing to hand
@@ -54,9 +54,7 @@ def _forward_program(facts: Analysis) -> dict:
     functions = {"SPEC_RANGE": "_fwd_tile_range", "SPEC_INNER": "_fwd_inner"}
     return {
         "unpack_inputs": unpacking("inputs", p.inputs, 4), "unpack_table": unpacking("table", p.table, 4),
-        "pack": "".join([*(packing(name, items, 4) for name, items in
-                           (("inputs", p.inputs), ("table", p.table), ("sink_args", p.sink))),
-                         *(f"\n    {name}: tl.constexpr = {fn}" for name, fn in functions.items())]),
+        "pack": handover({"inputs": p.inputs, "table": p.table, "sink_args": p.sink}, functions, "tl.constexpr"),
         "program_values": dict(SIGMOID=not p.softmax, SINK=bool(p.sink), **({} if p.softmax else {"Lse": None})),
     }
 
