@@ -136,9 +136,8 @@ def test_explain_names_the_family_and_its_tiles():
     assert "hopper backward: 64 queries x 64 keys" in narrower_v and "2 Q/dO stages" in narrower_v
 
 
-def _compile_sm90(specs, head_dim, plain=False):
-    """tools/compile_sm90.py's facts of the Hopper family's kernels of `specs` at D = DV = head_dim (with
-    `plain`, without the packed and dropout variants)."""
+def _compile_sm90(specs, head_dim):
+    """tools/compile_sm90.py's facts of the Hopper family's kernels of `specs` at D = DV = head_dim."""
     if not specs:
         return {}
     # Triton compiles for sm_90 without a GPU; its interpreter must be off, so tools/compile_sm90.py runs
@@ -148,7 +147,7 @@ def _compile_sm90(specs, head_dim, plain=False):
     # another one would otherwise compile that one's kernels).
     env["PYTHONPATH"] = os.pathsep.join([str(Path(attngen.__file__).parent.parent), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(SPECS.parent / "tools" / "compile_sm90.py"), "--family", "hopper",
-                          "--head-dim", str(head_dim), "--only", *specs, "--json", *(["--plain"] if plain else [])],
+                          "--head-dim", str(head_dim), "--only", *specs, "--json"],
                          capture_output=True, text=True, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
@@ -156,24 +155,21 @@ def _compile_sm90(specs, head_dim, plain=False):
     return results
 
 
-# Compiling is slow (seven kernels a spec, a few seconds each): the default run compiles specs that between
-# them reach each variant of the templates (a plain score, a softcap, a learnable table, a tile table, a sink,
-# sigmoid attention), the packed and dropout kernels of two of them (a learnable table; sigmoid, whose weights
-# take rcp.approx there too), and the slow tier the rest: the others' variants and the rest of the catalog.
-# Head dim 256 is the backward's split layout (SPLIT_D), for a plain mask, a learnable table, a softcap and sigmoid.
-SM90_DEFAULT = ["causal", "document_causal", "gemma2_local", "learned_rel_bias", "gpt_oss_sinks", "sigmoid_alibi"]
-SM90_DEFAULT_VARIANTS = ["learned_rel_bias", "sigmoid_alibi"]
-SM90_PLAIN = [name for name in SM90_DEFAULT if name not in SM90_DEFAULT_VARIANTS]
+# Compiling is slow (seven kernels a spec, a few seconds each): the default run compiles every kernel of the
+# two specs whose kernels differ most from plain attention's (a learnable table and its gradient; sigmoid
+# attention, whose weights take rcp.approx); the slow tier compiles every kernel of the rest of the catalog
+# (among them a tile table, a softcap and a sink) and head dim 256, the backward's split layout (SPLIT_D),
+# for a plain mask, a learnable table, a softcap and sigmoid.
+SM90_DEFAULT = ["learned_rel_bias", "sigmoid_alibi"]
 
 
-@pytest.mark.parametrize("specs, plain_specs, wide", [
-    pytest.param(SM90_DEFAULT_VARIANTS, SM90_PLAIN, ["learned_rel_bias"], id="default"),
-    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT_VARIANTS], [],
-                 ["causal", "gemma2_local", "sigmoid_alibi"], id="rest", marks=pytest.mark.slow)])
-def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, plain_specs, wide):
+@pytest.mark.parametrize("specs, wide", [
+    pytest.param(SM90_DEFAULT, [], id="default"),
+    pytest.param([name for name in CATALOG if name not in SM90_DEFAULT],
+                 ["causal", "gemma2_local", "sigmoid_alibi", "learned_rel_bias"], id="rest", marks=pytest.mark.slow)])
+def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
     # The PTX must hold what the family exists for.
-    compiled = {**_compile_sm90(specs, 128), **_compile_sm90(plain_specs, 128, plain=True)}
-    for spec, kernels in compiled.items():
+    for spec, kernels in _compile_sm90(specs, 128).items():
         facts = kernels["_hopper_fwd_kernel"]
         for instruction in ("wgmma", "tma", "setmaxnreg"):
             assert facts[instruction], f"{spec}: no {instruction} in the Hopper forward's PTX"
@@ -189,8 +185,8 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, plain_specs, wid
         # With dropout too: its keep-mask lands on the accumulators' layout without moving data (the kernels
         # convert it with assert_trivial, so a conversion that moved data would not compile).
         sigmoid = "normalize: sigmoid" in (SPECS / f"{spec}.attn").read_text()
-        dropped = [] if spec in plain_specs else ["_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"]
-        assert spec in plain_specs or {"_hopper_fwd_kernel_packed", "_hopper_bwd_kernel_packed"} <= set(kernels), spec
+        dropped = ["_hopper_fwd_kernel_dropout", "_hopper_bwd_kernel_dropout"]
+        assert {"_hopper_fwd_kernel_packed", "_hopper_bwd_kernel_packed"} <= set(kernels), spec
         for kernel in dropped:
             assert kernels[kernel]["wgmma"] and kernels[kernel]["shared"] <= SM90_SHARED_BYTES, (spec, kernel)
         # Sigmoid attention's weights take rcp.approx (_hopper_sigmoid2), forward and backward; softmax's none.
