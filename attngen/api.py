@@ -21,24 +21,28 @@ from attngen.runtime import shared
 @dataclass(frozen=True)
 class Attention:
     """A built attention variant: call it as attn(q, k, v, *, kv_len=None, q_offset=None, page_table=None,
-    return_lse=False, tile_tables=None, dropout_p=0.0, generator=None, deterministic=None, **inputs).
-    `deterministic` (build's): every call's backward gives the same bits run after run; a call's own
+    return_lse=False, tile_tables=None, dropout_p=0.0, generator=None, deterministic=None, check_values=None,
+    **inputs). `deterministic` (build's): every call's backward gives the same bits run after run; a call's own
     deterministic=True or False overrides it, and torch.use_deterministic_algorithms(True) turns it on for
-    every call."""
+    every call. `check_values` (build's; a call's own overrides it): cache calls check their values on the
+    host, raising a ValueError, instead of on the device (NaN rows, no sync)."""
     spec: ir.Spec
     plan: Plan
     module: ModuleType
     path: Path
     deterministic: bool = False
+    check_values: bool = False
 
     def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None,
-                 dropout_p: float = 0.0, generator=None, deterministic: bool | None = None, **inputs):
+                 dropout_p: float = 0.0, generator=None, deterministic: bool | None = None,
+                 check_values: bool | None = None, **inputs):
         return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                 max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables,
                                 dropout_p=dropout_p, generator=generator,
-                                deterministic=self.deterministic if deterministic is None else deterministic, **inputs)
+                                deterministic=self.deterministic if deterministic is None else deterministic,
+                                check_values=self.check_values if check_values is None else check_values, **inputs)
 
     def dropout_mask(self, q, k, v, *, dropout_p: float, generator=None, cu_seqlens_q=None, cu_seqlens_k=None,
                      max_seqlen_q=None, max_seqlen_k=None, **inputs):
@@ -145,12 +149,15 @@ def explain(spec: SpecLike, *, q_len: int, kv_len: int, head_dim: int, head_dim_
 
 
 def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | None = None,
-          deterministic: bool = False) -> Attention:
+          deterministic: bool = False, check_values: bool = False) -> Attention:
     """Compile a spec (path, text or Spec) into a callable with autograd; cached on disk. deterministic=True:
     its backward gives the same bits run after run (as torch.use_deterministic_algorithms(True) asks of
-    every call); the kernels are the same, so the module is shared with a build without it."""
-    if not isinstance(deterministic, bool):
-        raise ArgumentError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    every call); the kernels are the same, so the module is shared with a build without it. check_values=True:
+    cache calls check kv_len, q_offset and the page table on the host and raise a ValueError naming bad values
+    (one sync per call whose values changed) instead of the device check's NaN rows (Attention.attn's doc)."""
+    for name, flag in (("deterministic", deterministic), ("check_values", check_values)):
+        if not isinstance(flag, bool):
+            raise ArgumentError(f"{name} must be a bool, got {type(flag).__name__}")
     facts, text, tgt, kernel_plan = _prepare(spec, params, target)
     problem = interpreter_problem() if tgt.interpreter else None
     if problem:
@@ -160,4 +167,4 @@ def build(spec: SpecLike, *, params: dict | None = None, target: str | Target | 
     # same name and meaning but other text never shares a module with it.
     key = cache.module_key(parsed.model_dump_json(), text, kernel_plan.model_dump_json())
     module, path = cache.load(parsed.name, key, lambda: render(facts, kernel_plan, text))
-    return Attention(parsed, kernel_plan, module, path, deterministic)
+    return Attention(parsed, kernel_plan, module, path, deterministic, check_values)

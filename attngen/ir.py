@@ -45,11 +45,11 @@ BUILTIN_NAMES = frozenset({"true", "false", "inf", "causal", "causal_bottom_righ
                            *INDEX_VARS, *SIZES, "Q_OFFSET", *FUNCTIONS})
 # Inputs are passed by keyword beside these: attn(q, k, v, *, kv_len=..., q_offset=..., page_table=...,
 # cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=..., return_lse=..., tile_tables=...,
-# dropout_p=..., generator=..., deterministic=..., **inputs), and Attention.__call__ takes `self`; an input of
-# one of these names could never be passed.
+# dropout_p=..., generator=..., deterministic=..., check_values=..., **inputs), and Attention.__call__ takes
+# `self`; an input of one of these names could never be passed.
 CALL_ARGUMENTS = frozenset({"q", "k", "v", "self", "kv_len", "q_offset", "page_table", "cu_seqlens_q", "cu_seqlens_k",
                             "max_seqlen_q", "max_seqlen_k", "return_lse", "tile_tables", "dropout_p", "generator",
-                            "deterministic"})
+                            "deterministic", "check_values"})
 # Names become parts of file names, module names and kernel parameter names (`doc_ptr`): ASCII
 # identifiers of bounded length, so no name can carry a path, a quote or code.
 MAX_NAME_LENGTH = 64

@@ -168,9 +168,9 @@ def test_cache_call_errors(build_small):
     with pytest.raises(ValueError, match=r"kv_len must be an int32 tensor of shape \(2,\)"):
         attn(q, k, v, kv_len=lengths.long())
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 40\]"):
-        attn(q, k, v, kv_len=lengths + 1)
+        attn(q, k, v, kv_len=lengths + 1, check_values=True)
     with pytest.raises(ValueError, match=r"q_offset \(by default kv_len - Q_LEN\) ranges over \[-1, 37\]"):
-        attn(q, k, v, kv_len=torch.tensor([40, 2], dtype=torch.int32, device=DEVICE))
+        attn(q, k, v, kv_len=torch.tensor([40, 2], dtype=torch.int32, device=DEVICE), check_values=True)
     with pytest.raises(ValueError, match="has no backward pass"):
         attn(q.requires_grad_(), k, v, kv_len=lengths)
     documents = attngen.build(SPECS / "document_causal.attn")
@@ -180,21 +180,81 @@ def test_cache_call_errors(build_small):
 
 
 def test_cache_values_are_checked_again_after_a_write(build_small):
-    """The layers of one decoding step pass the same kv_len and page table: values that passed the check are
-    not read again on the host until they change (an in-place write, as a decoding loop advances kv_len)."""
+    """The layers of one decoding step pass the same kv_len and page table: values that passed the host check
+    are not read again until they change (an in-place write, as a decoding loop advances kv_len)."""
     attn = build_small("causal")
     q, k, v, _, kv_len = _case(attn, SHAPES[1])
     k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
     with torch.no_grad():
-        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, check_values=True)
         table[0, 0] = 100  # a page past the cache, for a page row 0 uses
         with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 13\)"):
-            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, check_values=True)
         table[0, 0] = 0
-        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, check_values=True)
         kv_len += 1000  # past the cache
         with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\]"):
-            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len)
+            attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, check_values=True)
+
+
+def _bad_rows(out, lse):
+    """Which batch rows are NaN in every element of O and LSE, after checking no other row has a NaN."""
+    bad = out.isnan().flatten(1).all(1)
+    assert torch.equal(bad, out.isnan().flatten(1).any(1)), "a row is NaN in part"
+    if lse is not None:
+        assert torch.equal(bad, lse.isnan().flatten(1).all(1)) and torch.equal(bad, lse.isnan().flatten(1).any(1))
+    return bad.tolist()
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=["decode", "prefill"])
+def test_cache_values_out_of_range_give_nan_rows_without_a_host_check(build_small, shape):
+    """By default a cache call's values are checked on the device (no sync): each batch row whose kv_len,
+    query positions or used pages lie outside the cache gets NaN in O and LSE; the other rows keep the
+    reference's values. The host check (check_values=True) refuses the same call with a message."""
+    attn = build_small("alibi_causal")
+    q, k, v, inputs, kv_len = _case(attn, shape)
+    B, N, M = q.shape[0], q.shape[2], k.shape[2]
+    good = kv_len.clone()
+    with torch.no_grad():
+        for bad_len, want in (([M + 1] + good.tolist()[1:], [True] + [False] * (B - 1)),
+                              (good.tolist()[:-1] + [-1], [False] * (B - 1) + [True])):
+            bad = torch.tensor(bad_len, dtype=torch.int32, device=DEVICE)
+            out, lse = attn(q, k, v, kv_len=bad, return_lse=True, **inputs)
+            assert _bad_rows(out, lse) == want, bad_len
+            with pytest.raises(ValueError, match="must lie in"):  # kv_len's range, or the positions' it gives
+                attn(q, k, v, kv_len=bad, check_values=True, **inputs)
+        # A query position past the spec's longest (q_offset given) or before 0 (kv_len below Q_LEN).
+        offsets = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+        offsets[1] = attn.module.FACTS.max_length - N + 1
+        out, lse = attn(q, k, v, kv_len=good, q_offset=offsets, return_lse=True, **inputs)
+        assert _bad_rows(out, lse) == [i == 1 for i in range(B)]
+        if N > 1:
+            short = good.clone()
+            short[0] = N - 1
+            out, lse = attn(q, k, v, kv_len=short, return_lse=True, **inputs)
+            assert _bad_rows(out, lse) == [i == 0 for i in range(B)]
+        # The good rows of a call with a bad one hold the reference's values.
+        out = attn(q, k, v, kv_len=bad, **inputs)
+    want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=good)
+    torch.testing.assert_close(out[:-1].double(), want[:-1], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_cache_pages_out_of_range_give_nan_rows(build_small):
+    """A page number outside [0, NUM_PAGES) makes its row NaN only where the row uses that page (a page past
+    the row's kv_len is never read); a sigmoid spec (no LSE) too."""
+    for name in ("causal", "sigmoid_alibi"):
+        attn = build_small(name)
+        q, k, v, inputs, kv_len = _case(attn, SHAPES[1])
+        k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
+        kv_len[1] = 20  # row 1 uses pages 0 and 1 of its table
+        table[0, 1] = -1
+        table[1, 2] = table.max() + 1  # past the cache, but row 1 never reads it
+        with torch.no_grad():
+            out = attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, **inputs)
+            assert _bad_rows(out, None) == [True, False], name
+            table[1, 1] = 10**6
+            out = attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len, **inputs)
+            assert _bad_rows(out, None) == [True, True], name
 
 
 def test_cache_calls_under_torch_compile(build_small):
@@ -264,9 +324,9 @@ def test_paged_cache_errors(build_small):
     with pytest.raises(ValueError, match=r"page_table must be an int32 tensor of shape \(2, MAX_PAGES\)"):
         attn(q, k_pages, v_pages, page_table=table.long(), kv_len=kv_len)
     with pytest.raises(ValueError, match=r"page_table must name pages in \[0, 13\)"):
-        attn(q, k_pages, v_pages, page_table=table + 100, kv_len=kv_len)
+        attn(q, k_pages, v_pages, page_table=table + 100, kv_len=kv_len, check_values=True)
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 96\] \(the cache's length, MAX_PAGES \* PAGE_SIZE\)"):
-        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len + 100)
+        attn(q, k_pages, v_pages, page_table=table, kv_len=kv_len + 100, check_values=True)
 
 
 def test_paged_cache_calls_under_torch_compile(build_small):
@@ -312,3 +372,40 @@ def test_cache_calls_replay_in_a_cuda_graph(layout, build_small):
         assert torch.equal(out, eager), f"replay {step} differs from the eager call"
         want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        if step == 2:  # the device check runs in the graph too: a length past the cache makes its row NaN
+            kv_len.copy_(torch.tensor([M + 1, 1, 2, 3], dtype=torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert _bad_rows(out, None) == [True, False, False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_an_eager_decoding_step_makes_no_host_sync(layout, build_small):
+    """A decoding loop writes kv_len in place every step: the eager call checks it on the device, with no
+    sync (torch's sync debug mode turns any into an error), and its rows match the reference; a bad length
+    gives its row NaN, still with no sync."""
+    attn = build_small("causal")
+    B, H, HKV, N, M, D = 4, 8, 2, 1, 512, 64
+    q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.bfloat16, device="cuda")
+    kv_len = torch.tensor([M, 1, 100, 300], dtype=torch.int32, device="cuda")
+    kc, vc, call = k, v, {}
+    if layout == "paged16":
+        kc, vc, table = strategies.paged(k, v, 16, seed=3)
+        call["page_table"] = table
+    with torch.no_grad():
+        attn(q, kc, vc, kv_len=kv_len, **call)  # compiles outside the checked region
+        past = kv_len.clone()
+        past[0] = M + 5
+        kv_len -= 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = attn(q, kc, vc, kv_len=kv_len, **call)
+            bad = attn(q, kc, vc, kv_len=past, **call)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), {}, kv_len=kv_len)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    assert _bad_rows(bad, None) == [True, False, False, False]
+    want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), {}, kv_len=past.clamp(max=M))
+    torch.testing.assert_close(bad[1:].double(), want[1:], atol=2e-2, rtol=2e-2)

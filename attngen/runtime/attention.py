@@ -55,7 +55,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, dropout_p=0.0, generator=None,
-             deterministic=False, **inputs):
+             deterministic=False, check_values=False, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
         sink, if it has one), times V; with `normalize: sigmoid`, sigmoid of each allowed key's score times V.
 
@@ -70,6 +70,11 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         A paged cache: k and v are pages (NUM_PAGES, PAGE_SIZE, HKV, D/DV), PAGE_SIZE a multiple of 16;
         page_table ((B, MAX_PAGES) int32) maps row b's logical page p to a physical one; kv_len is
         required (at most MAX_PAGES * PAGE_SIZE).
+        A cache call's values are checked on the device, with no sync: a batch row whose kv_len lies outside
+        [0, MAX_KV], whose query positions lie outside [0, max length), or which uses a page outside
+        [0, NUM_PAGES) gets NaN in O and LSE (the kernels clamp such values to the cache, so no memory
+        outside it is read). check_values=True checks them on the host before the forward instead and
+        raises a ValueError naming them, at the cost of one sync per call whose values changed.
         A packed call (FlashAttention's varlen layout): q (TOTAL_Q, H, D), k and v (TOTAL_K, HKV, D/DV);
         sequence b is tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v by
         cu_seqlens_k: (B + 1,) int32, from 0 to TOTAL); max_seqlen_q/k (Python ints, at least every sequence's
@@ -110,7 +115,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
             out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator, deterministic=deterministic)
             return (out, lse) if return_lse else out
         if page_table is not None:
-            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table)
+            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table, check_values=check_values)
             return (out, lse) if return_lse else out
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)
@@ -119,7 +124,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
         if kv_len is not None or q_offset is not None:
-            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables)
+            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, check_values=check_values)
             return (out, lse) if return_lse else out
         self._check_learnable(inputs)
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))

@@ -1,5 +1,5 @@
-"""The kernels every spec shares (no spec expression in them): the backward's row-terms pass and the rounding
-of deterministic sums. Generated modules import them; their launches are the runtime's."""
+"""The kernels every spec shares (no spec expression in them): the backward's row-terms pass, the rounding
+of deterministic sums and the device check of a cache call's values. Generated modules import them; their launches are the runtime's."""
 
 import triton
 import triton.language as tl
@@ -89,3 +89,43 @@ def _exact_finish(Words, Out, n, BLOCK: tl.constexpr):
     nan = (tl.load(words + EXACT_DIGITS + 2, mask=ok, other=0) > 0) | (plus & minus)
     result = tl.where(plus, float("inf"), tl.where(minus, float("-inf"), total.to(tl.float32)))
     tl.store(Out + offs, tl.where(nan, float("nan"), result), mask=ok)
+
+
+@triton.jit
+def _cache_values_check(Out, Lse, KvLen, QOffset, PageTable, stride_ob, stride_oh, stride_om, stride_ok,
+                        stride_lb, stride_lh, stride_lm, stride_pt, H, Q_LEN, HEAD_DIM_V, MAX_KV, MAX_OFFSET,
+                        NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_KV_LEN: tl.constexpr, PAGED: tl.constexpr,
+                        HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        HEAD_DIM_V_PAD: tl.constexpr):
+    # A cache call's values, checked on the device after its forward (the host never reads them, so an
+    # eager decoding step never waits on the GPU): one program a batch row b, which is out of range if
+    # q_offset[b] lies outside [0, MAX_OFFSET], kv_len[b] outside [0, MAX_KV], or a page the row uses
+    # (PageTable[b, p] for p * PAGE_SIZE < kv_len[b]) outside [0, NUM_PAGES). The forward's kernels clamped
+    # those values to the cache, so its memory was safe; here such a row's O (B, H, Q_LEN, HEAD_DIM_V, in
+    # its strides) and LSE become NaN, so what they computed is never taken for an answer.
+    b = tl.program_id(0)
+    q_off = tl.load(QOffset + b)
+    bad = (q_off < 0) | (q_off > MAX_OFFSET)
+    if HAS_KV_LEN:
+        kv_len = tl.load(KvLen + b)
+        bad = bad | (kv_len < 0) | (kv_len > MAX_KV)
+        if PAGED:
+            for start in range(0, MAX_PAGES, BLOCK_PAGES):
+                offs = start + tl.arange(0, BLOCK_PAGES)
+                used = (offs < MAX_PAGES) & (offs * PAGE_SIZE < kv_len)
+                page = tl.load(PageTable + b.to(tl.int64) * stride_pt + offs, mask=used, other=0)
+                bad = bad | (tl.max(((page < 0) | (page >= NUM_PAGES)).to(tl.int32), 0) > 0)
+    if bad:
+        offs_d = tl.arange(0, HEAD_DIM_V_PAD)
+        for start in range(0, H * Q_LEN, BLOCK_ROWS):
+            rows = start + tl.arange(0, BLOCK_ROWS)
+            ok = rows < H * Q_LEN
+            h = (rows // Q_LEN).to(tl.int64)
+            m = (rows % Q_LEN).to(tl.int64)
+            row = b.to(tl.int64) * stride_ob + h * stride_oh + m * stride_om
+            tl.store(Out + row[:, None] + offs_d[None, :] * stride_ok,
+                     tl.full([BLOCK_ROWS, HEAD_DIM_V_PAD], float("nan"), Out.dtype.element_ty),
+                     mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM_V))
+            if HAS_LSE:
+                tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + m * stride_lm,
+                         tl.full([BLOCK_ROWS], float("nan"), tl.float32), mask=ok)

@@ -1,8 +1,11 @@
 """Cache calls: a contiguous or paged key/value cache with kv_len and q_offset, checked and run forward only."""
 
 import torch
+import triton
 
 from .checks import CHECKED_VALUES
+from .kernels import _cache_values_check
+from .launch import _launch
 
 
 class Cache:
@@ -29,8 +32,10 @@ class Cache:
         self._check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
         return MAX_KV
 
-    def _cache_attention(self, q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None):
-        """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone."""
+    def _cache_attention(self, q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None, check_values=False):
+        """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone.
+        Its values (kv_len, q_offset, the page numbers) are checked on the device after the forward
+        (_cache_forward), or with `check_values` on the host before it, which names the bad values."""
         B, Q_LEN = q.shape[0], q.shape[2]
         if page_table is not None:
             MAX_KV = self._check_paged(q, k, v, page_table, kv_len, inputs)
@@ -53,11 +58,13 @@ class Cache:
         if kv_len is not None:
             kv_len = kv_len.contiguous()
         q_offset = q_offset.contiguous()
-        # Checking the values reads them on the host (one sync per call): skipped while a CUDA graph is
-        # captured or under torch.compile, where the kernels still clamp lengths and page numbers to
-        # the cache (memory stays safe), and for values already checked (CHECKED_VALUES: the layers of
-        # one decoding step share kv_len and the page table; a defaulted q_offset follows from kv_len).
-        if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # check_values reads the values on the host (one sync per call where they changed): not while a CUDA
+        # graph is captured or under torch.compile, which take the device check, nor for values already
+        # checked (CHECKED_VALUES: the layers of one decoding step share kv_len and the page table; a
+        # defaulted q_offset follows from kv_len).
+        checked = (check_values and not torch.compiler.is_compiling()
+                   and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if checked:
             values = (kv_len, None if defaulted else q_offset, page_table)
             facts = ("cache", Q_LEN, MAX_KV, k.shape[0], self.facts.max_length)
             if not CHECKED_VALUES.holds(values, facts):
@@ -69,7 +76,7 @@ class Cache:
         if torch.compiler.is_compiling():
             return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages,
                                      [sink] if sink is not None else [])
-        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink)
+        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink, checked=checked)
 
     def _check_cache_values(self, q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
         """A cache call's values: every flag computed on the device, read in one sync; the message,
@@ -96,8 +103,28 @@ class Cache:
             self._fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
                   f"values in [{int(named.min())}, {int(named.max())}]")
 
-    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink):
-        """A checked cache call's forward (a paged one with [page_table] in `pages`), by the family
-        FORWARD_FAMILIES picks, with no tile table; `sink` as for _forward."""
-        return self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=pages[0] if pages else None,
-                             sink=sink)
+    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink, checked=False):
+        """A cache call's forward (a paged one with [page_table] in `pages`), by the family FORWARD_FAMILIES
+        picks, with no tile table; `sink` as for _forward. Unless the host `checked` its values, the device
+        checks them after the forward: a batch row whose values lie outside the cache gets NaN in O and LSE."""
+        page_table = pages[0] if pages else None
+        out, lse = self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=page_table, sink=sink)
+        if not checked:
+            self._check_cache_values_on_device(q, k, out, lse, kv_len, q_offset, page_table)
+        return out, lse
+
+    def _check_cache_values_on_device(self, q, k, out, lse, kv_len, q_offset, page_table):
+        """kernels._cache_values_check over a cache call's output: one small launch, no sync."""
+        B, H, Q_LEN = q.shape[:3]
+        DV = out.shape[-1]
+        if page_table is not None:
+            NUM_PAGES, PAGE_SIZE, MAX_PAGES = k.shape[0], k.shape[1], page_table.shape[1]
+            MAX_KV, stride_pt = MAX_PAGES * PAGE_SIZE, page_table.stride(0)
+        else:
+            NUM_PAGES, PAGE_SIZE, MAX_PAGES, MAX_KV, stride_pt = 0, 1, 0, k.shape[2], 0
+        lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+        _launch(_cache_values_check, (B,), out, lse, kv_len, q_offset, page_table, *out.stride(), *lse_strides,
+                stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES, PAGE_SIZE,
+                HAS_KV_LEN=kv_len is not None, PAGED=page_table is not None, HAS_LSE=lse is not None,
+                BLOCK_PAGES=256, BLOCK_ROWS=16,
+                HEAD_DIM_V_PAD=triton.next_power_of_2(DV), num_warps=1)
