@@ -382,7 +382,7 @@ def test_a_drawn_dropout_case_checks_against_the_reference(bias):
 # --- torch.compile -----------------------------------------------------------------------------------
 
 @CPU_CALLS
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "packed"])
 def test_compiled_calls_draw_in_the_graph_and_equal_eager(bias, fresh_dynamo, packed):
     # The words are drawn by an op of the traced graph (aot_eager runs it as eager does), so a compiled run
     # repeats under torch.manual_seed, equals eager bitwise, and draws anew on every call.

@@ -14,6 +14,7 @@ import attngen
 from attngen import testing
 from attngen.errors import ArgumentError
 from attngen.reference import evaluate, evaluate_expr, make_env
+from conftest import slow_in_interpreter
 
 ROOT = Path(__file__).parent.parent
 # The catalog's specs Flex can express: a sink has no place in its mods (test_a_sink_is_refused), and its softmax
@@ -223,6 +224,7 @@ def test_lengths_where_an_int_would_overflow_int64_are_refused_as_by_the_kernels
         flex.mods(q, q[:, :, :8])
 
 
+@slow_in_interpreter  # 21 s on 2 cores: Inductor compiles C++ on the CPU
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="Inductor on the CPU needs a C++ compiler")
 def test_mods_compile_with_inductor():
