@@ -388,7 +388,7 @@ def test_an_eager_decoding_step_makes_no_host_sync(layout, build_small):
     attn = build_small("causal")
     B, H, HKV, N, M, D = 4, 8, 2, 1, 512, 64
     q, k, v = testing.random_qkv(B, H, HKV, N, M, D, D, torch.bfloat16, device="cuda")
-    kv_len = torch.tensor([M, 1, 100, 300], dtype=torch.int32, device="cuda")
+    kv_len = torch.tensor([M, 2, 100, 300], dtype=torch.int32, device="cuda")
     kc, vc, call = k, v, {}
     if layout == "paged16":
         kc, vc, table = strategies.paged(k, v, 16, seed=3)

@@ -118,6 +118,7 @@ def test_gpt_oss_sinks_match_eager():
     assert torch.equal(generated["attngen"], generated["eager"])
 
 
+@CPU_CALLS
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_eager(models, name):
     """Left-padded prompts of 10 tokens and 6 new ones: past the window, so the sliding cache layers
@@ -161,6 +162,7 @@ def _compiled_by_default(*names):
     return [name if name in names else pytest.param(name, marks=pytest.mark.slow) for name in CONFIGS]
 
 
+@CPU_CALLS
 @pytest.mark.parametrize("name", _compiled_by_default("gemma2"))
 def test_static_cache_generation_matches_eager(fresh_dynamo, name):
     """Eager, and compiled with fullgraph=True as generate compiles a static cache's decoding steps (on
@@ -226,6 +228,7 @@ def test_autocast_training_step_matches_sdpa_on_gpu():
     _assert_autocast_step_like_sdpa(_model("llama", "cuda"), "cuda")
 
 
+@CPU_CALLS
 def test_decoding_steps_run_the_decode_kernels(models, monkeypatch):
     """Greedy generation of left-padded prompts: the prompt runs the portable forward (with its tile
     tables), each new token the split-KV decode kernels, which decide the padding mask key by key."""
@@ -262,6 +265,7 @@ CALLS = {
 }
 
 
+@CPU_CALLS
 @pytest.mark.parametrize("case", list(CALLS))
 def test_one_call_matches_transformers_mask(case):
     """prepare_mask + attention_forward against transformers' own boolean mask (sdpa_mask) for the
