@@ -6,9 +6,10 @@ with the host's time per call and any sync the call makes, beside cuDNN.
 Full attention, 32 query heads over 8 key/value heads, D=128 bf16, one query over the cache, at the three
 decode shapes of issue 35. A decoding loop writes kv_len in place every step, so every call below but
 "plain" and "kv_len, same tensor" does `lengths.add_(0)` first (an in-place write: the tensor's version
-changes, as a loop's `kv_len += 1` changes it). Columns: eager and graph are triton.testing.do_bench
-medians (ms) of the call and of its CUDA-graph replay; host_us is the host's time per call when calls are
-queued back to back; syncs are the messages of torch's sync debug mode over two calls (empty: none).
+changes, as a loop's `kv_len += 1` changes it); the paged and sink rows are for issue 35's "<= 1.05x
+plain". Columns: eager and graph are triton.testing.do_bench medians (ms) of the call and of its CUDA-graph
+replay; host_us is the host's time per call when calls are queued back to back; syncs are the messages of
+torch's sync debug mode over two calls (empty: none).
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def syncs(fn):
     return sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)})
 
 
-def calls(full, causal, B, length):
+def calls(full, causal, sinks, B, length):
     """The calls of one shape, by name."""
     q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, HKV, length, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, HKV, length, D, device="cuda", dtype=torch.bfloat16)
     lengths = torch.full((B,), length, dtype=torch.int32, device="cuda")
     k_pages, v_pages, table = strategies.paged(k, v, 16, seed=1)
+    sink_logits = torch.randn(H, device="cuda")
     return {
         "plain": lambda: full(q, k, v),
         "kv_len, same tensor": lambda: full(q, k, v, kv_len=lengths),
@@ -73,6 +75,8 @@ def calls(full, causal, B, length):
             lambda: (lengths.add_(0), full(q, k, v, kv_len=lengths, check_values=True)),
         "paged 16, kv_len written each call":
             lambda: (lengths.add_(0), full(q, k_pages, v_pages, kv_len=lengths, page_table=table)),
+        "sink, kv_len written each call":
+            lambda: (lengths.add_(0), sinks(q, k, v, kv_len=lengths, sink_logits=sink_logits)),
         "cudnn": lambda: sdpa(q, k, v, enable_gqa=True),
     }
 
@@ -83,11 +87,12 @@ def main() -> None:
     args = parser.parse_args()
     full = attngen.build("attention full\n")
     causal = attngen.build("attention causal\nmask: causal\n")
+    sinks = attngen.build("attention sinks\ninput sink_logits: f32[H]\nsink: sink_logits[h]\n")
     rows = []
     torch.manual_seed(0)
     with torch.no_grad():
         for B, length in SHAPES:
-            for name, fn in calls(full, causal, B, length).items():
+            for name, fn in calls(full, causal, sinks, B, length).items():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name == "cudnn" else contextlib.nullcontext():
                     row = {"B": B, "KV": length, "call": name, "host_us": round(host_us(fn), 1),
                            "eager_ms": round(triton.testing.do_bench(fn, warmup=25, rep=200), 4),
