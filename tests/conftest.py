@@ -83,6 +83,7 @@ def slow_in_interpreter(test):
     """SLOW_IN_INTERPRETER as a test's decorator: the test joins the slow tier on a machine without CUDA."""
     return pytest.mark.slow(test) if SLOW_IN_INTERPRETER else test
 
+
 # Tests whose calls run on the CPU (Triton's interpreter). On a machine with CUDA attngen builds for the GPU,
 # which refuses CPU tensors: there the tests marked gpu check the same contracts with CUDA tensors.
 CPU_CALLS = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU calls (the gpu tests check a GPU's)")

@@ -207,7 +207,8 @@ def test_the_mask_of_a_packed_call_is_per_sequence(causal):
 # The default run takes half precision at a high rate (the keep-scale's rounding shows most); the slow tier
 # float32 at a low one.
 @CPU_CALLS
-@pytest.mark.parametrize("dtype, p", tiered([(torch.float32, 0.2), (torch.float16, 0.75)], fast=[(torch.float16, 0.75)]))
+@pytest.mark.parametrize("dtype, p", tiered([(torch.float32, 0.2), (torch.float16, 0.75)],
+                                             fast=[(torch.float16, 0.75)]))
 def test_training_calls_match_the_reference_with_their_mask(bias, dtype, p):
     q, k, v = _qkv(dtype=dtype)
     inputs = testing.random_inputs(bias.spec, 2, 4, 2, 37, 45, device=DEVICE)

@@ -115,7 +115,8 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
             out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator, deterministic=deterministic)
             return (out, lse) if return_lse else out
         if page_table is not None:
-            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table, check_values=check_values)
+            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table,
+                                             check_values=check_values)
             return (out, lse) if return_lse else out
         if torch.compiler.is_compiling():  # the operators' eager code plans nothing either
             plan, sizes = None, self._check(q, k, v, inputs)

@@ -1,5 +1,6 @@
 """The kernels every spec shares (no spec expression in them): the backward's row-terms pass, the rounding
-of deterministic sums and the device check of a cache call's values. Generated modules import them; their launches are the runtime's."""
+of deterministic sums and the device check of a cache call's values. Generated modules import those their
+kernels call; the launches are the runtime's."""
 
 import triton
 import triton.language as tl
@@ -94,9 +95,9 @@ def _exact_finish(Words, Out, n, BLOCK: tl.constexpr):
 @triton.jit
 def _cache_values_check(Out, Lse, KvLen, QOffset, PageTable, stride_ob, stride_oh, stride_om, stride_ok,
                         stride_lb, stride_lh, stride_lm, stride_pt, H, Q_LEN, HEAD_DIM_V, MAX_KV, MAX_OFFSET,
-                        NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_KV_LEN: tl.constexpr, PAGED: tl.constexpr,
-                        HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                        HEAD_DIM_V_PAD: tl.constexpr):
+                        NUM_PAGES, MAX_PAGES, HAS_KV_LEN: tl.constexpr, PAGED: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr):
     # A cache call's values, checked on the device after its forward (the host never reads them, so an
     # eager decoding step never waits on the GPU): one program a batch row b, which is out of range if
     # q_offset[b] lies outside [0, MAX_OFFSET], kv_len[b] outside [0, MAX_KV], or a page the row uses

@@ -3,6 +3,7 @@
 import torch
 import triton
 
+from .arguments import _kv_layout
 from .checks import CHECKED_VALUES
 from .kernels import _cache_values_check
 from .launch import _launch
@@ -110,21 +111,18 @@ class Cache:
         page_table = pages[0] if pages else None
         out, lse = self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=page_table, sink=sink)
         if not checked:
-            self._check_cache_values_on_device(q, k, out, lse, kv_len, q_offset, page_table)
+            self._check_cache_values_on_device(q, k, v, out, lse, kv_len, q_offset, page_table)
         return out, lse
 
-    def _check_cache_values_on_device(self, q, k, out, lse, kv_len, q_offset, page_table):
-        """kernels._cache_values_check over a cache call's output: one small launch, no sync."""
+    def _check_cache_values_on_device(self, q, k, v, out, lse, kv_len, q_offset, page_table):
+        """kernels._cache_values_check over a cache call's output: one small launch, no sync. The cache's
+        length, page pool and paging are the forward kernels' own (_kv_layout)."""
         B, H, Q_LEN = q.shape[:3]
         DV = out.shape[-1]
-        if page_table is not None:
-            NUM_PAGES, PAGE_SIZE, MAX_PAGES = k.shape[0], k.shape[1], page_table.shape[1]
-            MAX_KV, stride_pt = MAX_PAGES * PAGE_SIZE, page_table.stride(0)
-        else:
-            NUM_PAGES, PAGE_SIZE, MAX_PAGES, MAX_KV, stride_pt = 0, 1, 0, k.shape[2], 0
+        _, MAX_KV, _, _, (pages, stride_pt, NUM_PAGES), paging = _kv_layout(k, v, page_table)
+        MAX_PAGES = page_table.shape[1] if page_table is not None else 0
         lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-        _launch(_cache_values_check, (B,), out, lse, kv_len, q_offset, page_table, *out.stride(), *lse_strides,
-                stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES, PAGE_SIZE,
-                HAS_KV_LEN=kv_len is not None, PAGED=page_table is not None, HAS_LSE=lse is not None,
-                BLOCK_PAGES=256, BLOCK_ROWS=16,
-                HEAD_DIM_V_PAD=triton.next_power_of_2(DV), num_warps=1)
+        _launch(_cache_values_check, (B,), out, lse, kv_len, q_offset, pages, *out.stride(), *lse_strides,
+                stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES,
+                HAS_KV_LEN=kv_len is not None, HAS_LSE=lse is not None, BLOCK_PAGES=256, BLOCK_ROWS=16,
+                HEAD_DIM_V_PAD=triton.next_power_of_2(DV), **paging, num_warps=1)
