@@ -10,12 +10,15 @@ for each set of facts Triton specializes on, and launches it directly when the f
 import torch
 import triton.compiler
 
+from . import interpreter
 from .ahead import AHEAD
 from .shared import _interpreting
 
 # Triton chose compiled or interpreted kernels when it was first imported (above; attngen/__init__.py
 # settles TRITON_INTERPRET then); read once, so code that torch.compile traces reads no environment.
 INTERPRETING = _interpreting()
+if INTERPRETING:
+    interpreter.install()
 
 
 # Per kernel: {facts of a launch: (compiled kernel, the values of its parameters after the positional
