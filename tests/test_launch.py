@@ -20,12 +20,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import attngen
-from attngen import testing
+from attngen import reference, testing
 from attngen.runtime import attention as runtime_attention
 from attngen.families.decode import runtime as decode
 from attngen.families.hopper import runtime as hopper
 from attngen.families.portable import runtime as portable
-from attngen.runtime import launch, launching, tables
+from attngen.runtime import kvcache, launch, launching, tables
+from attngen.testing import strategies
 from conftest import CPU_CALLS
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -311,7 +312,7 @@ def test_the_plans_kept_are_bounded(monkeypatch):
 
 
 # The runtime's modules that launch kernels, each through its own imported _launch and _plan_site.
-_LAUNCHING = (portable, launching, tables, hopper, decode)
+_LAUNCHING = (portable, launching, tables, hopper, decode, kvcache)
 
 
 def _recorded_launches(monkeypatch, module):
@@ -371,6 +372,40 @@ def test_every_site_a_plan_binds_sees_the_facts_it_was_bound_with(monkeypatch, n
 
 
 @CPU_CALLS
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_cache_call_plans_bind_sites_that_see_the_facts_they_were_bound_with(monkeypatch, paged):
+    # A cache call's plan (kvcache._cache_plan) is keyed by its tensors' facts and kv_len's, q_offset's and the
+    # page table's: other lengths, offsets and pages of the same facts reuse it, and every launch it binds
+    # (the decode family's split and merge, the portable forward of a chunk of queries, the device check of
+    # the values) recomputes its arguments' facts (_VERIFY_BINDS).
+    attn = attngen.build(SPECS / "alibi_causal.attn", target="a100")
+    fakes = _recorded_launches(monkeypatch, attn.module)
+    verified = []
+    verify = launch._verify_bind
+    monkeypatch.setattr(launch, "_verify_bind", lambda *args: verified.append(args[0]) or verify(*args))
+    for q_len in (1, 40):  # the decode family's calls, then the portable family's
+        for seed in range(2):
+            q, k, v = testing.random_qkv(2, 4, 2, q_len, 64, 64, 64, torch.float32, seed=seed)
+            inputs = testing.random_inputs(attn.spec, 2, 4, 2, q_len, 64, seed=seed)
+            kv_len = torch.tensor([64, 48 + seed], dtype=torch.int32)
+            calls = [dict(kv_len=kv_len), dict(kv_len=kv_len, q_offset=kv_len - q_len - seed)]
+            if paged:
+                k, v, table = strategies.paged(k, v, 16, seed=seed)
+                calls = [dict(call, page_table=table) for call in calls]
+            else:
+                calls.append(dict(q_offset=torch.tensor([0, seed], dtype=torch.int32)))
+            with torch.no_grad():
+                for call in calls:
+                    attn(q, k, v, **call, **inputs)
+    plans = [plan for key, plan in attn.module.ATTENTION.call_plans.items() if key[0] == "cache"]
+    assert len(plans) == 2 * (2 if paged else 3) and all(plan.launches for plan in plans)
+    assert not [key for key in attn.module.ATTENTION.call_plans if key[0] != "cache"]  # no dense call's plan made
+    assert {fake.launcher for fake in fakes.values()} == {decode, portable, kvcache}
+    assert fakes and all(len(fake.bindings) == len(fake.compiled) for fake in fakes.values())
+    assert set(verified) == set(fakes.values())
+
+
+@CPU_CALLS
 def test_a_site_that_misses_a_fact_of_its_arguments_fails_the_check(monkeypatch):
     # The check above can fail: sites named without what tells them apart (the compaction of the
     # forward's tile table, 5 key tiles a row here, and of the backward's, 1 query tile a row) reuse
@@ -416,6 +451,32 @@ def test_planned_launches_see_the_facts_they_were_bound_with_on_gpu(name, target
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     assert len(plans[-1].backwards) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document_causal", "gpt_oss_sinks"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_cache_call_plans_bind_launches_of_the_facts_they_saw_on_gpu(name, paged, monkeypatch):
+    # A cache call's plan (kvcache._cache_plan): other lengths, offsets and pages of the same facts reuse it,
+    # and every launch it binds (decode split and merge, the portable forward of a chunk, the device check)
+    # recomputes its arguments' facts (_VERIFY_BINDS); each call against float64.
+    attn = attngen.build(SPECS / f"{name}.attn")
+    monkeypatch.setattr(launch, "_VERIFY_BINDS", True)
+    monkeypatch.setattr(attn.module.ATTENTION, "call_plans", {})
+    for q_len in (1, 1, 64, 64):
+        q, k, v = testing.random_qkv(2, 8, 2, q_len, 512, 128, 128, torch.bfloat16, device="cuda", seed=q_len)
+        inputs = testing.random_inputs(attn.spec, 2, 8, 2, q_len, 512, device="cuda", query_positions=600)
+        kv_len = torch.randint(q_len, 513, (2,), dtype=torch.int32, device="cuda")
+        call = {"kv_len": kv_len}
+        if paged:
+            k_pages, v_pages, call["page_table"] = strategies.paged(k, v, 16, seed=q_len)
+        with torch.no_grad():
+            out = attn(q, *((k_pages, v_pages) if paged else (k, v)), **call, **inputs)
+        want, _ = reference.evaluate(attn.spec, q.double(), k.double(), v.double(), inputs, kv_len=kv_len)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    plans = list(attn.module.ATTENTION.call_plans.values())
+    assert len(plans) == 2 and all(plan.launches for plan in plans)
 
 
 @pytest.mark.gpu

@@ -114,7 +114,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
                       "equal lengths, and packed calls run without them")
             out, lse = self._packed_attention(q, k, v, inputs, *packed, dropout_p, generator, deterministic=deterministic)
             return (out, lse) if return_lse else out
-        if page_table is not None:
+        if kv_len is not None or q_offset is not None or page_table is not None:
             out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, page_table,
                                              check_values=check_values)
             return (out, lse) if return_lse else out
@@ -124,9 +124,6 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
             plan = self._call_plan(q, k, v, inputs, deterministic, dropout=dropout_p != 0)
             sizes = plan.sizes
         B, H, HKV, Q_LEN, KV_LEN, _, _ = sizes
-        if kv_len is not None or q_offset is not None:
-            out, lse = self._cache_attention(q, k, v, inputs, kv_len, q_offset, tile_tables, check_values=check_values)
-            return (out, lse) if return_lse else out
         self._check_learnable(inputs)
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
         if known:

@@ -1,12 +1,13 @@
 """Cache calls: a contiguous or paged key/value cache with kv_len and q_offset, checked and run forward only."""
 
 import torch
-import triton
 
 from .arguments import _kv_layout
 from .checks import CHECKED_VALUES
 from .kernels import _cache_values_check
 from .launch import _launch
+from .plans import _CallPlan, _call_facts, _plan_site, _tensor_facts
+from .shared import _next_power_of_2
 
 
 class Cache:
@@ -33,20 +34,39 @@ class Cache:
         self._check_sizes(B, H, HKV, Q_LEN, MAX_KV, D, v.shape[3], inputs, q.device)
         return MAX_KV
 
+    def _cache_plan(self, q, k, v, inputs, kv_len, q_offset, page_table):
+        """The _CallPlan of a cache call (plans.py): its checks passed and its forward family chosen once per
+        set of facts, those of q, the cache's k and v and the inputs (_call_facts) and of kv_len, q_offset
+        and page_table (or their absence), which with them decide every launch's arguments' facts (a
+        defaulted q_offset is a new tensor of kv_len's facts). Its sizes are (B, H, HKV, Q_LEN, MAX_KV, D,
+        DV), MAX_KV the longest row the cache holds. Under torch.compile nothing is kept."""
+        key = None
+        if not torch.compiler.is_compiling():
+            facts = _call_facts(q, k, v, inputs)
+            cache = [("absent",) if t is None else _tensor_facts(t) for t in (kv_len, q_offset, page_table)]
+            key = ("cache", *cache, *facts) if facts is not None and None not in cache else None
+
+        def make():
+            B, H, Q_LEN, D = q.shape
+            if page_table is not None:
+                sizes = (B, H, k.shape[2], Q_LEN, self._check_paged(q, k, v, page_table, kv_len, inputs), D, v.shape[3])
+            else:
+                sizes = self._check(q, k, v, inputs)
+            for name, t in (("kv_len", kv_len), ("q_offset", q_offset)):
+                if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.int32
+                                          and tuple(t.shape) == (B,) and t.device == q.device):
+                    self._fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
+                          + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                             else type(t).__name__))
+            return _CallPlan(sizes, self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], True), None)
+        return self._planned(key, make)
+
     def _cache_attention(self, q, k, v, inputs, kv_len, q_offset, tile_tables, page_table=None, check_values=False):
         """A cache call (attn's kv_len, q_offset, page_table): checked, then the forward kernels alone.
         Its values (kv_len, q_offset, the page numbers) are checked on the device after the forward
         (_cache_forward), or with `check_values` on the host before it, which names the bad values."""
-        B, Q_LEN = q.shape[0], q.shape[2]
-        if page_table is not None:
-            MAX_KV = self._check_paged(q, k, v, page_table, kv_len, inputs)
-        else:
-            MAX_KV = k.shape[2]
-        for name, t in (("kv_len", kv_len), ("q_offset", q_offset)):
-            if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and tuple(t.shape) == (B,)
-                                      and t.device == q.device):
-                self._fail(f"{name} must be an int32 tensor of shape ({B},) on {q.device}, got "
-                      + (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        plan = self._cache_plan(q, k, v, inputs, kv_len, q_offset, page_table)
+        Q_LEN, MAX_KV = plan.sizes[3], plan.sizes[4]
         if tile_tables is not None:
             self._fail("tile_tables must be None in a call with kv_len, q_offset or page_table: tables are built for "
                   "query positions 0 .. Q_LEN-1, and cache calls run without them")
@@ -77,7 +97,7 @@ class Cache:
         if torch.compiler.is_compiling():
             return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages,
                                      [sink] if sink is not None else [])
-        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink, checked=checked)
+        return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink, checked=checked, plan=plan)
 
     def _check_cache_values(self, q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
         """A cache call's values: every flag computed on the device, read in one sync; the message,
@@ -104,19 +124,21 @@ class Cache:
             self._fail(f"page_table must name pages in [0, {NUM_PAGES}) (k.shape[0]) for every page a row uses, got "
                   f"values in [{int(named.min())}, {int(named.max())}]")
 
-    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink, checked=False):
+    def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink, checked=False, plan=None):
         """A cache call's forward (a paged one with [page_table] in `pages`), by the family FORWARD_FAMILIES
-        picks, with no tile table; `sink` as for _forward. Unless the host `checked` its values, the device
-        checks them after the forward: a batch row whose values lie outside the cache gets NaN in O and LSE."""
+        picks (the `plan`'s, _cache_plan, which binds the launches), with no tile table; `sink` as for
+        _forward. Unless the host `checked` its values, the device checks them after the forward: a batch
+        row whose values lie outside the cache gets NaN in O and LSE."""
         page_table = pages[0] if pages else None
-        out, lse = self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=page_table, sink=sink)
+        out, lse = self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=page_table, sink=sink,
+                                 family=plan.family if plan is not None else None, plan=plan)
         if not checked:
-            self._check_cache_values_on_device(q, k, v, out, lse, kv_len, q_offset, page_table)
+            self._check_cache_values_on_device(q, k, v, out, lse, kv_len, q_offset, page_table, plan)
         return out, lse
 
-    def _check_cache_values_on_device(self, q, k, v, out, lse, kv_len, q_offset, page_table):
+    def _check_cache_values_on_device(self, q, k, v, out, lse, kv_len, q_offset, page_table, plan=None):
         """kernels._cache_values_check over a cache call's output: one small launch, no sync. The cache's
-        length, page pool and paging are the forward kernels' own (_kv_layout)."""
+        length, page pool and paging are the forward kernels' own (_kv_layout); `plan` binds the launch."""
         B, H, Q_LEN = q.shape[:3]
         DV = out.shape[-1]
         _, MAX_KV, _, _, (pages, stride_pt, NUM_PAGES), paging = _kv_layout(k, v, page_table)
@@ -125,4 +147,4 @@ class Cache:
         _launch(_cache_values_check, (B,), out, lse, kv_len, q_offset, pages, *out.stride(), *lse_strides,
                 stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES,
                 HAS_KV_LEN=kv_len is not None, HAS_LSE=lse is not None, BLOCK_PAGES=256, BLOCK_ROWS=16,
-                HEAD_DIM_V_PAD=triton.next_power_of_2(DV), **paging, num_warps=1)
+                HEAD_DIM_V_PAD=_next_power_of_2(DV), **paging, num_warps=1, bind=_plan_site(plan, "cache values"))

@@ -5,16 +5,8 @@ import torch
 from .ahead import compile_ahead
 from .checks import CHECKED_VALUES
 from .operators import _PackedAttention
-from .plans import _CallPlan, _call_facts
+from .plans import _CallPlan, _call_facts, _tensor_facts
 from .shared import _packed_view
-
-
-def _offsets_facts(t):
-    """What _check_packed and the launches read of an offsets tensor beside its values (dtype, device,
-    shape, strides, 16-byte alignment); None for anything but a plain dense tensor."""
-    if t.__class__ is not torch.Tensor or t.layout != torch.strided:
-        return None
-    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
 def _is_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -68,7 +60,7 @@ class Packed:
         which with them decide every launch's arguments' facts (and `deterministic` and `dropout`, as for
         _call_plan)."""
         facts = _call_facts(q, k, v, inputs)
-        offsets = [_offsets_facts(t) for t in (cu_seqlens_q, cu_seqlens_k)]
+        offsets = [_tensor_facts(t) for t in (cu_seqlens_q, cu_seqlens_k)]
         if facts is not None and None not in offsets:
             # The lengths' types too: True == 1 as a key, and _check_packed refuses a bool.
             facts = ("packed", deterministic, dropout, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k),

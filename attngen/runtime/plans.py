@@ -37,6 +37,15 @@ def _call_facts(q, k, v, inputs):
             *[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors])
 
 
+def _tensor_facts(t):
+    """What the checks and the launches read of a call's small integer tensor (a packed call's offsets, a cache
+    call's kv_len, q_offset and page table) beside its values: dtype, device, shape, strides and 16-byte
+    alignment; None for anything but a plain dense tensor."""
+    if t.__class__ is not torch.Tensor or t.layout != torch.strided:
+        return None
+    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
 def _backward_plan(plan, do, dlse):
     """The plan of a backward of a call of `plan` with this dO and dLSE: their facts (dtype, strides,
     16-byte alignment; their shapes are out's and LSE's) decide the backward launches' arguments beside
