@@ -14,6 +14,18 @@ from attngen.runtime.launch import INTERPRETING
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="Triton's CPU interpreter only")
 
 
+def _installed(name):
+    """The interpreter function `name` as install() left it, or a skip where this Triton's interpreter has none
+    (install() then keeps the interpreter's own path: slower, not wrong)."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    owner = getattr(triton_interpreter, "ReduceOps", None) if name == "generic_reduce" else triton_interpreter
+    found = getattr(owner, name, None)
+    if found is None:
+        pytest.skip(f"this Triton's interpreter has no {name}")
+    return found
+
+
 @triton.jit
 def _first_nonzero(a, b):
     # Associative, not commutative: the tree must keep the elements' order.
@@ -71,11 +83,9 @@ def test_tree_reductions_equal_numpy_in_order(axis, keep, dtype):
 
 
 def test_the_tree_replaced_the_element_by_element_path_and_keeps_it_for_a_whole_tensor():
-    from triton.runtime.interpreter import ReduceOps
-
-    assert ReduceOps.generic_reduce.original is not None  # installed when attngen runs in the interpreter
+    assert _installed("generic_reduce").original is not None  # installed when attngen runs in the interpreter
     interpreter.install()  # a second install keeps the first
-    assert not hasattr(ReduceOps.generic_reduce.original, "original")
+    assert not hasattr(_installed("generic_reduce").original, "original")
     x = torch.zeros(4, 8, dtype=torch.int32)
     x[2, 3], x[3, 0] = 7, 9
     out = torch.empty(1, dtype=torch.int32)
@@ -100,7 +110,7 @@ def test_helper_calls_inside_a_kernel_do_not_patch_the_language_again(monkeypatc
     from triton.runtime import interpreter as triton_interpreter
 
     patches = []
-    original = triton_interpreter._patch_lang.original  # the interpreter's own, under install's
+    original = _installed("_patch_lang").original  # the interpreter's own, under install's
     counting = interpreter._patch_lang_once(lambda fn: patches.append(fn.__name__) or original(fn),
                                              triton_interpreter._LangPatchScope, tl)
     monkeypatch.setattr(triton_interpreter, "_patch_lang", counting)
@@ -113,9 +123,8 @@ def test_helper_calls_inside_a_kernel_do_not_patch_the_language_again(monkeypatc
 
 
 def test_the_dtype_table_answers_as_the_interpreter_does():
-    from triton.runtime import interpreter as triton_interpreter
-
-    table, original = triton_interpreter._get_np_dtype, triton_interpreter._get_np_dtype.original
+    table = _installed("_get_np_dtype")
+    original = table.original
     for dtype in (tl.int1, tl.int32, tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e4nv):
         for asked in (dtype, tl.block_type(dtype, [16, 32]), tl.pointer_type(dtype),
                       tl.block_type(tl.pointer_type(dtype), [16])):

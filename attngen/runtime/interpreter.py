@@ -73,8 +73,11 @@ def _patched(fn, tl):
     stands for every attribute one _patch_lang sets, as it sets and restores them together) and the
     tensor descriptors' (which every call patches too)."""
     langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
-    return bool(langs) and not any(tl.core.is_builtin(getattr(obj, name, None)) for obj, name in
-                                   [*((lang, "arange") for lang in langs), (tl.core.tensor_descriptor_base, "atomic_add")])
+    checked = [(lang, "arange") for lang in langs]
+    descriptors = getattr(tl.core, "tensor_descriptor_base", None)  # Triton 3.6's; not every version's
+    if descriptors is not None:
+        checked.append((descriptors, "atomic_add"))
+    return bool(langs) and not any(tl.core.is_builtin(getattr(obj, name, None)) for obj, name in checked)
 
 
 def _patch_lang_once(original, empty_scope, tl):
