@@ -33,17 +33,21 @@ def _call_facts(q, k, v, inputs):
             return None
         if t.layout != torch.strided or t.is_nested:  # no strides to key on: _check refuses them
             return None
-    return (tuple(inputs), torch.cuda.current_device() if q.is_cuda else None,
-            *[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors])
+    return (tuple(inputs), torch.cuda.current_device() if q.is_cuda else None, *map(_layout_facts, tensors))
+
+
+def _layout_facts(t):
+    """A dense tensor's facts beside its values: dtype, device, shape, strides and 16-byte alignment."""
+    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
 def _tensor_facts(t):
     """What the checks and the launches read of a call's small integer tensor (a packed call's offsets, a cache
-    call's kv_len, q_offset and page table) beside its values: dtype, device, shape, strides and 16-byte
-    alignment; None for anything but a plain dense tensor."""
+    call's kv_len, q_offset and page table) beside its values: its _layout_facts; None for anything but a plain
+    dense tensor."""
     if t.__class__ is not torch.Tensor or t.layout != torch.strided:
         return None
-    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0
+    return _layout_facts(t)
 
 
 def _backward_plan(plan, do, dlse):
