@@ -257,6 +257,25 @@ def test_paged_cache_pages_out_of_range_give_nan_rows(build_small):
             assert _bad_rows(out, None) == [True, True], name
 
 
+def test_a_decode_step_checks_its_values_in_the_merge_and_launches_no_check_kernel(build_small, monkeypatch):
+    """The decode family's merge checks a cache call's values (the NaN rows above), so a decoding step makes
+    two launches, none of them the separate check kernel; a chunked prefill, which the portable forward
+    runs, launches that kernel after its forward."""
+    from attngen.runtime import kvcache
+    attn = build_small("alibi_causal")
+    runtime = attn.module.ATTENTION
+    checks = []
+    launch = kvcache._launch
+    monkeypatch.setattr(kvcache, "_launch", lambda kernel, *args, **kw: checks.append(kernel) or launch(kernel, *args, **kw))
+    with torch.no_grad():
+        for shape, family, launched in ((SHAPES[0], "decode", []), (SHAPES[2], "portable", [kvcache._cache_values_check])):
+            q, k, v, inputs, kv_len = _case(attn, shape)
+            assert runtime._forward_family(q, k, v, k.shape[1], k.shape[2], True)[0] == family
+            checks.clear()
+            attn(q, k, v, kv_len=kv_len, **inputs)
+            assert checks == launched, family
+
+
 def test_cache_calls_under_torch_compile(build_small):
     attn = build_small("sliding_window")
     q, k, v, inputs, kv_len = _case(attn, SHAPES[0])

@@ -275,11 +275,12 @@ _COMPILE = textwrap.dedent('''
                      n_rows=1, BLOCK_R=16,  # one row to merge (found by attngen check on an H200)
                      VARLEN=False,  # packed calls' launches: tools/compile_sm90.py compiles them
                      HAS_SINK=True,  # the decode merge's part for a sink (fp32 rows)
+                     CHECK=True, BLOCK_PAGES=256,  # the decode merge checks a cache call's values
                      DROPOUT=True)  # the kernels that form P, with dropout's Philox draws beside the spec's ints
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32",
             "Rng": "*i64"}
-    SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q")
+    SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q", "MAX_KV", "MAX_OFFSET", "MAX_PAGES")
     from attngen.families.decode.runtime import _decode_combine  # the decode family's merge, every spec's
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, _decode_combine):
         signature = {}

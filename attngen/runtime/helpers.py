@@ -375,3 +375,24 @@ def _dropout_eighth(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
     x, _ = tl.split(x)
     x, _ = tl.split(x)
     return x
+
+
+@triton.jit
+def _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
+                   HAS_KV_LEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_PAGES: tl.constexpr):
+    # Whether batch row b of a cache call has values outside its cache: q_offset[b] outside [0, MAX_OFFSET],
+    # kv_len[b] outside [0, MAX_KV], or a page the row uses (PageTable[b, p] for p * PAGE_SIZE < kv_len[b])
+    # outside [0, NUM_PAGES). The forward's kernels clamp those values to the cache, so its memory is safe;
+    # a row this finds bad gets NaN in O and LSE, so what they computed is never taken for an answer.
+    q_off = tl.load(QOffset + b)
+    bad = (q_off < 0) | (q_off > MAX_OFFSET)
+    if HAS_KV_LEN:
+        kv_len = tl.load(KvLen + b)
+        bad = bad | (kv_len < 0) | (kv_len > MAX_KV)
+        if PAGED:
+            for start in range(0, MAX_PAGES, BLOCK_PAGES):
+                offs = start + tl.arange(0, BLOCK_PAGES)
+                used = (offs < MAX_PAGES) & (offs * PAGE_SIZE < kv_len)
+                page = tl.load(PageTable + b.to(tl.int64) * stride_pt + offs, mask=used, other=0)
+                bad = bad | (tl.max(((page < 0) | (page >= NUM_PAGES)).to(tl.int32), 0) > 0)
+    return bad

@@ -5,7 +5,7 @@ kernels call; the launches are the runtime's."""
 import triton
 import triton.language as tl
 
-from .helpers import EXACT_DIGITS, EXACT_WORDS, LOG2E
+from .helpers import EXACT_DIGITS, EXACT_WORDS, LOG2E, _cache_row_bad
 
 
 @triton.jit
@@ -99,23 +99,12 @@ def _cache_values_check(Out, Lse, KvLen, QOffset, PageTable, stride_ob, stride_o
                         PAGE_SIZE: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr):
     # A cache call's values, checked on the device after its forward (the host never reads them, so an
-    # eager decoding step never waits on the GPU): one program a batch row b, which is out of range if
-    # q_offset[b] lies outside [0, MAX_OFFSET], kv_len[b] outside [0, MAX_KV], or a page the row uses
-    # (PageTable[b, p] for p * PAGE_SIZE < kv_len[b]) outside [0, NUM_PAGES). The forward's kernels clamped
-    # those values to the cache, so its memory was safe; here such a row's O (B, H, Q_LEN, HEAD_DIM_V, in
-    # its strides) and LSE become NaN, so what they computed is never taken for an answer.
+    # eager decoding step never waits on the GPU), for a family whose forward does not check them itself
+    # (the decode family's merge does): one program a batch row b, whose O (B, H, Q_LEN, HEAD_DIM_V, in
+    # its strides) and LSE become NaN if _cache_row_bad finds it bad.
     b = tl.program_id(0)
-    q_off = tl.load(QOffset + b)
-    bad = (q_off < 0) | (q_off > MAX_OFFSET)
-    if HAS_KV_LEN:
-        kv_len = tl.load(KvLen + b)
-        bad = bad | (kv_len < 0) | (kv_len > MAX_KV)
-        if PAGED:
-            for start in range(0, MAX_PAGES, BLOCK_PAGES):
-                offs = start + tl.arange(0, BLOCK_PAGES)
-                used = (offs < MAX_PAGES) & (offs * PAGE_SIZE < kv_len)
-                page = tl.load(PageTable + b.to(tl.int64) * stride_pt + offs, mask=used, other=0)
-                bad = bad | (tl.max(((page < 0) | (page >= NUM_PAGES)).to(tl.int32), 0) > 0)
+    bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
+                         HAS_KV_LEN, PAGED, PAGE_SIZE, BLOCK_PAGES)
     if bad:
         offs_d = tl.arange(0, HEAD_DIM_V_PAD)
         for start in range(0, H * Q_LEN, BLOCK_ROWS):

@@ -127,12 +127,14 @@ class Cache:
     def _cache_forward(self, q, k, v, tensors, kv_len, q_offset, pages, sink, checked=False, plan=None):
         """A cache call's forward (a paged one with [page_table] in `pages`), by the family FORWARD_FAMILIES
         picks (the `plan`'s, _cache_plan, which binds the launches), with no tile table; `sink` as for
-        _forward. Unless the host `checked` its values, the device checks them after the forward: a batch
-        row whose values lie outside the cache gets NaN in O and LSE."""
+        _forward. Unless the host `checked` its values, the device checks them: within the forward for a
+        family that does (its `checks_cache_values`), else after it; a batch row whose values lie outside
+        the cache gets NaN in O and LSE."""
         page_table = pages[0] if pages else None
+        family = plan.family if plan is not None else self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], True)
         out, lse = self._forward(q, k, v, tensors, {}, cache=(kv_len, q_offset), page_table=page_table, sink=sink,
-                                 family=plan.family if plan is not None else None, plan=plan)
-        if not checked:
+                                 family=family, plan=plan)
+        if not checked and not getattr(self.families.get(family[0]), "checks_cache_values", False):
             self._check_cache_values_on_device(q, k, v, out, lse, kv_len, q_offset, page_table, plan)
         return out, lse
 

@@ -64,7 +64,10 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "DOT_PRECISION", *CACHE_FLAGS, *PAGING)),
         # The merge every spec shares: a spec's sink, if it has one, enters here (HAS_SINK), as one more part;
         # a sigmoid spec's parts add (ADD_PARTS).
+        # A cache call's values are checked here too (CHECK).
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
-                                                  *SINK, "H", "Q_LEN", "n_rows", "SPLITS"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS")),
+                                                  *SINK, *CACHE, *PAGE_TABLE[:2], "H", "Q_LEN", "n_rows", "SPLITS",
+                                                  "MAX_KV", "MAX_OFFSET", PAGE_TABLE[2], "MAX_PAGES"),
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS", "CHECK",
+                               CACHE_FLAGS[0], *PAGING, "BLOCK_PAGES")),
     }

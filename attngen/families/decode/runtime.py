@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ...runtime.arguments import _cache_launch, _dot_precision, _kv_layout, _sink_strides, _sm_count
-from ...runtime.helpers import LOG2E
+from ...runtime.helpers import LOG2E, _cache_row_bad
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
 from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2
@@ -45,6 +45,10 @@ class DecodeFamily:
     """The decode family (families/decode/family.py) serving the Attention `rt`: its split-KV forward and the
     merge of its splits; max_rows, the most rows (query heads of a key/value head times queries) one tile
     of it holds."""
+
+    # A cache call's values (kv_len, q_offset, the pages) are checked by the merge (_decode_combine's CHECK),
+    # which runs anyway: no launch of kernels._cache_values_check after it (Cache._cache_forward).
+    checks_cache_values = True
 
     def __init__(self, rt, forward_kernel, max_rows):
         self.rt = rt
@@ -120,30 +124,42 @@ class DecodeFamily:
             bind=_plan_site(plan, "decode"))
         out = _empty_in_layout(q, DV)
         lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
-        n_rows = B * H * Q_LEN
         block_r = 16
-        _launch(_decode_combine, (_cdiv(n_rows, block_r),), part, part_lse, out, *out.stride()[:3], lse,
-                *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), H, Q_LEN, n_rows, splits,
+        _launch(_decode_combine, (B, _cdiv(H * Q_LEN, block_r)), part, part_lse, out, *out.stride()[:3], lse,
+                *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), *cache_args, *page_args[:2],
+                H, Q_LEN, B * H * Q_LEN, splits, KV_LEN, self.rt.facts.max_length - Q_LEN, page_args[2],
+                page_table.shape[1] if page_table is not None else 0,
                 HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
-                ADD_PARTS=self.rt.facts.sigmoid, num_warps=4, bind=_plan_site(plan, "combine"))
+                ADD_PARTS=self.rt.facts.sigmoid, CHECK=cache is not None, HAS_KV_LEN=cache_flags["HAS_KV_LEN"],
+                BLOCK_PAGES=256, **paging, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
 
 
 # The merge of the shares is the same for every spec (no spec expression in it): here, not in the modules.
 @triton.jit
 def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
-                    H, Q_LEN, n_rows, SPLITS, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-                    BLOCK_R: tl.constexpr, HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr):
-    # Merges the SPLITS partial results of BLOCK_R rows by their LSE: O = sum_s exp(lse_s - lse) O_s.
+                    KvLen, QOffset, PageTable, stride_pt, H, Q_LEN, n_rows, SPLITS, MAX_KV, MAX_OFFSET, NUM_PAGES,
+                    MAX_PAGES, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                    HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr, CHECK: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_PAGES: tl.constexpr):
+    # Merges the SPLITS partial results of BLOCK_R rows of batch row b (a program's) by their LSE:
+    # O = sum_s exp(lse_s - lse) O_s.
     # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
     # of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value (O = 0,
     # LSE = sink), the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the
     # first part rescales its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN (both
     # NaN) merges as one without a sink and gets those values at the end. ADD_PARTS (sigmoid attention): each
     # part is its keys' weighted sum, not normalised, so O is the parts' sum and there is no LSE (LsePart, Lse
-    # and Sink are never read).
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+    # and Sink are never read). CHECK (a cache call): the values of the program's batch row b are checked here,
+    # as kernels._cache_values_check would in a launch of its own: a row with values outside the cache
+    # (_cache_row_bad) gets NaN in O and LSE.
+    b = tl.program_id(0)
+    in_batch = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # the program's rows of batch row b
+    row_ok = in_batch < H * Q_LEN
+    rows = b * H * Q_LEN + in_batch
+    if CHECK:
+        bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
+                             HAS_KV_LEN, PAGED, PAGE_SIZE, BLOCK_PAGES)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     out_rows = rows.to(tl.int64)
@@ -153,6 +169,8 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
             part_row = s * tl.cast(n_rows, tl.int64) + rows
             acc += tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
         out = acc
+        if CHECK:
+            tl.store(Lse + rows, tl.full([BLOCK_R], float("nan"), tl.float32), mask=row_ok & bad)
     else:
         m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -181,7 +199,11 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
             out = tl.where((sink < float("inf"))[:, None], out,
                            tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
             lse = tl.where(sink < float("inf"), lse, sink)
+        if CHECK:
+            lse = tl.where(bad, float("nan"), lse)
         tl.store(Lse + rows, lse, mask=row_ok)
+    if CHECK:
+        out = tl.where(bad, float("nan"), out)
     out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
                + out_rows % Q_LEN * stride_om)
     tl.store(Out + out_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=tile_ok)
