@@ -8,7 +8,8 @@ decode shapes of issue 35. A decoding loop writes kv_len in place every step, so
 "plain" and "kv_len, same tensor" does `lengths.add_(0)` first (an in-place write: the tensor's version
 changes, as a loop's `kv_len += 1` changes it); the paged and sink rows are for issue 35's "<= 1.05x
 plain". Columns: eager and graph are triton.testing.do_bench medians (ms) of the call and of its CUDA-graph
-replay; host_us is the host's time per call when calls are queued back to back; syncs are the messages of
+replay; host_us is the host's time per call when calls are queued back to back, idle_host_us that of one
+call issued on an idle GPU (the median); syncs are the messages of
 torch's sync debug mode over two calls (empty: none).
 """
 
@@ -43,6 +44,19 @@ def host_us(fn, calls=200):
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def idle_us(fn, calls=100):
+    """The host's time for one call issued on an idle GPU (synchronized before it, its return timed): the
+    host cost a decoding step pays before its launches reach the GPU; the median of `calls`."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e6
 
 
 def syncs(fn):
@@ -95,6 +109,7 @@ def main() -> None:
             for name, fn in calls(full, causal, sinks, B, length).items():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name == "cudnn" else contextlib.nullcontext():
                     row = {"B": B, "KV": length, "call": name, "host_us": round(host_us(fn), 1),
+                           "idle_host_us": round(idle_us(fn), 1),
                            "eager_ms": round(triton.testing.do_bench(fn, warmup=25, rep=200), 4),
                            "graph_ms": round(triton.testing.do_bench(graphed(fn), warmup=25, rep=200), 4),
                            "syncs": syncs(fn)}
