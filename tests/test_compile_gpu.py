@@ -122,4 +122,4 @@ def test_opcheck_on_non_contiguous_inputs_on_gpu(name):
     do = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     torch.library.opcheck(backward_op, (q, k, v, out, lse, do, torch.randn_like(lse), tensors, [], [], 0.0))
     kv_len = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    torch.library.opcheck(cache_op, (q[:, :, :4], k, v, tensors, [kv_len], kv_len - 4, [], []))
+    torch.library.opcheck(cache_op, (q[:, :, :4], k, v, tensors, [kv_len], [kv_len - 4], [], []))

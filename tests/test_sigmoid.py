@@ -356,7 +356,7 @@ def test_opcheck_of_the_operators_of_a_sigmoid_spec(rows):
         torch.library.opcheck(packed_op, (pq, pk, pv, [packed_inputs[i.name] for i in rows.spec.inputs],
                                           *packed.values(), [], rng, p), test_utils=("test_schema", "test_faketensor"))
     kv_len = torch.tensor([12, 7], dtype=torch.int32)
-    torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], kv_len - 2, [], []),
+    torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], [kv_len - 2], [], []),
                           test_utils=("test_schema", "test_faketensor"))
 
 

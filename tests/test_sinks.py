@@ -328,7 +328,7 @@ def test_opcheck_of_the_operators_with_a_sink(rows):
         torch.library.opcheck(sink_grad_op, (out, do, dlse, lse, sink))
     kv_len = torch.tensor([12, 7], dtype=torch.int32)
     cached = runtime._sink_rows(q[:, :, :2], k, inputs, cache=(kv_len, kv_len - 2, False))
-    torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], kv_len - 2, [], [cached]),
+    torch.library.opcheck(cache_op, (q[:, :, :2], k, v, tensors, [kv_len], [kv_len - 2], [], [cached]),
                           test_utils=("test_schema", "test_faketensor"))
     attn = attngen.build(PACKED)
     q, k, v, inputs, packed = _packed_case(attn)

@@ -95,16 +95,16 @@ def _exact_finish(Words, Out, n, BLOCK: tl.constexpr):
 @triton.jit
 def _cache_values_check(Out, Lse, KvLen, QOffset, PageTable, stride_ob, stride_oh, stride_om, stride_ok,
                         stride_lb, stride_lh, stride_lm, stride_pt, H, Q_LEN, HEAD_DIM_V, MAX_KV, MAX_OFFSET,
-                        NUM_PAGES, MAX_PAGES, HAS_KV_LEN: tl.constexpr, PAGED: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+                        NUM_PAGES, MAX_PAGES, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
+                        PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_PAGES: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr):
     # A cache call's values, checked on the device after its forward (the host never reads them, so an
     # eager decoding step never waits on the GPU), for a family whose forward does not check them itself
     # (the decode family's merge does): one program a batch row b, whose O (B, H, Q_LEN, HEAD_DIM_V, in
     # its strides) and LSE become NaN if _cache_row_bad finds it bad.
     b = tl.program_id(0)
-    bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
-                         HAS_KV_LEN, PAGED, PAGE_SIZE, BLOCK_PAGES)
+    bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, Q_LEN, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
+                         HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE, BLOCK_PAGES)
     if bad:
         offs_d = tl.arange(0, HEAD_DIM_V_PAD)
         for start in range(0, H * Q_LEN, BLOCK_ROWS):

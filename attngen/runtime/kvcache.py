@@ -2,7 +2,7 @@
 
 import torch
 
-from .arguments import _kv_layout
+from .arguments import _cache_launch, _kv_layout
 from .checks import CHECKED_VALUES
 from .kernels import _cache_values_check
 from .launch import _launch
@@ -37,9 +37,9 @@ class Cache:
     def _cache_plan(self, q, k, v, inputs, kv_len, q_offset, page_table):
         """The _CallPlan of a cache call (plans.py): its checks passed and its forward family chosen once per
         set of facts, those of q, the cache's k and v and the inputs (_call_facts) and of kv_len, q_offset
-        and page_table (or their absence), which with them decide every launch's arguments' facts (a
-        defaulted q_offset is a new tensor of kv_len's facts). Its sizes are (B, H, HKV, Q_LEN, MAX_KV, D,
-        DV), MAX_KV the longest row the cache holds. Under torch.compile nothing is kept."""
+        and page_table (or their absence), which with them decide every launch's arguments' facts. Its sizes
+        are (B, H, HKV, Q_LEN, MAX_KV, D, DV), MAX_KV the longest row the cache holds. Under torch.compile
+        nothing is kept."""
         key = None
         if not torch.compiler.is_compiling():
             facts = _call_facts(q, k, v, inputs)
@@ -73,36 +73,37 @@ class Cache:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
             self._fail("a call with kv_len or q_offset has no backward pass: call it under torch.no_grad(), or with "
                   "tensors that do not require grad")
-        defaulted = q_offset is None
-        if defaulted:
-            q_offset = kv_len - Q_LEN
+        # A q_offset left out is kv_len - Q_LEN, which the kernels derive from kv_len themselves (no torch op).
         if kv_len is not None:
             kv_len = kv_len.contiguous()
-        q_offset = q_offset.contiguous()
+        if q_offset is not None:
+            q_offset = q_offset.contiguous()
         # check_values reads the values on the host (one sync per call where they changed): not while a CUDA
         # graph is captured or under torch.compile, which take the device check, nor for values already
-        # checked (CHECKED_VALUES: the layers of one decoding step share kv_len and the page table; a
-        # defaulted q_offset follows from kv_len).
+        # checked (CHECKED_VALUES: the layers of one decoding step share kv_len and the page table).
         checked = (check_values and not torch.compiler.is_compiling()
                    and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
         if checked:
-            values = (kv_len, None if defaulted else q_offset, page_table)
+            values = (kv_len, q_offset, page_table)
             facts = ("cache", Q_LEN, MAX_KV, k.shape[0], self.facts.max_length)
             if not CHECKED_VALUES.holds(values, facts):
-                self._check_cache_values(q, kv_len, q_offset, defaulted, MAX_KV, page_table, k.shape[0])
+                self._check_cache_values(q, kv_len, q_offset, MAX_KV, page_table, k.shape[0])
                 CHECKED_VALUES.add(values, facts)
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         pages = [page_table.contiguous()] if page_table is not None else []
         sink = self._sink_rows(q, k, inputs, cache=(kv_len, q_offset, page_table is not None))
         if torch.compiler.is_compiling():
-            return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [], q_offset, pages,
-                                     [sink] if sink is not None else [])
+            return self.operators[3](q, k, v, tensors, [kv_len] if kv_len is not None else [],
+                                     [q_offset] if q_offset is not None else [], pages, [sink] if sink is not None else [])
         return self._cache_forward(q, k, v, tensors, kv_len, q_offset, pages, sink, checked=checked, plan=plan)
 
-    def _check_cache_values(self, q, kv_len, q_offset, defaulted, MAX_KV, page_table, NUM_PAGES):
-        """A cache call's values: every flag computed on the device, read in one sync; the message,
-        only on failure, reads the offending range."""
+    def _check_cache_values(self, q, kv_len, q_offset, MAX_KV, page_table, NUM_PAGES):
+        """A cache call's values (q_offset None: kv_len - Q_LEN): every flag computed on the device, read in
+        one sync; the message, only on failure, reads the offending range."""
         Q_LEN = q.shape[2]
+        defaulted = q_offset is None
+        if defaulted:
+            q_offset = kv_len - Q_LEN
         flags = [(q_offset < 0).any(), (q_offset > self.facts.max_length - Q_LEN).any()]
         if kv_len is not None:
             flags += [(kv_len < 0).any(), (kv_len > MAX_KV).any()]
@@ -146,7 +147,8 @@ class Cache:
         _, MAX_KV, _, _, (pages, stride_pt, NUM_PAGES), paging = _kv_layout(k, v, page_table)
         MAX_PAGES = page_table.shape[1] if page_table is not None else 0
         lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-        _launch(_cache_values_check, (B,), out, lse, kv_len, q_offset, pages, *out.stride(), *lse_strides,
-                stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES,
-                HAS_KV_LEN=kv_len is not None, HAS_LSE=lse is not None, BLOCK_PAGES=256, BLOCK_ROWS=16,
+        cache_args, cache_flags = _cache_launch((kv_len, q_offset), out)
+        _launch(_cache_values_check, (B,), out, lse, *cache_args, pages, *out.stride(), *lse_strides,
+                stride_pt, H, Q_LEN, DV, MAX_KV, self.facts.max_length - Q_LEN, NUM_PAGES, MAX_PAGES, **cache_flags,
+                HAS_LSE=lse is not None, BLOCK_PAGES=256, BLOCK_ROWS=16,
                 HEAD_DIM_V_PAD=_next_power_of_2(DV), **paging, num_warps=1, bind=_plan_site(plan, "cache values"))

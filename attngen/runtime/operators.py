@@ -195,11 +195,11 @@ class Operators:
 
         @torch.library.custom_op(f"attngen::{cache_name}", mutates_args=())
         def cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                     kv_len: list[torch.Tensor], q_offset: torch.Tensor, pages: list[torch.Tensor],
+                     kv_len: list[torch.Tensor], q_offset: list[torch.Tensor], pages: list[torch.Tensor],
                      sink: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            # kv_len, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
-            return self._cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset, pages,
-                                       sink[0] if sink else None)
+            # kv_len, q_offset, pages: [] or [one tensor] (lists: optional tensors in the operator's schema)
+            return self._cache_forward(q, k, v, tensors, kv_len[0] if kv_len else None, q_offset[0] if q_offset else None,
+                                       pages, sink[0] if sink else None)
 
         @cache_op.register_fake
         def _(q, k, v, tensors, kv_len, q_offset, pages, sink):

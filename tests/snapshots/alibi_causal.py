@@ -810,6 +810,8 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     q_off = 0
     if HAS_Q_OFFSET:
         q_off = tl.load(QOffset + off_b)
+    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
+        q_off = tl.load(KvLen + off_b) - Q_LEN
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
@@ -895,7 +897,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "61ae7815b924315c"
+MODULE_DIGEST = "121c290555405b13"
 FACTS = SpecFacts(
     name="alibi_causal",
     fingerprint="a3ed7f9b8e750862",

@@ -822,6 +822,8 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     q_off = 0
     if HAS_Q_OFFSET:
         q_off = tl.load(QOffset + off_b)
+    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
+        q_off = tl.load(KvLen + off_b) - Q_LEN
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
@@ -909,7 +911,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "e5ceeca66ba002a4"
+MODULE_DIGEST = "b7d8e1f21bf9be2a"
 FACTS = SpecFacts(
     name="gemma2_local",
     fingerprint="472a12f0a3c2bccd",

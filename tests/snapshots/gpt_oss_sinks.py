@@ -815,6 +815,8 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
     q_off = 0
     if HAS_Q_OFFSET:
         q_off = tl.load(QOffset + off_b)
+    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
+        q_off = tl.load(KvLen + off_b) - Q_LEN
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
@@ -899,7 +901,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "afb9233547c1bef7"
+MODULE_DIGEST = "77035854807bb2b6"
 FACTS = SpecFacts(
     name="gpt_oss_sinks",
     fingerprint="858b45d94fc20cc4",

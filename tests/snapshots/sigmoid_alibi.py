@@ -804,6 +804,8 @@ def _decode_fwd_kernel(Q, K, V, OutPart, sm_scale, qk_scale, stride_qz, stride_q
     q_off = 0
     if HAS_Q_OFFSET:
         q_off = tl.load(QOffset + off_b)
+    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
+        q_off = tl.load(KvLen + off_b) - Q_LEN
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
@@ -880,7 +882,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "ba4a5ba858c4b0d9"
+MODULE_DIGEST = "af8454c82056c3e8"
 FACTS = SpecFacts(
     name="sigmoid_alibi",
     fingerprint="3d459e31007b3b82",

@@ -69,5 +69,5 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
                                                   *SINK, *CACHE, *PAGE_TABLE[:2], "H", "Q_LEN", "n_rows", "SPLITS",
                                                   "MAX_KV", "MAX_OFFSET", PAGE_TABLE[2], "MAX_PAGES"),
                               ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS", "CHECK",
-                               CACHE_FLAGS[0], *PAGING, "BLOCK_PAGES")),
+                               *CACHE_FLAGS, *PAGING, "BLOCK_PAGES")),
     }

@@ -130,8 +130,8 @@ class DecodeFamily:
                 H, Q_LEN, B * H * Q_LEN, splits, KV_LEN, self.rt.facts.max_length - Q_LEN, page_args[2],
                 page_table.shape[1] if page_table is not None else 0,
                 HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
-                ADD_PARTS=self.rt.facts.sigmoid, CHECK=cache is not None, HAS_KV_LEN=cache_flags["HAS_KV_LEN"],
-                BLOCK_PAGES=256, **paging, num_warps=4, bind=_plan_site(plan, "combine"))
+                ADD_PARTS=self.rt.facts.sigmoid, CHECK=cache is not None, **cache_flags, BLOCK_PAGES=256, **paging,
+                num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
 
 
@@ -141,7 +141,8 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
                     KvLen, QOffset, PageTable, stride_pt, H, Q_LEN, n_rows, SPLITS, MAX_KV, MAX_OFFSET, NUM_PAGES,
                     MAX_PAGES, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                     HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr, CHECK: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_PAGES: tl.constexpr):
+                    HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    BLOCK_PAGES: tl.constexpr):
     # Merges the SPLITS partial results of BLOCK_R rows of batch row b (a program's) by their LSE:
     # O = sum_s exp(lse_s - lse) O_s.
     # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
@@ -158,8 +159,8 @@ def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse,
     row_ok = in_batch < H * Q_LEN
     rows = b * H * Q_LEN + in_batch
     if CHECK:
-        bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
-                             HAS_KV_LEN, PAGED, PAGE_SIZE, BLOCK_PAGES)
+        bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, Q_LEN, MAX_KV, MAX_OFFSET, NUM_PAGES,
+                             MAX_PAGES, HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE, BLOCK_PAGES)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     out_rows = rows.to(tl.int64)

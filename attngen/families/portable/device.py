@@ -73,6 +73,8 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
     q_off = 0
     if HAS_Q_OFFSET:
         q_off = tl.load(QOffset + off_b)
+    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
+        q_off = tl.load(KvLen + off_b) - Q_LEN
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
