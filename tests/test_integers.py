@@ -272,10 +272,10 @@ _COMPILE = textwrap.dedent('''
                      BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, PARTS=3, COUNT_VISITS=False,
                      DOT_PRECISION="tf32", FOLLOW_TABLE=False, KV_LEN=1,  # an int argument equal to 1 is a constexpr
                      HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True, PAGE_SIZE=16,  # cache calls, paged
-                     n_rows=1, BLOCK_R=16,  # one row to merge (found by attngen check on an H200)
+                     n_rows=1, SPLIT_BLOCK=16,  # one row to merge (found by attngen check on an H200)
                      VARLEN=False,  # packed calls' launches: tools/compile_sm90.py compiles them
                      HAS_SINK=True,  # the decode merge's part for a sink (fp32 rows)
-                     CHECK=True, BLOCK_PAGES=256,  # the decode merge checks a cache call's values
+                     CHECK=True, BLOCK_PAGES=2048,  # the decode merge checks a cache call's values
                      DROPOUT=True)  # the kernels that form P, with dropout's Philox draws beside the spec's ints
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32",

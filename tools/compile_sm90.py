@@ -100,11 +100,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if family == "decode":  # one decode tile of 4 query heads x 1 query, and the merge of the splits
             launches.append(("_decode_fwd_kernel", dict(head, BLOCK_M=16, BLOCK_N=tiles[1]),
                              tiles))
-            launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, BLOCK_R=16,
+            launches.append(("_decode_combine", dict(HEAD_DIM_V=head_dim, HEAD_DIM_V_PAD=head_dim, SPLIT_BLOCK=16,
                                                      HAS_SINK=module.FACTS.sink is not None,
                                                      ADD_PARTS=module.FACTS.normalize == "sigmoid", CHECK=True,
                                                      HAS_KV_LEN=True, HAS_Q_OFFSET=False, PAGED=True, PAGE_SIZE=16,
-                                                     BLOCK_PAGES=256),
+                                                     BLOCK_PAGES=2048),
                              (0, 0, 4, 1)))
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],

@@ -68,6 +68,6 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "decode_combine": sig("_decode_combine", ("OutPart", "LsePart", "Out", *_strides("o", "m")[:3], "Lse",
                                                   *SINK, *CACHE, *PAGE_TABLE[:2], "H", "Q_LEN", "n_rows", "SPLITS",
                                                   "MAX_KV", "MAX_OFFSET", PAGE_TABLE[2], "MAX_PAGES"),
-                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "BLOCK_R", "HAS_SINK", "ADD_PARTS", "CHECK",
+                              ("HEAD_DIM_V", "HEAD_DIM_V_PAD", "SPLIT_BLOCK", "HAS_SINK", "ADD_PARTS", "CHECK",
                                *CACHE_FLAGS, *PAGING, "BLOCK_PAGES")),
     }

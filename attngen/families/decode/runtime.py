@@ -124,90 +124,99 @@ class DecodeFamily:
             bind=_plan_site(plan, "decode"))
         out = _empty_in_layout(q, DV)
         lse = torch.empty((B, H, Q_LEN), dtype=torch.float32, device=q.device)
-        block_r = 16
-        _launch(_decode_combine, (B, _cdiv(H * Q_LEN, block_r)), part, part_lse, out, *out.stride()[:3], lse,
+        _launch(_decode_combine, (B * H * Q_LEN,), part, part_lse, out, *out.stride()[:3], lse,
                 *((sink, *_sink_strides(sink)) if sink is not None else (lse, 0, 0, 0)), *cache_args, *page_args[:2],
                 H, Q_LEN, B * H * Q_LEN, splits, KV_LEN, self.rt.facts.max_length - Q_LEN, page_args[2],
                 page_table.shape[1] if page_table is not None else 0,
-                HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, BLOCK_R=block_r, HAS_SINK=sink is not None,
-                ADD_PARTS=self.rt.facts.sigmoid, CHECK=cache is not None, **cache_flags, BLOCK_PAGES=256, **paging,
-                num_warps=4, bind=_plan_site(plan, "combine"))
+                HEAD_DIM_V=DV, HEAD_DIM_V_PAD=dv_pad, SPLIT_BLOCK=min(COMBINE_SPLIT_BLOCK, _next_power_of_2(splits)),
+                HAS_SINK=sink is not None, ADD_PARTS=self.rt.facts.sigmoid, CHECK=cache is not None, **cache_flags,
+                BLOCK_PAGES=COMBINE_BLOCK_PAGES, **paging, num_warps=4, bind=_plan_site(plan, "combine"))
         return out, lse
 
 
 # The merge of the shares is the same for every spec (no spec expression in it): here, not in the modules.
+# A program merges one row, SPLIT_BLOCK shares a step (their loads independent: the merge of B=1 over 128k
+# keys, 33 shares of 32 rows, took 26 us one share a step in two programs, 13% of the call); a cache call's
+# page check reads BLOCK_PAGES page numbers a step.
+COMBINE_SPLIT_BLOCK = 16
+COMBINE_BLOCK_PAGES = 2048
+
+
 @triton.jit
 def _decode_combine(OutPart, LsePart, Out, stride_oz, stride_oh, stride_om, Lse, Sink, stride_sb, stride_sh, stride_sm,
                     KvLen, QOffset, PageTable, stride_pt, H, Q_LEN, n_rows, SPLITS, MAX_KV, MAX_OFFSET, NUM_PAGES,
-                    MAX_PAGES, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                    MAX_PAGES, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                     HAS_SINK: tl.constexpr, ADD_PARTS: tl.constexpr, CHECK: tl.constexpr, HAS_KV_LEN: tl.constexpr,
                     HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_PAGES: tl.constexpr):
-    # Merges the SPLITS partial results of BLOCK_R rows of batch row b (a program's) by their LSE:
-    # O = sum_s exp(lse_s - lse) O_s.
-    # Row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides, and
-    # of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value (O = 0,
-    # LSE = sink), the merge's first, so a row's max starts at its sink (a sink of -inf is no sink: the
-    # first part rescales its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN (both
-    # NaN) merges as one without a sink and gets those values at the end. ADD_PARTS (sigmoid attention): each
-    # part is its keys' weighted sum, not normalised, so O is the parts' sum and there is no LSE (LsePart, Lse
-    # and Sink are never read). CHECK (a cache call): the values of the program's batch row b are checked here,
-    # as kernels._cache_values_check would in a launch of its own: a row with values outside the cache
-    # (_cache_row_bad) gets NaN in O and LSE.
-    b = tl.program_id(0)
-    in_batch = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # the program's rows of batch row b
-    row_ok = in_batch < H * Q_LEN
-    rows = b * H * Q_LEN + in_batch
+    # Merges the SPLITS partial results of one row by their LSE: O = sum_s exp(lse_s - lse) O_s. The
+    # program's row (b * H + h) * Q_LEN + m of the parts is O's row (b, h, m), which lies in O's own strides,
+    # and of the spec's sink (B, H, Q_LEN, in its strides), if it has one (HAS_SINK): a part with no value
+    # (O = 0, LSE = sink), the merge's first, so the row's max starts at its sink (a sink of -inf is no sink:
+    # the first parts rescale its 1 by exp(-inf) = 0). A row whose sink is +inf (O = 0, LSE = +inf) or NaN
+    # (both NaN) merges as one without a sink and gets those values at the end. ADD_PARTS (sigmoid
+    # attention): each part is its keys' weighted sum, not normalised, so O is the parts' sum and there is no
+    # LSE (LsePart, Lse and Sink are never read). CHECK (a cache call): the values of the row's batch row b
+    # are checked here, as kernels._cache_values_check would in a launch of its own: a row with values
+    # outside the cache (_cache_row_bad) gets NaN in O and LSE.
+    row = tl.program_id(0)
+    b = row // (H * Q_LEN)
+    h = row // Q_LEN % H
+    m_row = row % Q_LEN
     if CHECK:
         bad = _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, Q_LEN, MAX_KV, MAX_OFFSET, NUM_PAGES,
                              MAX_PAGES, HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE, BLOCK_PAGES)
+    offs_s = tl.arange(0, SPLIT_BLOCK)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    out_rows = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM_V_PAD], dtype=tl.float32)
+    dv_ok = offs_dv < HEAD_DIM_V
+    acc = tl.zeros([HEAD_DIM_V_PAD], dtype=tl.float32)
     if ADD_PARTS:
-        for s in range(SPLITS):
-            part_row = s * tl.cast(n_rows, tl.int64) + rows
-            acc += tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
+        for start in range(0, SPLITS, SPLIT_BLOCK):
+            share = start + offs_s
+            part_row = share.to(tl.int64) * n_rows + row
+            acc += tl.sum(tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                                  mask=(share < SPLITS)[:, None] & dv_ok[None, :], other=0.0), 0)
         out = acc
         if CHECK:
-            tl.store(Lse + rows, tl.full([BLOCK_R], float("nan"), tl.float32), mask=row_ok & bad)
+            if bad:
+                tl.store(Lse + row, float("nan"))
     else:
-        m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], dtype=tl.float32)
         sink = m
         if HAS_SINK:
-            sink = tl.load(Sink + out_rows // Q_LEN // H * stride_sb + out_rows // Q_LEN % H * stride_sh
-                           + out_rows % Q_LEN * stride_sm, mask=row_ok, other=float("-inf"))
+            sink = tl.load(Sink + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+                           + m_row.to(tl.int64) * stride_sm)
             m = tl.where(sink < float("inf"), sink, float("-inf"))
             total += 1.0
-        for s in range(SPLITS):
-            part_row = s * tl.cast(n_rows, tl.int64) + rows  # tl.cast: n_rows == 1 arrives as a constexpr
-            lse_s = tl.load(LsePart + part_row, mask=row_ok, other=float("-inf"))
-            o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :], mask=tile_ok, other=0.0)
-            m_new = tl.maximum(m, lse_s)
+        for start in range(0, SPLITS, SPLIT_BLOCK):
+            share = start + offs_s
+            share_ok = share < SPLITS
+            part_row = share.to(tl.int64) * n_rows + row
+            lse_s = tl.load(LsePart + part_row, mask=share_ok, other=float("-inf"))
+            o_s = tl.load(OutPart + part_row[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                          mask=share_ok[:, None] & dv_ok[None, :], other=0.0)
+            m_new = tl.maximum(m, tl.max(lse_s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             weight = tl.exp(lse_s - m_safe)
-            total = total * alpha + weight
-            acc = acc * alpha[:, None] + weight[:, None] * o_s
+            total = total * alpha + tl.sum(weight, 0)
+            acc = acc * alpha + tl.sum(weight[:, None] * o_s, 0)
             m = m_new
         has_keys = total > 0.0
         total_safe = tl.where(has_keys, total, 1.0)
         lse = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
-        out = acc / total_safe[:, None]
+        out = acc / total_safe
         if HAS_SINK:
-            out = tl.where((sink < float("inf"))[:, None], out,
-                           tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
+            out = tl.where(sink < float("inf"), out, tl.where(sink == float("inf"), 0.0, float("nan")))
             lse = tl.where(sink < float("inf"), lse, sink)
         if CHECK:
             lse = tl.where(bad, float("nan"), lse)
-        tl.store(Lse + rows, lse, mask=row_ok)
+        tl.store(Lse + row, lse)
     if CHECK:
         out = tl.where(bad, float("nan"), out)
-    out_row = (out_rows // Q_LEN // H * stride_oz + out_rows // Q_LEN % H * stride_oh
-               + out_rows % Q_LEN * stride_om)
-    tl.store(Out + out_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=tile_ok)
+    out_row = b.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m_row.to(tl.int64) * stride_om
+    tl.store(Out + out_row + offs_dv, out.to(Out.dtype.element_ty), mask=dv_ok)
 
 
 # The class the runtime serves a spec's Attention with (runtime.families).
