@@ -82,6 +82,18 @@ def test_decode_splits_keys_and_merges_empty_shares(build_small):
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
 
 
+@pytest.mark.parametrize("name", ["full", "sliding_window", "gpt_oss_sinks", "sigmoid_alibi"])
+def test_the_merge_takes_the_shares_in_steps(name, build_small, monkeypatch):
+    """The merge loads COMBINE_SPLIT_BLOCK shares a step and rescales between steps; at two a step, 7 shares
+    take four steps, the last one part empty: with every share full (full), most of them empty (a window of
+    one tile), a sink as the merge's first part, and sigmoid's sums."""
+    monkeypatch.setattr(decode, "COMBINE_SPLIT_BLOCK", 2)
+    attn = build_small(name, window=3)
+    q, k, v, inputs = _decoded(attn, (1, 4, 1, 2, 400, 16, 16), torch.float32)
+    assert decode._decode_splits(25, 1, q.device) == 7
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs, grads=False)
+
+
 def test_decode_rows_with_no_key_give_zero_and_minus_infinity():
     attn = attngen.build("attention padded\ninput lengths: i32[B]\nmask: k < lengths[b]\n")
     q, k, v = testing.random_qkv(2, 4, 2, 1, 90, 16, 16, torch.float32, device=DEVICE)
