@@ -378,6 +378,18 @@ def _dropout_eighth(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
 
 
 @triton.jit
+def _cache_query_offset(KvLen, QOffset, b, Q_LEN, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr):
+    # The position of batch row b's first query in a cache call: q_offset[b], or kv_len[b] - Q_LEN when the
+    # call left q_offset out (its queries are the newest tokens); 0 in any other call.
+    q_off = 0
+    if HAS_Q_OFFSET:
+        q_off = tl.load(QOffset + b)
+    elif HAS_KV_LEN:
+        q_off = tl.load(KvLen + b) - Q_LEN
+    return q_off
+
+
+@triton.jit
 def _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, Q_LEN, MAX_KV, MAX_OFFSET, NUM_PAGES, MAX_PAGES,
                    HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_PAGES: tl.constexpr):
@@ -385,11 +397,7 @@ def _cache_row_bad(b, KvLen, QOffset, PageTable, stride_pt, Q_LEN, MAX_KV, MAX_O
     # kv_len[b] outside [0, MAX_KV], or a page the row uses (PageTable[b, p] for p * PAGE_SIZE < kv_len[b])
     # outside [0, NUM_PAGES). The forward's kernels clamp those values to the cache, so its memory is safe;
     # a row this finds bad gets NaN in O and LSE, so what they computed is never taken for an answer.
-    # Without HAS_Q_OFFSET, q_offset[b] is kv_len[b] - Q_LEN.
-    if HAS_Q_OFFSET:
-        q_off = tl.load(QOffset + b)
-    else:
-        q_off = tl.load(KvLen + b) - Q_LEN
+    q_off = _cache_query_offset(KvLen, QOffset, b, Q_LEN, HAS_KV_LEN, HAS_Q_OFFSET)
     bad = (q_off < 0) | (q_off > MAX_OFFSET)
     if HAS_KV_LEN:
         kv_len = tl.load(KvLen + b)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
-from attngen.runtime.helpers import LOG2E, LN2, _tanh, _tanh_approx, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile  # the kernels call them
+from attngen.runtime.helpers import LOG2E, LN2, _tanh, _tanh_approx, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile, _cache_query_offset  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
 from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish  # its kernels call them
 from attngen.families.portable.device import _fwd_program  # its kernels call them
@@ -819,11 +819,7 @@ def _decode_fwd_kernel(Q, K, V, OutPart, LsePart, sm_scale, qk_scale, stride_qz,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
     # kv_len[b] (clamped to the cache, so no value can reach past its memory).
-    q_off = 0
-    if HAS_Q_OFFSET:
-        q_off = tl.load(QOffset + off_b)
-    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
-        q_off = tl.load(KvLen + off_b) - Q_LEN
+    q_off = _cache_query_offset(KvLen, QOffset, off_b, Q_LEN, HAS_KV_LEN, HAS_Q_OFFSET)
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
@@ -911,7 +907,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "b7d8e1f21bf9be2a"
+MODULE_DIGEST = "ddbf9746b9db8c4f"
 FACTS = SpecFacts(
     name="gemma2_local",
     fingerprint="472a12f0a3c2bccd",

@@ -10,7 +10,7 @@ function it calls, these constexpr ones included, and the interpreter runs them 
 import triton
 import triton.language as tl
 
-from ...runtime.helpers import LN2, LOG2E, _dropout_state, _load_tile
+from ...runtime.helpers import LN2, LOG2E, _cache_query_offset, _dropout_state, _load_tile
 
 
 @triton.jit
@@ -70,11 +70,7 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
                    offs_m[:, None] < Q_LEN, offs_d[None, :] < HEAD_DIM, True, HEAD_DIM != HEAD_DIM_PAD)
     # A cache call: query i of batch b sits at position q_offset[b] + i, and the row's keys end at
     # kv_len[b] (clamped to the cache, so no value can reach past its memory).
-    q_off = 0
-    if HAS_Q_OFFSET:
-        q_off = tl.load(QOffset + off_b)
-    elif HAS_KV_LEN:  # q_offset left out: kv_len[b] - Q_LEN
-        q_off = tl.load(KvLen + off_b) - Q_LEN
+    q_off = _cache_query_offset(KvLen, QOffset, off_b, Q_LEN, HAS_KV_LEN, HAS_Q_OFFSET)
     if HAS_KV_LEN:
         KV_LEN = tl.minimum(tl.maximum(tl.load(KvLen + off_b), 0), KV_LEN)
     pos_m = offs_m + q_off
