@@ -20,6 +20,9 @@ class Fp8:
         if torch.compiler.is_compiling():
             self._fail("an FP8 call (float8_e4m3fn q, k and v) runs eagerly only, not under torch.compile")
         B, H, HKV, Q_LEN, KV_LEN, _, _ = self._check(q, k, v, inputs, fp8=True)
+        if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+            self._fail(f"an FP8 call needs a GPU with e4m3 tensor cores (compute capability 8.9 or more: Ada, Hopper), "
+                       f"got {torch.cuda.get_device_name(q.device)}")
         scales = []
         for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
             if t is None:

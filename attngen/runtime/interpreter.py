@@ -112,13 +112,12 @@ def _fp8_rounding(original, tl):
     nearest, ties to even, saturating at +-448 (PTX cvt.rn.satfinite.e4m3x2.f32). The interpreter's own
     shifts the mantissa and adds the cut-off bit without carrying it into the exponent (1.97 became 1.0),
     and an FP8 call's P, rounded so before its product with V, took that error."""
-    import numpy as np
     import torch
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
             return original(self, src, dst_type, rounding_mode)
-        wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        wide = torch.from_numpy(src.data.astype("float32"))  # the interpreter's values are numpy arrays
         narrow = wide.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return type(src)(narrow, dst_type.scalar)
 
