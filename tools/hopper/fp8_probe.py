@@ -11,9 +11,8 @@ narrow for the 128-byte swizzle (BLOCK_N >= 128, or a 64-byte swizzle).
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait, fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 @gluon.jit
 def k(Q, K, VT, O, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr):
