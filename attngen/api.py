@@ -36,13 +36,14 @@ class Attention:
     def __call__(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, return_lse: bool = False, tile_tables=None,
                  dropout_p: float = 0.0, generator=None, deterministic: bool | None = None,
-                 check_values: bool | None = None, **inputs):
+                 check_values: bool | None = None, q_descale=None, k_descale=None, v_descale=None, **inputs):
         return self.module.attn(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                 max_seqlen_k=max_seqlen_k, return_lse=return_lse, tile_tables=tile_tables,
                                 dropout_p=dropout_p, generator=generator,
                                 deterministic=self.deterministic if deterministic is None else deterministic,
-                                check_values=self.check_values if check_values is None else check_values, **inputs)
+                                check_values=self.check_values if check_values is None else check_values,
+                                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, **inputs)
 
     def dropout_mask(self, q, k, v, *, dropout_p: float, generator=None, cu_seqlens_q=None, cu_seqlens_k=None,
                      max_seqlen_q=None, max_seqlen_k=None, **inputs):

@@ -276,10 +276,11 @@ _COMPILE = textwrap.dedent('''
                      VARLEN=False,  # packed calls' launches: tools/compile_sm90.py compiles them
                      HAS_SINK=True,  # the decode merge's part for a sink (fp32 rows)
                      CHECK=True, BLOCK_PAGES=2048,  # the decode merge checks a cache call's values
-                     DROPOUT=True)  # the kernels that form P, with dropout's Philox draws beside the spec's ints
+                     DROPOUT=True,  # the kernels that form P, with dropout's Philox draws beside the spec's ints
+                     FP8=False)
     ints = {"lens_ptr": "*i64", "prefix_ptr": "*i32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "OutPart": "*fp32", "LsePart": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32",
-            "Rng": "*i64"}
+            "Rng": "*i64", "QDescale": "*fp32", "KDescale": "*fp32", "VDescale": "*fp32"}
     SIZES = ("B", "H", "HKV", "Q_LEN", "SPLITS", "NUM_PAGES", "TOTAL_Q", "MAX_KV", "MAX_OFFSET", "MAX_PAGES")
     from attngen.families.decode.runtime import _decode_combine  # the decode family's merge, every spec's
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._decode_fwd_kernel, _decode_combine):

@@ -35,7 +35,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "DO": "*bf
             "VisitsQ": "*i32", "State": "*i8", "Num": "*i32", "Idx": "*i32", "OutPart": "*fp32",
             "LsePart": "*fp32", "KvLen": "*i32", "QOffset": "*i32", "PageTable": "*i32",
             "work_counter": "*i32", "Lse2": "*fp32", "DqSum": "*fp32", "Dq": "*bf16", "CuSeqlensQ": "*i32",
-            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Words": "*i64", "Rng": "*i64", "Mask": "*u8"}
+            "CuSeqlensK": "*i32", "Sink": "*fp32", "DSink": "*fp32", "Words": "*i64", "Rng": "*i64", "Mask": "*u8",
+            "QDescale": "*fp32", "KDescale": "*fp32", "VDescale": "*fp32"}
 FLOATS = {"sm_scale", "qk_scale", "scale", "dropout_p"}
 INPUT_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64", "bool": "*u8"}
 
@@ -73,14 +74,15 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
     plan = module.FACTS.plan[(head_dim, head_dim, "bf16")]
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, HEAD_DIM_PAD=head_dim, HEAD_DIM_V_PAD=head_dim,
                 COUNT_VISITS=False, DOT_PRECISION="tf32", HAS_KV_LEN=False, HAS_Q_OFFSET=False, PAGED=False,
-                PAGE_SIZE=1, VARLEN=False, DROPOUT=False)
+                PAGE_SIZE=1, VARLEN=False, DROPOUT=False, FP8=False)
     forward = dict(head, BLOCK_M=plan[0][0], BLOCK_N=plan[0][1], FOLLOW_TABLE=bool(module.FACTS.tile_table))
     # Also a cache call over pages of 16 keys (no tile table, per-row lengths and offsets) and a packed call.
     launches = [("_fwd_kernel", forward, plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, HAS_KV_LEN=True, HAS_Q_OFFSET=True, PAGED=True,
                                      PAGE_SIZE=16, LABEL="_paged"), plan[0]),
                 ("_fwd_kernel", dict(forward, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"), plan[0]),
-                ("_fwd_kernel", dict(forward, DROPOUT=True, LABEL="_dropout"), plan[0])]
+                ("_fwd_kernel", dict(forward, DROPOUT=True, LABEL="_dropout"), plan[0]),
+                ("_fwd_kernel", dict(forward, FP8=True, LABEL="_fp8"), plan[0])]  # float8_e4m3fn q, k and v
     backward = dict(head, BLOCK_M1=plan[1][0], BLOCK_N1=plan[1][1], BLOCK_M2=plan[2][0], BLOCK_N2=plan[2][1],
                     FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False, DETERMINISTIC=False)
     for parts, tiles in ((3, max(plan[1], plan[2])), (1, plan[1]), (2, plan[2])):
@@ -150,6 +152,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
         if constants.get("DETERMINISTIC"):  # the learnable inputs' gradients are int64 words then
             signature = {n: "*i64" if n.endswith("_grad") and t == "*fp32" else t for n, t in signature.items()}
+        if constants.get("FP8"):
+            signature = {**signature, "Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv"}
         if name == "_exact_finish":
             signature = {**signature, "Out": "*fp32"}
         constexprs = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.is_constexpr}

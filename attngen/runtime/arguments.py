@@ -59,6 +59,15 @@ def _cache_launch(cache, placeholder):
     return args, dict(HAS_KV_LEN=kv_len is not None, HAS_Q_OFFSET=q_offset is not None)
 
 
+def _fp8_launch(fp8, placeholder):
+    """The portable forward's FP8 arguments (signatures.FP8_SCALES: the (B, HKV) fp32 descale factors of q, k and
+    v and their strides) and its FP8 flag; `fp8` is an FP8 call's three factors (Fp8._fp8_attention), or None
+    (then `placeholder` stands in for them, never read)."""
+    if fp8 is None:
+        return [placeholder, placeholder, placeholder, 0, 0], dict(FP8=False)
+    return [*fp8, *fp8[0].stride()], dict(FP8=True)
+
+
 def _packed_launch(packed, placeholder):
     """A portable kernel's packed-call arguments: (CuSeqlensQ, CuSeqlensK, TOTAL_Q) and its VARLEN flag;
     `packed` is a packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), or None

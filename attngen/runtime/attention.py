@@ -8,6 +8,7 @@ from .arguments import _call_sizes, _sizes
 from .checks import Checks, _autocast
 from .dispatch import Dispatch
 from .dropout import Dropout
+from .fp8 import Fp8
 from .facts import Kernels, SpecFacts
 from .families import family
 from .kvcache import Cache
@@ -20,7 +21,7 @@ from .sinks import sink_rows, sink_view, whole_load
 from .tables import Tables
 
 
-class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, LaunchArguments, Portable, Checks):
+class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Fp8, Tables, Dropout, LaunchArguments, Portable, Checks):
     """One spec's attention: attn(q, k, v, ...) and its companions (tile_tables, forward_family,
     backward_family, visit_counts, dropout_mask) over the kernels a generated module hands over.
 
@@ -55,7 +56,7 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
 
     def attn(self, q, k, v, *, kv_len=None, q_offset=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, return_lse=False, tile_tables=None, dropout_p=0.0, generator=None,
-             deterministic=False, check_values=False, **inputs):
+             deterministic=False, check_values=False, q_descale=None, k_descale=None, v_descale=None, **inputs):
         """This module's attention: softmax over the allowed keys of the modified scores (and the spec's
         sink, if it has one), times V; with `normalize: sigmoid`, sigmoid of each allowed key's score times V.
 
@@ -90,6 +91,9 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
         repeats it; the backward regenerates the same mask. dropout_mask(q, k, v, ...) returns it.
         Works under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through OPERATORS. Under
         torch.autocast, float q, k and v are cast to its dtype first, as for scaled_dot_product_attention.
+        An FP8 call: float8_e4m3fn q, k and v, each times its descale factor (q_descale, k_descale, v_descale:
+        (B, HKV) float32, FlashAttention-3's layout; None for 1) the attention's q, k or v. Returns out in
+        bfloat16; forward only, dense calls only (no cache, packed call or dropout), eager only.
         deterministic=True, or torch.use_deterministic_algorithms(True) at the time of the call: its backward
         gives the same bits every time (the portable family's backward, whose programs each write their dQ, dK
         and dV tiles once, and learnable inputs' gradients summed exactly; the forward always does).
@@ -99,6 +103,16 @@ class Attention(CallPlans, Dispatch, Operators, Packed, Cache, Tables, Dropout, 
                        "key's weight is sigmoid(score') on its own, with no sum over the row); call without return_lse")
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
+        descales = (q_descale, k_descale, v_descale)
+        if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+            if dropout_p or any(t is not None for t in (kv_len, q_offset, page_table, cu_seqlens_q, cu_seqlens_k)):
+                self._fail("an FP8 call (float8_e4m3fn q, k and v) is a dense forward: it takes no dropout_p, kv_len, "
+                           "q_offset, page_table or cu_seqlens_q/k")
+            out, lse = self._fp8_attention(q, k, v, inputs, descales, tile_tables)
+            return (out, lse) if return_lse else out
+        if any(t is not None for t in descales):
+            self._fail("q_descale, k_descale and v_descale are an FP8 call's: q, k and v must be float8_e4m3fn, got "
+                       + (str(q.dtype) if isinstance(q, torch.Tensor) else type(q).__name__))
         self._check_dropout(q, dropout_p, generator)
         deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
         packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -96,10 +96,10 @@ class Checks:
             _raise_while_tracing(f"{self.facts.name}: {message}")
         raise ValueError(f"{self.facts.name}: {message}")
 
-    def _check(self, q, k, v, inputs):
+    def _check(self, q, k, v, inputs, fp8=False):
         """The sizes (B, H, HKV, Q_LEN, KV_LEN, D, DV) of a call with k and v (B, HKV, KV_LEN, D/DV),
-        after checking the tensors and the inputs."""
-        self._check_tensors(q, k, v)
+        after checking the tensors and the inputs (`fp8`: an FP8 call's, of float8_e4m3fn tensors)."""
+        self._check_tensors(q, k, v, fp8)
         B, H, Q_LEN, D = q.shape
         if k.shape[0] != B or v.shape[0] != B:
             self._fail(f"k and v must have batch size {B} like q, got {k.shape[0]} and {v.shape[0]}")
@@ -109,8 +109,9 @@ class Checks:
         self._check_sizes(B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3], inputs, q.device)
         return B, H, HKV, Q_LEN, KV_LEN, D, v.shape[3]
 
-    def _check_tensors(self, q, k, v):
-        """q, k and v: 4-D tensors of one float dtype on one device, unit stride along the head dim."""
+    def _check_tensors(self, q, k, v, fp8=False):
+        """q, k and v: 4-D tensors of one float dtype on one device, unit stride along the head dim; with
+        `fp8` (an FP8 call), float8_e4m3fn."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 self._fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -118,8 +119,12 @@ class Checks:
                 self._fail(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else t.layout} one")
             if t.dim() != 4:
                 self._fail(f"{name} must have 4 dims (B, heads, length, head_dim), got shape {tuple(t.shape)}")
-            if t.dtype not in _DTYPES:
-                self._fail(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+            if fp8 and t.dtype != torch.float8_e4m3fn:
+                self._fail(f"{name} must be float8_e4m3fn like q (an FP8 call), got {t.dtype}")
+            if not fp8 and t.dtype not in _DTYPES:
+                self._fail(f"{name} must be float16, bfloat16 or float32, got {t.dtype}"
+                           + (" (float8_e4m3fn q, k and v make an FP8 call: a forward without a backward pass, not a "
+                              "cache or packed call)" if t.dtype == torch.float8_e4m3fn else ""))
             if t.device != q.device:
                 self._fail(f"{name} must be on {q.device} like q, got {t.device}")
             if t.stride(-1) != 1:

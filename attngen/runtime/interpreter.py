@@ -107,6 +107,24 @@ def _counted_helper_call(original):
     return call
 
 
+def _fp8_rounding(original, tl):
+    """The interpreter's create_fp_to_fp with a narrowing to float8e4nv rounded as the GPU rounds it: to the
+    nearest, ties to even, saturating at +-448 (PTX cvt.rn.satfinite.e4m3x2.f32). The interpreter's own
+    shifts the mantissa and adds the cut-off bit without carrying it into the exponent (1.97 became 1.0),
+    and an FP8 call's P, rounded so before its product with V, took that error."""
+    import torch
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
+            return original(self, src, dst_type, rounding_mode)
+        wide = torch.from_numpy(src.data.astype("float32"))  # the interpreter's values are numpy arrays
+        narrow = wide.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return type(src)(narrow, dst_type.scalar)
+
+    create_fp_to_fp.original = original
+    return create_fp_to_fp
+
+
 def install():
     """Puts the tree, the dtype table and the helper calls' fast path in the interpreter's place (once; a
     Triton whose interpreter lacks one of its functions keeps its own there)."""
@@ -120,6 +138,10 @@ def install():
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if np_dtype is not None and not hasattr(np_dtype, "original"):
         interpreter._get_np_dtype = _dtype_table(np_dtype, tl)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    to_fp = getattr(builder, "create_fp_to_fp", None)
+    if to_fp is not None and not hasattr(to_fp, "original"):
+        builder.create_fp_to_fp = _fp8_rounding(to_fp, tl)
     patch_lang = getattr(interpreter, "_patch_lang", None)
     function = getattr(interpreter, "InterpretedFunction", None)
     scope = getattr(interpreter, "_LangPatchScope", None)

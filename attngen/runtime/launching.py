@@ -9,7 +9,7 @@ from .helpers import EXACT_WORDS
 from .kernels import _exact_finish
 from .launch import _launch
 from .plans import _plan_site
-from .shared import _DTYPES, _cdiv, _pad, _tile_widths
+from .shared import _PLAN_DTYPES, _cdiv, _pad, _tile_widths
 
 # The most terms an entry of an exact sum takes (helpers._exact_add: each adds below 2**24 to an int64 word).
 EXACT_TERMS = 2**39
@@ -34,12 +34,12 @@ class LaunchArguments:
     def _tiles(self, q, v, kernel):
         # The head dims pick the tiles and the kernels' constexprs: under torch.compile with dynamic
         # shapes int() makes them static (a guard), as they are for the kernels.
-        return self.facts.plan[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][kernel]
+        return self.facts.plan[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _PLAN_DTYPES[q.dtype])][kernel]
 
     def _family_tiles(self, q, v, family):
         """A kernel family's (BLOCK_M, BLOCK_N, num_warps, num_stages, buffers) for these head dims and dtype
         (FAMILY_TILES; int() as in _tiles)."""
-        return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _DTYPES[q.dtype])][family]
+        return self.facts.family_tiles[(*self._widths(int(q.shape[-1]), int(v.shape[-1])), _PLAN_DTYPES[q.dtype])][family]
 
     def _row_args(self, *rows):
         """A kernel's row-term arguments (the forward's LSE; the backward's LSE and delta) for a softmax spec; a

@@ -11,6 +11,9 @@ import torch
 
 # q, k and v's dtypes, by the names the plan keys its tiles with.
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+# q, k and v's dtypes by the plan's name of the tiles their kernels run: an FP8 call (float8_e4m3fn) runs on
+# the bf16 plan's, whose shared memory its one-byte tiles need half of.
+_PLAN_DTYPES = {**_DTYPES, torch.float8_e4m3fn: "bf16"}
 # The torch dtype of each dtype an input may declare.
 _INPUT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
                  "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}

@@ -119,28 +119,30 @@ def _fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_LEN, q_
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
-                stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn,
-                stride_vk, stride_oz, stride_oh, stride_om, stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen,
-                QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
-                HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+def _fwd_kernel(Q, K, V, Out, Lse, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                stride_dh, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn,
+                stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz, stride_oh, stride_om,
+                stride_ok, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES,
+                CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                FP8: tl.constexpr):
     # The program over the spec's functions and inputs: families/portable/device.py's _fwd_program.
     inputs = ()
     table = ()
     sink_args = ()
     SPEC_RANGE: tl.constexpr = _fwd_tile_range
     SPEC_INNER: tl.constexpr = _fwd_inner
-    _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh,
-                 stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh,
-                 stride_vn, stride_vk, stride_oz, stride_oh, stride_om, stride_ok, inputs, table, B, H, HKV,
-                 Q_LEN, KV_LEN, Visits, KvLen, QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK,
-                 TOTAL_Q, SPEC_RANGE, SPEC_INNER, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                 BLOCK_N, COUNT_VISITS, DOT_PRECISION, FOLLOW_TABLE, HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE,
-                 False, False, VARLEN, DROPOUT)
+    _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale,
+                 stride_db, stride_dh, stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh,
+                 stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk, stride_oz, stride_oh,
+                 stride_om, stride_ok, inputs, table, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen, QOffset,
+                 PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_INNER,
+                 HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, COUNT_VISITS,
+                 DOT_PRECISION, FOLLOW_TABLE, HAS_KV_LEN, HAS_Q_OFFSET, PAGED, PAGE_SIZE, False, False, VARLEN,
+                 DROPOUT, FP8)
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -875,7 +877,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "b163efed635383f2"
+MODULE_DIGEST = "124a95c5dab833ba"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",

@@ -14,7 +14,8 @@ from ...runtime.helpers import LN2, LOG2E, _cache_query_offset, _dropout_state, 
 
 
 @triton.jit
-def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_p, stride_qz, stride_qh, stride_qm,
+def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale,
+                 stride_db, stride_dh, stride_qz, stride_qh, stride_qm,
                  stride_qk, stride_kz, stride_kh, stride_kn, stride_kk, stride_vz, stride_vh, stride_vn, stride_vk,
                  stride_oz, stride_oh, stride_om, stride_ok, inputs, table, B, H, HKV, Q_LEN, KV_LEN, Visits, KvLen,
                  QOffset, PageTable, stride_pt, NUM_PAGES, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE: tl.constexpr,
@@ -23,7 +24,7 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
                  BLOCK_N: tl.constexpr, COUNT_VISITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  FOLLOW_TABLE: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, PAGED: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, SIGMOID: tl.constexpr, SINK: tl.constexpr, VARLEN: tl.constexpr,
-                 DROPOUT: tl.constexpr):
+                 DROPOUT: tl.constexpr, FP8: tl.constexpr):
     # One program owns BLOCK_M query rows of one (batch, head) (Lse is None in a sigmoid spec's kernel, and
     # `sink_args` the sink's rows, signatures.SINK, in a spec with one).
     start_m = tl.program_id(0)
@@ -31,6 +32,14 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // (H // HKV)  # grouped-query attention: K/V are shared, never repeated
+    if FP8:
+        # float8_e4m3fn q, k and v (an FP8 call, never packed): the dot of q and k counts q_descale[b, hkv] *
+        # k_descale[b, hkv] times over, so the scores' scales take that factor; O takes v_descale's at the end.
+        # P enters its product with V as e4m3 too, as FlashAttention-3's FP8 forward does.
+        descale_row = off_b.to(tl.int64) * stride_db + off_hkv.to(tl.int64) * stride_dh
+        qk_descale = tl.load(QDescale + descale_row) * tl.load(KDescale + descale_row)
+        sm_scale = sm_scale * qk_descale
+        qk_scale = qk_scale * qk_descale
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
         (KV_LEN + BLOCK_N - 1) // BLOCK_N)
     if not SIGMOID:
@@ -136,6 +145,8 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
             acc = tl.where((sink < float("inf"))[:, None], acc,
                            tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
             lse = tl.where(sink < float("inf"), lse, sink)
+    if FP8:
+        acc = acc * tl.load(VDescale + descale_row)
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))

@@ -10,7 +10,7 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, ROW_MAJOR, TRANSPOSED, Hook, _dscore_hook, _emitter, _learnable_hook,
                                 _mask_hook, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (CACHE, CACHE_FLAGS, DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING,
+from attngen.emit.signatures import (CACHE, CACHE_FLAGS, DROPOUT, DROPOUT_STATE, FP8_SCALES, HEAD_DIMS, PACKED, PAGE_TABLE, PAGING,
                                      POSITIONS, ROW_TERMS, SIZES, TABLE, TILE_LOOP, Signature, SpecParams, _strides,
                                      handover, signature, spec_params, table_params, unpacking)
 from attngen.families.portable import device
@@ -91,11 +91,11 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
                          ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "fwd_program": Signature.of(device._fwd_program),
         "fwd_kernel": sig("_fwd_kernel", (
-            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *DROPOUT, *_strides("q", "m"),
+            "Q", "K", "V", "Out", *lse, *sink, "sm_scale", "qk_scale", *DROPOUT, *FP8_SCALES, *_strides("q", "m"),
             *_strides("k", "n"), *_strides("v", "n"), *_strides("o", "m"), *inputs, *table, *SIZES, "Visits", *CACHE, *PAGE_TABLE,
             *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "COUNT_VISITS", "DOT_PRECISION", "FOLLOW_TABLE", *CACHE_FLAGS,
-             *PAGING, "VARLEN", "DROPOUT")),
+             *PAGING, "VARLEN", "DROPOUT", "FP8")),
         "dkdv_inner": sig("_bwd_dkdv_inner", (
             "dk", "dv", "k", "v", "Q_head", "DO_head", *rows, *row_offset, "stride_qm", "stride_qk",
             "stride_dom", "stride_dok", *TILE_LOOP, "offs_n", "k_first", "offs_d", "offs_dv", "sm_scale",

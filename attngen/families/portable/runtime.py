@@ -5,8 +5,8 @@ import contextlib
 
 import torch
 
-from ...runtime.arguments import (_batch_strides, _cache_launch, _call_sizes, _dot_precision, _kv_layout,
-                                  _packed_launch, _side_stream, _sizes)
+from ...runtime.arguments import (_batch_strides, _cache_launch, _call_sizes, _dot_precision, _fp8_launch,
+                                  _kv_layout, _packed_launch, _side_stream, _sizes)
 from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
@@ -17,15 +17,16 @@ class Portable:
     """The portable family's launches for an Attention (a mixin)."""
 
     def _portable_forward(self, q, k, v, tensors, table, visits=None, cache=None, page_table=None, plan=None, packed=None,
-                          sink=None, dropout=None):
+                          sink=None, dropout=None, fp8=None):
         """Runs the portable forward kernel; `table` is its tile table (counts, indices), () without one;
         `cache`, `page_table`, `plan`, `sink` and `dropout` as for _forward; `packed` a packed call's (cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads, TOTAL, D) views
-        (_packed_view); its LSE is (1, H, TOTAL_Q)."""
+        (_packed_view); its LSE is (1, H, TOTAL_Q). `fp8`: an FP8 call's descale factors of q, k and v ((B,
+        HKV) fp32 each; q, k and v are float8_e4m3fn), whose O is bfloat16."""
         _, H, Q_ROWS, D = q.shape
         DV = v.shape[3]
         sm_scale = self.facts.softmax_scale(D)
-        out = _empty_in_layout(q, DV)
+        out = _empty_in_layout(q, DV, torch.bfloat16 if fp8 is not None else None)
         lse = torch.empty((q.shape[0], H, Q_ROWS), dtype=torch.float32, device=q.device)
         HKV, KV_LEN, k_strides, v_strides, page_args, paging = _kv_layout(k, v, page_table, lse)
         B, Q_LEN = q.shape[0], Q_ROWS
@@ -39,16 +40,17 @@ class Portable:
         packed_args, packed_flags = _packed_launch(packed, lse)
         table_args = self._table_args(self._table_key(q, v, 0), table, _sizes(q, k), placeholder=lse)
         dropout_args, dropout_flag = self._dropout_args(dropout, lse)
+        fp8_args, fp8_flag = _fp8_launch(fp8, lse)
         _launch(
             self.kernels.forward, grid, q, k, v, out, *self._row_args(lse), *self._sink_args(sink), sm_scale,
-            sm_scale * LOG2E.value, *dropout_args,
+            sm_scale * LOG2E.value, *dropout_args, *fp8_args,
             *_batch_strides(q, packed), *k_strides, *v_strides, *_batch_strides(out, packed),
             *self._input_args(tensors), *table_args,
             B, H, HKV, Q_LEN, KV_LEN, visits if visits is not None else lse, *cache_args, *page_args, *packed_args,
             HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad,
             BLOCK_M=block_m, BLOCK_N=block_n, COUNT_VISITS=visits is not None, FOLLOW_TABLE=bool(table),
             DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **cache_flags, **paging,
-            **packed_flags, **dropout_flag, bind=_plan_site(plan, "forward", bool(table)))
+            **packed_flags, **dropout_flag, **fp8_flag, bind=_plan_site(plan, "forward", bool(table)))
         return out, lse
 
     def _portable_backward(self, q, k, v, out, lse, do, dlse, tensors, tables, visits=None, plan=None, packed=None,
