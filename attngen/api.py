@@ -65,7 +65,8 @@ class Attention:
                        **inputs) -> str:
         """The kernel family whose forward kernel a call with these arguments runs ("decode", "hopper"
         or "portable"): each family's rule on the call's shapes and device picks it (`attngen explain`
-        lists them); a packed call runs the portable kernels."""
+        lists them); an FP8 call (float8_e4m3fn q, k, v) runs the Hopper family's on a Hopper GPU, else the
+        portable one."""
         return self.module.forward_family(q, k, v, kv_len=kv_len, q_offset=q_offset, page_table=page_table,
                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,

@@ -42,7 +42,8 @@ def main() -> None:
                 "attngen bf16": lambda: attn(q, k, v),
                 "cudnn bf16": lambda: sdpa(q, k, v, is_causal=is_causal),
             }
-            row = {"N": N, "D": D, "causal": is_causal, "B": B, "H": H, "family": attn.module.forward_family(q, k, v)}
+            row = {"N": N, "D": D, "causal": is_causal, "B": B, "H": H, "family": attn.forward_family(q, k, v),
+                   "fp8 family": attn.forward_family(q8, k8, v8)}
             for name, fn in calls.items():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name.startswith("cudnn") else torch.no_grad():
                     ms = triton.testing.do_bench(fn, warmup=25, rep=200)

@@ -48,6 +48,7 @@ def _bound(attn, q, k, v, inputs):
 def test_an_fp8_call_matches_the_dequantized_reference(name):
     attn = attngen.build(SPECS / f"{name}.attn")
     q8, k8, v8, (qd, kd, vd), inputs = _fp8_case(attn)
+    assert attn.forward_family(q8, k8, v8, **inputs) == "portable"  # the interpreter's
     with torch.no_grad():
         out, lse = attn(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True, **inputs)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape
@@ -110,14 +111,21 @@ ON_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >=
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_FP8_GPU, reason="needs a GPU with e4m3 tensor cores (compute capability 8.9 or more)")
 @pytest.mark.parametrize("name", ["full", "causal", "alibi_causal", "gpt_oss_sinks", "document_causal", "sliding_window"])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 257, 700, 64)],
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 257, 700, 64), (1, 4, 2, 300, 333, 256),
+                                   (2, 2, 1, 130, 1037, 96)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_fp8_calls_on_gpu(name, shape):
-    """The FP8 forward as the GPU compiles it (e4m3 wgmma, P rounded by cvt.rn.satfinite): no NaN, and within
-    the bound above of the dequantized reference, at training-sized shapes."""
+@pytest.mark.parametrize("family", ["chosen", "portable"])
+def test_fp8_calls_on_gpu(name, shape, family, monkeypatch):
+    """The FP8 forward as the GPU compiles it (e4m3 wgmma, P rounded by cvt.rn.satfinite), by the family the
+    call goes to (on a Hopper GPU the Hopper family's, V transposed by the host) and by the portable one: no
+    NaN, and within the bound above of the dequantized reference, at training-sized shapes."""
     B, H, HKV, N, M, D = shape
     attn = attngen.build(SPECS / f"{name}.attn")
     q8, k8, v8, (qd, kd, vd), inputs = _fp8_case(attn, B, H, HKV, N, M, D)
+    if family == "portable":
+        monkeypatch.setattr(attn.module.ATTENTION, "forward_families", ())
+    hopper = family == "chosen" and torch.cuda.get_device_capability()[0] == 9
+    assert attn.forward_family(q8, k8, v8, **inputs) == ("hopper" if hopper else "portable")
     with torch.no_grad():
         out = attn(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **inputs)
     assert not out.isnan().any()

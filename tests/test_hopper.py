@@ -52,6 +52,7 @@ def test_the_module_for_hopper_holds_the_gluon_kernels():
     assert "forward_families=('decode', 'hopper')," in hopper
     assert "def _hopper_bwd_kernel(" in hopper
     assert "backward_families=(('hopper', 'hopper_bwd'),)," in hopper
+    assert "fp8_families=('hopper',)," in hopper  # FP8 calls: the Hopper forward, never the decode family's
     assert "'hopper': dict(forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_kernel" in hopper
     ampere = attngen.compile_source(SPECS / "causal.attn", target="a100")
     assert "gluon" not in ampere and "_hopper_" not in ampere

@@ -116,7 +116,10 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
+                                                     DROPOUT=True, LABEL="_dropout"), tiles),
+                         # float8_e4m3fn q, k and V^T, scaled before the row max (the host's rule for FP8 calls)
+                         ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     FP8=True, DEFER_SCALE=False, LABEL="_fp8"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                               SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
@@ -152,7 +155,7 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         signature = {p.name: ("constexpr" if p.is_constexpr else _type(p.name, module.FACTS.inputs)) for p in fn.params}
         if constants.get("DETERMINISTIC"):  # the learnable inputs' gradients are int64 words then
             signature = {n: "*i64" if n.endswith("_grad") and t == "*fp32" else t for n, t in signature.items()}
-        if constants.get("FP8"):
+        if constants.get("FP8") and "Q" in signature:  # the portable forward's pointers
             signature = {**signature, "Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv"}
         if name == "_exact_finish":
             signature = {**signature, "Out": "*fp32"}
@@ -209,13 +212,19 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
     d, dv = constants["HEAD_DIM_PAD"], constants["HEAD_DIM_V_PAD"]
 
     def descriptor(shape, element="bf16"):
-        layout = gl.NVMMASharedLayout.get_default_for(shape, {"bf16": gl.bfloat16, "fp32": gl.float32}[element])
+        layout = gl.NVMMASharedLayout.get_default_for(
+            shape, {"bf16": gl.bfloat16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv}[element])
         return f"tensordesc<{element}[{', '.join(map(str, shape))}],{layout!r}>"
     box = _hopper_runtime(module)._hopper_tile_box
     if "PINGPONG" in constants:
         rows = block_m // 2
         boxes = {"q_desc": box(rows, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "o_desc": box(rows, dv)}
+        if constants.get("FP8"):  # e4m3 Q, K and V^T boxes (head dims x keys), O bf16
+            signature = {**signature, **{name: descriptor(shape, "fp8e4nv") for name, shape in
+                                         (("q_desc", box(rows, d)), ("k_desc", box(block_n, d)),
+                                          ("v_desc", box(dv, block_n)))}}
+            boxes = {"o_desc": box(rows, dv)}
         num_warps, maxnreg = _hopper_runtime(module)._hopper_launch_config(block_m, constants["PINGPONG"])
     else:
         boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),

@@ -213,6 +213,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
     packed_families = _python_tuple(f.name for f in entries if f.packed_forward)
     packed_backward_families = _python_tuple(f.name for f in entries if f.packed_backward)
     dropout_families = _python_tuple(f.name for f in entries if f.dropout)
+    fp8_families = _python_tuple(f.name for f in entries if f.fp8_forward)
     backward_families = _python_tuple((f.name, f.backward_name) for f in entries if f.backward_tiles is not None)
     families_table = ("{" + "".join(f"\n        {f!r}: dict({emit_side(f).DECLARATION})," for f in others) + "\n    }"
                       if others else "{}")
@@ -237,7 +238,7 @@ def render(facts: Analysis, plan: Plan, source: str) -> str:
         families=plan.families, family_tiles_table=family_tiles_table, families_table=families_table,
         forward_families=forward_families, table_families=table_families, backward_families=backward_families,
         packed_families=packed_families, packed_backward_families=packed_backward_families,
-        dropout_families=dropout_families,
+        dropout_families=dropout_families, fp8_families=fp8_families,
         sink=sink_literal(spec.sink, facts.params) if spec.sink is not None else None,
         sigmoid=spec.sigmoid,
         **kernel_context(facts, plan.families),

@@ -148,7 +148,7 @@ ROW_TERMS = ("Lse", "Delta")
 DROPOUT = ("Rng", "dropout_p")
 DROPOUT_STATE = ("dropout_seed", "dropout_offset", "dropout_threshold", "dropout_scale")
 # FP8 (FP8, a call of float8_e4m3fn q, k and v): per (batch, key/value head) descale factors of q, k and v
-# ((B, HKV) fp32, one pair of strides for the three), which the portable forward folds into the scores'
+# ((B, HKV) fp32, one pair of strides for the three), which the portable and Hopper forwards fold into the
 # scale and O.
 FP8_SCALES = ("QDescale", "KDescale", "VDescale", "stride_db", "stride_dh")
 # Which key tiles a forward program visits (the tile-range hook defines them): with mask code, numbers

@@ -32,7 +32,9 @@ class Family:
     gathers on every tile, not once per tile where the index is constant on it (`attngen explain`);
     `deterministic`, for a family with a backward, (whether its backward runs a spec's deterministic calls,
     how it sums them so, or why it does not); `dropout` whether its kernels apply dropout (a call's
-    dropout_p > 0, regenerating the keep-mask in its backward; the others pass such calls on)."""
+    dropout_p > 0, regenerating the keep-mask in its backward; the others pass such calls on); `fp8_forward`
+    whether its forward takes FP8 calls (float8_e4m3fn q, k and v with descale factors; the others pass them
+    on)."""
     name: str
     strength: str
     problem: Callable[[Analysis, Target], str | None]
@@ -46,6 +48,7 @@ class Family:
     gathers_every_tile: bool = False
     deterministic: Callable[[Analysis], tuple[bool, str]] | None = None
     dropout: bool = False
+    fp8_forward: bool = False
 
     @property
     def backward_name(self) -> str:

@@ -37,17 +37,18 @@ class Dispatch:
         return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink,
                                       dropout=dropout)
 
-    def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False, dropout=False):
+    def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False, dropout=False, fp8=False):
         """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
         if given) whose per-call rule admits a call of these tensors over HKV heads of KV_LEN keys
         (`cached`: a cache call; k holds pages if paged; `packed`: a packed call's (1, heads, TOTAL, D)
         views, which only PACKED_FAMILIES take; `dropout`: a call with dropout, which only DROPOUT_FAMILIES
-        take); ("portable", None) when none does."""
+        take; `fp8`: an FP8 call, which only FP8_FAMILIES take); ("portable", None) when none does."""
         names = [name for name, _, _ in self.forward_families]
         families = self.forward_families[names.index(after) + 1:] if after is not None else self.forward_families
         return next(((name, launch) for name, serves, launch in families
                      if (not packed or name in self.facts.packed_families)
-                     and (not dropout or name in self.facts.dropout_families) and serves(q, k, v, HKV, KV_LEN, cached)),
+                     and (not dropout or name in self.facts.dropout_families) and (not fp8 or name in self.facts.fp8_families)
+                     and serves(q, k, v, HKV, KV_LEN, cached)),
                     ("portable", None))
 
     def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None, dropout=None):
@@ -108,7 +109,11 @@ class Dispatch:
         family of FORWARD_FAMILIES whose per-call rule admits it; `attngen explain` gives the rules).
         The rules read the call's shapes: kv_len's and q_offset's values do not change the choice.
         A packed call (cu_seqlens_q=...) runs a family of PACKED_FAMILIES that admits its (1, heads, TOTAL,
-        D) views, else the portable one; a call with dropout_p > 0 one of DROPOUT_FAMILIES."""
+        D) views, else the portable one; a call with dropout_p > 0 one of DROPOUT_FAMILIES; an FP8 call (float8_e4m3fn
+        q, k and v: a dense forward) one of FP8_FAMILIES."""
+        if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+            self._check(q, k, v, self._reduced(inputs), fp8=True)
+            return self._forward_family(q, k, v, k.shape[1], k.shape[2], False, fp8=True)[0]
         q, k, v = _autocast(q, k, v)
         inputs = self._reduced(inputs)
         self._check_dropout(q, dropout_p, None)

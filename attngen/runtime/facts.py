@@ -40,7 +40,8 @@ class SpecFacts:
     portable one: forward_families in order of preference, table_families those whose forward follows
     the mask's tile tables, backward_families (family, its backward's tile key) in order of preference,
     packed_families and packed_backward_families those that serve packed calls, dropout_families those whose
-    kernels apply dropout (a call's dropout_p > 0; the portable family does too); sink, the spec's `sink:`
+    kernels apply dropout (a call's dropout_p > 0; the portable family does too), fp8_families those whose
+    forward takes FP8 calls (the portable one does too); sink, the spec's `sink:`
     logit as a literal tree (attngen.runtime.sinks), or None without one; reductions, (name, op, source,
     dims) for each input the host computes from a call's inputs (sum(x[b, :])), the last ones of `inputs`;
     normalize, "softmax" or "sigmoid" (its kernels neither write nor read LSE and row terms).
@@ -68,6 +69,7 @@ class SpecFacts:
     packed_families: tuple = ()
     packed_backward_families: tuple = ()
     dropout_families: tuple = ()
+    fp8_families: tuple = ()
     sink: tuple | None = None
     reductions: tuple = ()
     normalize: str = "softmax"

@@ -11,9 +11,10 @@ class Fp8:
     def _fp8_attention(self, q, k, v, inputs, descales, tile_tables):
         """An FP8 call: float8_e4m3fn q, k and v, each of which times its descale factor (q_descale, k_descale,
         v_descale: (B, HKV) float32, one per batch row and key/value head as FlashAttention-3 takes them;
-        None for 1) is the attention's q, k or v. Returns (out, lse), out bfloat16. The portable forward runs
-        it (its dots of e4m3 operands, P rounded to e4m3 for its product with V, as FlashAttention-3's FP8
-        forward does); there is no backward (no public kernel has an FP8 backward: train in bf16)."""
+        None for 1) is the attention's q, k or v. Returns (out, lse), out bfloat16. The first family of
+        FP8_FAMILIES that admits the call runs it (the Hopper family's Gluon forward), else the portable
+        forward: products of e4m3 operands, P rounded to e4m3 for its product with V, as FlashAttention-3's
+        FP8 forward does. There is no backward (no public kernel has an FP8 backward: train in bf16)."""
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())):
             self._fail("an FP8 call (float8_e4m3fn q, k and v) has no backward pass: call it under torch.no_grad(), "
                        "or with tensors that do not require grad")
@@ -37,7 +38,10 @@ class Fp8:
         scales = [t.contiguous() for t in scales]
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
-        kernels = self._forward_tables("portable")
+        name, launch = self._forward_family(q, k, v, HKV, KV_LEN, False, fp8=True)
+        kernels = self._forward_tables(name)
         tables = dict(zip(kernels, self._resolve(kernels, q, v, known, self._builder(_sizes(q, k), q.device, tensors))))
         sink = self._sink_rows(q, k, inputs)
+        if launch is not None:
+            return launch(q, k, v, tensors, tables.get(name, ()), sink=sink, fp8=scales)
         return self._portable_forward(q, k, v, tensors, tables.get(0, ()), sink=sink, fp8=scales)

@@ -569,12 +569,13 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, work_counter,
-                       sm_scale, qk_scale, Rng, dropout_p, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
-                       TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                       HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr,
-                       FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr,
-                       DROPOUT: tl.constexpr):
+                       sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db, stride_dh,
+                       B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr,
+                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                       Q_BUFFERS: tl.constexpr, PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr,
+                       DEFER_SCALE: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                       FP8: tl.constexpr):
     # A persistent kernel over the spec's functions and inputs: device.py's _hopper_fwd_pipeline.
     inputs = ()
     table = ()
@@ -582,10 +583,11 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
     SPEC_RANGE: gl.constexpr = _hopper_fwd_tile_range
     SPEC_STEP: gl.constexpr = _hopper_softmax_step
     _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args,
-                         work_counter, sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN,
-                         KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
-                         HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, PINGPONG,
-                         FOLLOW_TABLE, DEFER_SCALE, False, False, VARLEN, DROPOUT)
+                         work_counter, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale,
+                         stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
+                         TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
+                         BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, PINGPONG, FOLLOW_TABLE, DEFER_SCALE, False, False,
+                         VARLEN, DROPOUT, FP8)
 
 
 @gluon.jit
@@ -877,7 +879,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "124a95c5dab833ba"
+MODULE_DIGEST = "519668706a8e45eb"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",
@@ -926,6 +928,7 @@ FACTS = SpecFacts(
     packed_families=('hopper',),
     packed_backward_families=('hopper',),
     dropout_families=('hopper',),
+    fp8_families=('hopper',),
 )
 ATTENTION = Attention(
     FACTS,

@@ -39,12 +39,30 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
     # pair in the wrong half order, then swaps the halves with a PRMT: at D=64, 504 PRMTs a 128x128 tile,
     # 12% of the consumers' instructions (ncu). cvt.rn.*x2 puts its first source in the upper
     # half, so the pair's second element goes first.
-    if dtype == gl.bfloat16:
+    if dtype == gl.float8e4nv:
+        # An FP8 call's P: Triton's own conversion is cvt.rn.satfinite.e4m3x2.f32, two at a time (P <= 1).
+        return x.to(dtype)
+    elif dtype == gl.bfloat16:
         return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16,
                                          is_pure=True, pack=2)
     else:
         return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.float16,
                                          is_pure=True, pack=2)
+
+
+@gluon.constexpr_function
+def _hopper_tile_layout(width, dtype):
+    # The shared layout of tiles whose rows hold `width` elements of dtype: the widest swizzle a row's bytes
+    # take, as the host's TMA descriptors have it (NVMMASharedLayout.get_default_for, runtime._hopper_layout),
+    # and as wgmma reads it: 128 bytes for 16-bit rows of 64 or more, 64 for 64 FP8 elements.
+    return gl.NVMMASharedLayout.get_default_for([8, width], dtype)
+
+
+@gluon.constexpr_function
+def _hopper_k_width(dtype):
+    # Elements of a wgmma A operand in registers that one 32-bit register holds, and the K of one wgmma
+    # instruction (32 bytes): 2 and 16 for 16-bit operands, 4 and 32 for FP8.
+    return 32 // dtype.primitive_bitwidth
 
 
 @gluon.jit
@@ -202,12 +220,14 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
                      v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                      CuSeqlensQ, CuSeqlensK, SPEC_RANGE: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                     NUM_CONSUMERS: gl.constexpr, FOLLOW_TABLE: gl.constexpr, VARLEN: gl.constexpr):
+                     NUM_CONSUMERS: gl.constexpr, FOLLOW_TABLE: gl.constexpr, VARLEN: gl.constexpr,
+                     FP8: gl.constexpr):
     # One warp, scalars only: everything it does is issue TMA and wait on "empty" barriers, running ahead
     # of the consumers across work items (the next item's Q and first K/V tiles load while the consumers
     # finish this one). Boxes are (1, 1 head, rows, width) of (B, heads, length, D) tensors in their own
     # strides: TMA fills the rows past a head's length with zeros (a tile never reads the next head's rows,
-    # whose values could be anything, inf included).
+    # whose values could be anything, inf included). An FP8 call's V is V^T, (B, HKV, DV, keys): its boxes
+    # are (1, 1 head, DV, keys), zero-filled past the last key.
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     ring = 0  # K/V stages handed out so far: the ring's position carries over from item to item
@@ -245,8 +265,12 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
                                             _hopper_box(k_bufs.index(stage), k_desc))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n, 0], v_ready.index(stage),
-                                            _hopper_box(v_bufs.index(stage), v_desc))
+            if FP8:
+                tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, 0, k_start + start_n], v_ready.index(stage),
+                                                _hopper_box(v_bufs.index(stage), v_desc))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [tma_b, off_hkv, k_start + start_n, 0], v_ready.index(stage),
+                                                _hopper_box(v_bufs.index(stage), v_desc))
         ring += n_tiles
         done += 1
         work = gl.atomic_add(work_counter, 1)
@@ -263,6 +287,16 @@ def _hopper_producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_
 
 
 @gluon.jit
+def _hopper_pv_operand(v_tile, FP8: gl.constexpr):
+    # The B operand of P V, (keys, DV): V's tile itself, or in an FP8 call V^T's (DV, keys) tile seen
+    # transposed, since wgmma reads 8-bit B operands with K (the keys) contiguous only.
+    if FP8:
+        return v_tile.permute((1, 0))
+    else:
+        return v_tile
+
+
+@gluon.jit
 def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at,
                           gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
@@ -273,7 +307,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
                           FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, dtype: gl.constexpr,
                           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                           WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SIGMOID: gl.constexpr,
-                          DROPOUT: gl.constexpr):
+                          DROPOUT: gl.constexpr, FP8: gl.constexpr):
     # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
     # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
     # pingpong's issue count then (both carry over from the CTA's earlier work items).
@@ -292,7 +326,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
         mbarrier.wait(v_ready.index(prev), prev_phase)
         _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_prev, o, is_async=True)
+        o_tok = warpgroup_mma(p, _hopper_pv_operand(v_prev, FP8), o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
@@ -319,23 +353,24 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
 @gluon.jit
 def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched, o_desc, Out,
                      stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m, sm_scale, qk_scale, Rng,
-                     dropout_p, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
+                     dropout_p, QDescale, KDescale, VDescale, stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q,
                      SPEC_RANGE: gl.constexpr, SPEC_STEP: gl.constexpr, HEAD_DIM: gl.constexpr,
                      HEAD_DIM_V: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
                      FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, WG: gl.constexpr,
                      NUM_CONSUMERS: gl.constexpr, SIGMOID: gl.constexpr, SINK: gl.constexpr, VARLEN: gl.constexpr,
-                     DROPOUT: gl.constexpr):
+                     DROPOUT: gl.constexpr, FP8: gl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
+    K_WIDTH: gl.constexpr = _hopper_k_width(dtype)
     # One 16-row slab per warp, so rows never span warps: row max/sum are intra-warp shuffles and the
     # accumulator-to-A-operand conversion of P stays in registers.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, 8 * K_WIDTH])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM_V_PAD, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM_V_PAD, 8 * K_WIDTH])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if SINK:  # the rows' sinks, fp32 (B, H, Q_LEN) in any strides (signatures.SINK)
@@ -360,6 +395,17 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         # Query positions: the family takes no cache calls, so query i sits at position i.
         pos_m = offs_m
+        if FP8:
+            # float8_e4m3fn q, k and v (an FP8 call, never packed): the products of q and k count q_descale[b,
+            # hkv] * k_descale[b, hkv] times over, so this item's scales take that factor (the portable forward's
+            # rule); O takes v_descale's in the epilogue.
+            descale_row = off_b.to(gl.int64) * stride_db + off_hkv.to(gl.int64) * stride_dh
+            qk_descale = gl.load(QDescale + descale_row) * gl.load(KDescale + descale_row)
+            item_sm_scale = sm_scale * qk_descale
+            item_qk_scale = qk_scale * qk_descale
+        else:
+            item_sm_scale = sm_scale
+            item_qk_scale = qk_scale
         if SINK:
             # The sink is the softmax's first term, as in the portable forward: m starts at it (base 2), l at 1;
             # a row whose sink is +inf or NaN runs as one without a sink, its O and LSE set in the epilogue.
@@ -387,8 +433,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             mbarrier.arrive(k_empty.index(first), count=1)
             p_f32, alpha, m_i, l_i = SPEC_STEP(
                 qk=qk, m_i=m_i, l_i=l_i, start_n=start_n, off_m=off_m, offs_m=offs_m, pos_m=pos_m,
-                sm_scale=sm_scale, qk_scale=qk_scale, off_b=off_b, off_h=off_h, off_hkv=off_hkv, B=B, H=H, HKV=HKV,
-                Q_LEN=seq_q_len, KV_LEN=seq_kv_len, inputs=inputs, dropout_seed=dropout_seed,
+                sm_scale=item_sm_scale, qk_scale=item_qk_scale, off_b=off_b, off_h=off_h, off_hkv=off_hkv, B=B, H=H,
+                HKV=HKV, Q_LEN=seq_q_len, KV_LEN=seq_kv_len, inputs=inputs, dropout_seed=dropout_seed,
                 dropout_offset=dropout_offset, dropout_threshold=dropout_threshold, dropout_scale=dropout_scale,
                 HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout,
@@ -398,24 +444,26 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             o, p, m_i, l_i = _hopper_consumer_loop(
                 o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                 sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
-                full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len, seq_kv_len, inputs,
+                full_lo, full_hi, item_sm_scale, item_qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len, seq_kv_len,
+                inputs,
                 dropout_seed, dropout_offset, dropout_threshold, dropout_scale, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, DEFER_SCALE, dtype,
-                s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT)
+                s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT, FP8)
             o, p, m_i, l_i = _hopper_consumer_loop(
                 o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn, q_smem, k_bufs, v_bufs, k_ready,
                 k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
-                gap_at, gap, full_tiles, full_lo, full_hi, sm_scale, qk_scale, off_b, off_h, off_hkv, B, H, HKV,
+                gap_at, gap, full_tiles, full_lo, full_hi, item_sm_scale, item_qk_scale, off_b, off_h, off_hkv, B, H, HKV,
                 seq_q_len, seq_kv_len, inputs, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
                 SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
-                FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT)
+                FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT,
+                FP8)
 
             # Drain: the last tile's PV.
             last = (ring + n_tiles - 1) % STAGES
             v_last = v_bufs.index(last)
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
             _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(p, v_last, o, is_async=True)
+            o_tok = warpgroup_mma(p, _hopper_pv_operand(v_last, FP8), o, is_async=True)
             _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
             o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
             mbarrier.arrive(v_empty.index(last), count=1)
@@ -427,12 +475,16 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             # (of the kept weights with dropout, scaled once here).
             if DROPOUT:
                 o = o * dropout_scale
+            if FP8:
+                o = o * gl.load(VDescale + descale_row)
         else:
             # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
             empty_row = l_i == 0.0
             inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
             if DROPOUT:
                 inv_l = inv_l * dropout_scale
+            if FP8:
+                inv_l = inv_l * gl.load(VDescale + descale_row)
             lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
             if SINK:
                 # A sink of +inf: O = 0, LSE = +inf; of NaN: both NaN (read again: no register held across the
@@ -442,16 +494,17 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 inv_l = gl.where(sink < float("inf"), inv_l, gl.where(sink == float("inf"), 0.0, float("nan")))
                 lse = gl.where(sink < float("inf"), lse, sink)
             o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
-        if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN:
+        if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN and not FP8:
             # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows
             # past the head's Q_LEN and the columns past HEAD_DIM_V. The buffer takes a later item's Q once the
-            # store has read it. (A packed call's next rows are the next sequence's: stored by row below.)
+            # store has read it. (A packed call's next rows are the next sequence's, and an FP8 call's O, bf16, is
+            # wider than its Q: both stored by row below.)
             q_smem.store(o.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [off_b, off_h, off_m, 0], _hopper_box(q_smem, o_desc))
             tma.store_wait(pendings=0)
         else:
-            _hopper_store_rows(Out, o.to(dtype), tma_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+            _hopper_store_rows(Out, o.to(Out.dtype.element_ty), tma_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
                                + q_start.to(gl.int64) * stride_om, stride_om, off_m, seq_q_len, HEAD_DIM_V, BLOCK_M,
                                HEAD_DIM_V_PAD, o_layout)
         # The producer may refill the slot: O has left it, and the item's number was read at its start.
@@ -471,13 +524,13 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
 
 @gluon.jit
 def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args,
-                         work_counter, sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
-                         CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE: gl.constexpr, SPEC_STEP: gl.constexpr,
+                         work_counter, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                         stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE: gl.constexpr, SPEC_STEP: gl.constexpr,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          HEAD_DIM_V_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
                          FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, SIGMOID: gl.constexpr,
-                         SINK: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+                         SINK: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FP8: gl.constexpr):
     # The forward kernel's body (a module's _hopper_fwd_kernel runs it with its spec's functions and inputs;
     # Lse is None in a sigmoid spec's, and `sink_args` the sink's rows (signatures.SINK) in a spec with one).
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
@@ -487,6 +540,8 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
     # PINGPONG=True: two 4-warp consumer partitions (default + a worker), BLOCK_M / 2 query rows each,
     # taking turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then
     # BLOCK_M / 2 rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
+    # FP8: float8_e4m3fn q, k and v with their descale factors ((B, HKV) fp32, signatures.FP8_SCALES), and V
+    # as V^T (B, HKV, DV, keys); O is bfloat16.
     NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     n_m = gl.cdiv(Q_LEN, BLOCK_M)
@@ -494,11 +549,14 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
 
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(q_desc.block_type.shape[2] == ROWS)
-    # Tiles of at least 64 16-bit elements a row: the 128-byte swizzle that TMA and wgmma share.
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    tile_layout: gl.constexpr = _hopper_tile_layout(HEAD_DIM_PAD, dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, ROWS, HEAD_DIM_PAD], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_PAD], tile_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_V_PAD], tile_layout)
+    if FP8:
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM_V_PAD, BLOCK_N], _hopper_tile_layout(BLOCK_N, dtype))
+    else:
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_V_PAD],
+                                           _hopper_tile_layout(HEAD_DIM_V_PAD, dtype))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -527,33 +585,36 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
-                                sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT)),
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
-                                sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT)),
+                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
                                 KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
-                                NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
+                                NUM_CONSUMERS, FOLLOW_TABLE, VARLEN, FP8)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
-                                sm_scale, qk_scale, Rng, dropout_p, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT)),
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
                                 KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
-                                NUM_CONSUMERS, FOLLOW_TABLE, VARLEN)),
+                                NUM_CONSUMERS, FOLLOW_TABLE, VARLEN, FP8)),
         ], [1], [HOPPER_PRODUCER_REGS])
 
 

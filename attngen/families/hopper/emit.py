@@ -8,7 +8,7 @@ from attngen.analysis import Analysis
 from attngen.emit.expressions import Spelling
 from attngen.emit.hooks import (FORWARD_ROWS, TRANSPOSED, Hook, _dscore_hook, _emitter, _is_constant, _learnable_hook,
                                 _mask_hook, _reads, _score_hook, _tile_range_hook)
-from attngen.emit.signatures import (DROPOUT, DROPOUT_STATE, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES,
+from attngen.emit.signatures import (DROPOUT, DROPOUT_STATE, FP8_SCALES, HEAD_DIMS, PACKED, POSITIONS, ROW_TERMS, SEQUENCE, SIZES,
                                      TILE_RANGE, Signature, SpecParams, _strides, handover, signature, spec_params,
                                      unpacking)
 from attngen.analysis.gathers import NO_OFFSET
@@ -115,9 +115,9 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         # loop over key tiles and the softmax step, where the spec's score and mask hooks run.
         "hopper_fwd": sig("_hopper_fwd_kernel", (
             "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
-            "sm_scale", "qk_scale", *DROPOUT, *inputs, *table, *SIZES, *PACKED),
+            "sm_scale", "qk_scale", *DROPOUT, *FP8_SCALES, *inputs, *table, *SIZES, *PACKED),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
-             "VARLEN", "DROPOUT")),
+             "VARLEN", "DROPOUT", "FP8")),
         # The spec's parts of it: the key tiles a work item visits, and the softmax step on an S tile, where
         # the spec's score and mask hooks run (the pipeline's SPEC_RANGE and SPEC_STEP). The spec's inputs
         # and tile table reach them as the tuples `inputs` and `table`.

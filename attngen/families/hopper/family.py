@@ -96,7 +96,7 @@ FAMILY = Family(
     per_call=("calls that are not cache calls, bf16 or fp16 on a Hopper GPU, D and DV multiples of 8 from 64 to 256, "
               "q, k, v with 16-byte-aligned bases and strides (any layout with D innermost: transposed views cost "
               "nothing), Q_LEN and KV_LEN below 2**31 - 256 (TMA's int32 coordinates); packed calls too, the "
-              "total query and key lengths below that"),
+              "total query and key lengths below that; FP8 calls (float8_e4m3fn q, k, v) of the same shapes"),
     tiles=_hopper_tiles,
     backward_tiles=_hopper_backward_tiles,
     follows_tables=True,
@@ -104,4 +104,5 @@ FAMILY = Family(
     packed_backward=True,
     deterministic=_hopper_deterministic,
     dropout=True,
+    fp8_forward=True,
 )

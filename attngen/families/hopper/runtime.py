@@ -5,7 +5,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...runtime.arguments import _call_sizes, _packed_launch, _sizes, _sm_count
+from ...runtime.arguments import _call_sizes, _fp8_launch, _packed_launch, _sizes, _sm_count
 from ...runtime.checks import CHECKED_VALUES
 from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
@@ -13,10 +13,10 @@ from ...runtime.plans import _plan_site
 from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
 
 
-# The dtypes its wgmma reads from shared memory, and the head dims its tiles take: TMA boxes are the
-# padded widths (zero-filled past the head dim on loads, clipped on stores), rows must be 16-byte
-# multiples (8 elements), and below 64 the padding would double the work.
-HOPPER_DTYPES = (torch.bfloat16, torch.float16)
+# The dtypes its wgmma reads from shared memory (float8_e4m3fn: FP8 calls, forward only), and the head dims
+# its tiles take: TMA boxes are the padded widths (zero-filled past the head dim on loads, clipped on
+# stores), rows must be 16-byte multiples (8 elements), and below 64 the padding would double the work.
+HOPPER_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 HOPPER_HEAD_DIMS = range(64, 257, 8)
 # The kernels address q, k, v and out by TMA as (B, heads, length, D) tensors, whose coordinates are
 # int32: a row, and a tile's overhang past a head's last one, must stay below 2**31.
@@ -86,6 +86,21 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
+def _hopper_transposed_descriptor(v, rows, width):
+    """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_LEN) with
+    the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in boxes
+    of `rows` head dims and `width` keys (zero-filled past DV and KV_LEN). The copy's rows are padded to
+    16 bytes, as TMA's strides must be (the padding is never read: the descriptor's shape ends at KV_LEN);
+    the descriptor holds it (its base)."""
+    B, HKV, KV_LEN, DV = v.shape
+    padded = torch.empty((B, HKV, DV, _cdiv(KV_LEN, HOPPER_TMA_ALIGN) * HOPPER_TMA_ALIGN), dtype=v.dtype,
+                         device=v.device)
+    # As bytes: a plain copy kernel.
+    padded[..., :KV_LEN].view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))
+    box = _hopper_tile_box(rows, width)
+    return _HopperDescriptor(padded, [B, HKV, DV, KV_LEN], padded.stride(), box, _hopper_layout(box, v.dtype))
+
+
 def _hopper_tile_box(rows, width):
     """The TMA box of one head's `rows` rows and `width` columns of a (B, heads, length, D) tensor."""
     return [1, 1, rows, width]
@@ -147,7 +162,8 @@ def _hopper_sequence_rows(rows, sequence_columns, fill):
 def _hopper_layout(block_shape, dtype):
     key = (*block_shape, dtype)
     if key not in _HOPPER_LAYOUTS:
-        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+        element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+                   torch.float8_e4m3fn: gl.float8e4nv}[dtype]
         _HOPPER_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
     return _HOPPER_LAYOUTS[key]
 
@@ -206,23 +222,28 @@ class HopperFamily:
         return not deterministic and self.serves(q, k, v, k.shape[1], k.shape[2], False)
 
     def prepare(self, q, k, v, tensors, table, block_m, block_n, stages, q_buffers=1, pingpong=True, plan=None,
-                        packed=None, sink=None, dropout=None):
+                        packed=None, sink=None, dropout=None, fp8=None):
         """The outputs, the TMA descriptors and the grid of one call, built once; returns run() -> (out,
         lse), which only launches (the tools time it apart from the descriptors' host cost). `table` is
         the call's tile table for these tiles, () without one; `q_buffers` the Q tiles a CTA holds (the
         plan's: 2 where shared memory has room); `plan` the call's _CallPlan; `packed` a packed call's
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, TOTAL_Q), whose q, k and v are (1, heads,
         TOTAL, D) views (_packed_view), or None; `sink` the spec's sink of every row and `dropout` the call's
-        (Dispatch._forward)."""
+        (Dispatch._forward); `fp8` an FP8 call's descale factors of q, k and v ((B, HKV) fp32 each; q, k and v
+        are float8_e4m3fn, never packed), whose O is bfloat16."""
         D, DV = q.shape[3], v.shape[3]
         B, H, HKV, Q_LEN, KV_LEN = _call_sizes(q, k, packed)
         d_pad, dv_pad = self.rt._widths(D, DV)
-        out = _empty_in_layout(q, DV)
+        out = _empty_in_layout(q, DV, torch.bfloat16 if fp8 is not None else None)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
         rows = block_m // 2 if pingpong else block_m
         q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
-        v_desc, o_desc = _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(out, rows, dv_pad)
+        if fp8 is not None:
+            v_desc = _hopper_transposed_descriptor(v, dv_pad, block_n)
+        else:
+            v_desc = _hopper_descriptor(v, block_n, dv_pad)
+        o_desc = _hopper_descriptor(out, rows, dv_pad)
         # Persistent: one CTA an SM, at most one a work item (_hopper_fwd_work), taking items from a counter
         # (and counting the CTAs done, to set it back to zero at the end: run() may launch again).
         grid = (min(_cdiv(Q_LEN, block_m) * B * H, _sm_count(q.device)),)
@@ -231,29 +252,34 @@ class HopperFamily:
         table_args = self.rt._table_args((True, block_m, block_n), table, _sizes(q, k), placeholder=lse)
         packed_args, packed_flags = _packed_launch(packed, lse)
         dropout_args, dropout_flag = self.rt._dropout_args(dropout, lse)
+        fp8_args, fp8_flag = _fp8_launch(fp8, lse)
+        # Scaling after the row max needs a positive scale: an FP8 call's scale takes the descale factors,
+        # whose signs the host does not read (a sync).
+        defer_scale = self.plain_score and sm_scale > 0 and fp8 is None
 
         def run():
             _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3],
                     *self.rt._row_args(lse), *self.rt._sink_args(sink), work_counter,
-                    sm_scale, sm_scale * LOG2E.value, *dropout_args, *self.rt._input_args(tensors), *table_args, B, H,
+                    sm_scale, sm_scale * LOG2E.value, *dropout_args, *fp8_args, *self.rt._input_args(tensors),
+                    *table_args, B, H,
                     HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
                     BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
-                    DEFER_SCALE=self.plain_score and sm_scale > 0, num_warps=num_warps, maxnreg=maxnreg,
-                    bind=_plan_site(plan, "hopper", bool(table)), **packed_flags, **dropout_flag)
+                    DEFER_SCALE=defer_scale, num_warps=num_warps, maxnreg=maxnreg,
+                    bind=_plan_site(plan, "hopper", bool(table)), **packed_flags, **dropout_flag, **fp8_flag)
             return out, lse
 
         return run
 
     def forward(self, q, k, v, tensors, table, cache=None, page_table=None, plan=None, packed=None, sink=None,
-                dropout=None):
+                dropout=None, fp8=None):
         """Runs the Gluon forward on a call _hopper_serves admitted (never a cache call); `table` is its
         tile table (built for the family's tiles: _table_key(q, v, "hopper")), () without one; `plan` the
-        call's _CallPlan; `packed`, `sink` and `dropout` as for prepare. Returns out and the natural-log LSE,
-        as the portable forward does."""
+        call's _CallPlan; `packed`, `sink`, `dropout` and `fp8` as for prepare. Returns out and the natural-log
+        LSE, as the portable forward does."""
         block_m, block_n, _, stages, q_buffers = self.rt._family_tiles(q, v, "hopper")
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
-                            sink=sink, dropout=dropout)()
+                            sink=sink, dropout=dropout, fp8=fp8)()
 
     def backward(self, q, k, v, out, lse, do, dlse, tensors, table, plan=None, packed=None, deterministic=False,
                  sink=None, dropout=None):
