@@ -1,12 +1,6 @@
 """FP8 calls: float8_e4m3fn q, k and v with (B, HKV) descale factors, against the float64 reference of the
-dequantized tensors, and their refusals.
-
-The forward rounds P to e4m3 before its product with V (as FlashAttention-3's FP8 forward does), each
-weight relative to its tile's running max, which is at most the row's: an unnormalised weight p (1 at the
-row's max) is off by at most 2^-4 p, or 2^-10 below 2^-6 (e4m3's subnormals). Divided by the row sum l, O's
-row is off by at most sum over its allowed keys of (2^-4 w + 2^-10 / l) |v| from the reference, w the
-reference's weight and 1 / l the largest weight of the row (its sink's included); plus bfloat16's rounding
-of O and the fp32 sums' (_bound)."""
+dequantized tensors within attngen.testing.tolerances.fp8_bound (which says why the bound holds), and their
+refusals. tests/test_fuzz.py draws random specs and cases for the same check."""
 
 from pathlib import Path
 
@@ -15,6 +9,7 @@ import torch
 
 import attngen
 from attngen import reference, testing
+from attngen.testing import tolerances
 
 SPECS = Path(__file__).parent.parent / "specs"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,19 +24,11 @@ def _fp8_case(attn, B=2, H=4, HKV=2, N=40, M=64, D=32, seed=0):
     return q8, k8, v8, scales, inputs
 
 
-def _dequantized(t, scale):
-    return t.double() * scale.double().repeat_interleave(t.shape[1] // scale.shape[1], 1)[:, :, None, None]
+_dequantized = tolerances.dequantized
 
 
 def _bound(attn, q, k, v, inputs):
-    """Per (b, h, row): how far an FP8 call's O may lie from the reference of these dequantized q, k, v."""
-    w = reference.probabilities(attn.spec, q, k, v, inputs)
-    allowed = reference.modified_scores(attn.spec, q, k, v, inputs) > float("-inf")
-    largest = torch.maximum(w.amax(-1), 1 - w.sum(-1))  # 1 / l: a key's weight at the max, or the sink's
-    vmax = v.abs().amax((-1, -2)).repeat_interleave(q.shape[1] // v.shape[1], 1)[:, :, None]  # (B, H, 1)
-    want = reference.evaluate(attn.spec, q, k, v, inputs)[0]
-    p_error = (2**-4 * w.sum(-1) + 2**-10 * largest * allowed.sum(-1)) * vmax
-    return p_error + 2**-8 * want.abs().amax(-1) + 2**-12 * vmax, want
+    return tolerances.fp8_bound(attn.spec, q, k, v, inputs)
 
 
 @pytest.mark.parametrize("name", ["full", "causal", "alibi_causal", "gpt_oss_sinks", "document_causal"])

@@ -1,6 +1,7 @@
 """Property-based fuzzing of the whole compiler: random specs, shapes and inputs (attngen.fuzz).
 
-- generated kernels match the float64 reference (forward, LSE, every gradient);
+- generated kernels match the float64 reference (forward, LSE, every gradient), and their FP8 calls stay
+  within their bound of it;
 - the static tile classifier is sound on every drawn spec and tile;
 - printing a spec and parsing it back gives the same IR;
 - corrupted spec text gives a positioned error or a spec that compiles, never a traceback.
@@ -293,6 +294,14 @@ def test_fuzz_spec_skips_sizes_the_spec_does_not_define():
     report = fuzz.fuzz_spec(attn.spec, attn, examples=8, device=DEVICE, dtypes=["f32"])
     assert report.failure is None and report.skipped > 0
     assert "input 'doc' indexed out of range" in report.skip_reason
+
+
+# FP8 calls (float8_e4m3fn q, k, v with descale factors: a dense forward) of drawn specs, within the bound
+# of tolerances.fp8_bound: 6 drawn in the ci profile (of about a second each), 90 in the long one.
+@settings(max_examples=max(6, BASE // 32))
+@given(text=strategies.spec_texts(), case=strategies.cases(dtypes=(strategies.FP8,), caches=("none",), dropouts=(0,)))
+def test_fp8_calls_stay_within_their_bound(text, case):
+    _drawn_kernels_match_the_reference(text, case)
 
 
 def _drawn_kernels_match_the_reference(text, case):

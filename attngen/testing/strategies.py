@@ -31,6 +31,9 @@ from attngen.frontend import parse_spec
 from attngen.testing import tolerances
 
 DTYPES = {name: tolerances.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
+# A case of dtype FP8 is an FP8 call (check_case): float8_e4m3fn q, k and v, drawn in f32 and rounded, with
+# descale factors; a dense forward only (no cache call, no dropout).
+FP8 = "fp8"
 
 
 # --- specs ---------------------------------------------------------------------------------------
@@ -224,8 +227,11 @@ class Case:
                         f"with cache={case.cache}")
         if case.H % case.HKV:
             raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
-        if case.dtype not in DTYPES:
-            raise wrong(f"dtype must be one of {', '.join(DTYPES)}, got {case.dtype!r}")
+        if case.dtype not in (*DTYPES, FP8):
+            raise wrong(f"dtype must be one of {', '.join((*DTYPES, FP8))}, got {case.dtype!r}")
+        if case.dtype == FP8 and (case.cache != "none" or case.dropout):
+            raise wrong(f"an {FP8} case is a dense forward: cache=none and no dropout, got cache={case.cache} "
+                        f"and dropout={case.dropout}")
         return case
 
 
@@ -246,6 +252,8 @@ def cases(draw, dtypes=("f32", "f16"), max_len: int = 48, max_head_dim: int = 40
                 D=draw(dims), DV=draw(dims),
                 dtype=draw(st.sampled_from(list(dtypes))), seed=draw(st.integers(0, 2 ** 16)),
                 cache=draw(st.sampled_from(weighted)), layout=draw(st.sampled_from(list(layouts))))
+    if case.dtype == FP8:  # a dense forward
+        return replace(case, cache="none")
     # Drawn last, so the fields above are drawn as they were before dropout; cache calls have none.
     return replace(case, dropout=draw(st.sampled_from(list(dropouts)))) if case.cache == "none" else case
 
@@ -259,8 +267,11 @@ def _length(min_len: int, max_len: int, near_tiles=NEAR_TILES) -> st.SearchStrat
 def case_data(spec: ir.Spec, case: Case, device: str = "cpu"):
     """q, k, v and the spec's inputs for a case, from its seed (inputs of any size, `*`, cover the
     query positions a cache case may draw: cache_data's offsets)."""
+    dtype = torch.float32 if case.dtype == FP8 else DTYPES[case.dtype]
     q, k, v = tolerances.random_qkv(case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN, case.D, case.DV,
-                                 DTYPES[case.dtype], device=device, seed=case.seed, layout=case.layout)
+                                 dtype, device=device, seed=case.seed, layout=case.layout)
+    if case.dtype == FP8:
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # in their layout
     positions = MAX_OFFSET_PER_KEY * case.KV_LEN + case.Q_LEN if case.cache != "none" else None
     inputs = tolerances.random_inputs(spec, case.B, case.H, case.HKV, case.Q_LEN, case.KV_LEN,
                                    device=device, seed=case.seed, query_positions=positions)
@@ -301,8 +312,11 @@ def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int):
 
 def check_case(spec: ir.Spec, fn, case: Case, device: str = "cpu") -> None:
     """Forward, LSE and every gradient of `fn` on one case, against the float64 reference (forward
-    and LSE only for a cache call)."""
+    and LSE only for a cache call; the forward within its bound for an FP8 case, tolerances.check_fp8)."""
     __tracebackhide__ = True
+    if case.dtype == FP8:
+        tolerances.check_fp8(spec, fn, *case_data(spec, case, device), seed=case.seed)
+        return
     if case.cache.startswith("paged"):
         # A paged cache holds whole pages: its length, the one inputs sized KV_LEN follow, is
         # MAX_PAGES * PAGE_SIZE; the rows' lengths stay within the case's KV_LEN.

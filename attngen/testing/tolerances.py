@@ -27,7 +27,7 @@ from attngen.reference import (PackedRow, dropped, evaluate, evaluate_expr, eval
                                modified_scores, probabilities, scale_value, sink_logits)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
-           "check_against_reference", "default_floor", "output_error_effect", "random_inputs", "random_qkv",
+           "check_against_reference", "check_fp8", "default_floor", "dequantized", "fp8_bound", "output_error_effect", "random_inputs", "random_qkv",
            "reference_error", "summation_scales", "TORCH_DTYPES"]
 
 
@@ -369,6 +369,47 @@ def _grads(outputs: list[Tensor], leaves: list[Tensor], grad_outputs: list[Tenso
 
 
 # --- Checking a kernel ---------------------------------------------------------------------------
+
+def dequantized(t: Tensor, descale: Tensor) -> Tensor:
+    """An FP8 call's float8_e4m3fn q, k or v (B, heads, length, D) times its (B, HKV) descale factors, in float64."""
+    return t.double() * descale.double().repeat_interleave(t.shape[1] // descale.shape[1], 1)[:, :, None, None]
+
+
+def fp8_bound(spec: Spec, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor] | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """(bound, want): how far each row (B, H, Q_LEN) of an FP8 call's out may lie from the float64 reference
+    `want` of these dequantized q, k and v. The kernels round P to e4m3 before its product with V (as
+    FlashAttention-3's FP8 forward does), each weight relative to its tile's running max, which is at most the
+    row's: an unnormalised weight p (at most 1) is off by at most 2^-4 p, or 2^-10 below 2^-6 (e4m3's
+    subnormals). Divided by the row sum l, a softmax row is off by at most the sum over its allowed keys of
+    (2^-4 w + 2^-10 / l) |v|, w the reference's weight and 1 / l the row's largest weight (its sink's
+    included); a sigmoid row's weights are not divided (1 in place of 1 / l). Plus bfloat16's rounding of O
+    and the fp32 sums'."""
+    w = probabilities(spec, q, k, v, inputs)
+    allowed = modified_scores(spec, q, k, v, inputs) > float("-inf")
+    largest = torch.ones_like(w[..., 0]) if spec.sigmoid else torch.maximum(w.amax(-1), 1 - w.sum(-1))
+    vmax = v.abs().amax((-1, -2)).repeat_interleave(q.shape[1] // v.shape[1], 1)[:, :, None]  # (B, H, 1)
+    want = evaluate(spec, q, k, v, inputs)[0]
+    p_error = (2**-4 * w.sum(-1) + 2**-10 * largest * allowed.sum(-1)) * vmax
+    return p_error + 2**-8 * want.abs().amax(-1) + 2**-12 * vmax, want
+
+
+def check_fp8(spec: Spec, fn: Callable, q: Tensor, k: Tensor, v: Tensor, inputs: Mapping[str, Tensor],
+              seed: int = 0) -> None:
+    """Assert that kernel `fn`'s FP8 call (q, k and v float8_e4m3fn, descale factors drawn from `seed` in
+    [0.5, 1.5)) stays within fp8_bound of the reference of the dequantized tensors on every row."""
+    gen = torch.Generator().manual_seed(seed)
+    B, HKV = q.shape[0], k.shape[1]
+    scales = [(torch.rand(B, HKV, generator=gen) + 0.5).to(q.device) for _ in range(3)]
+    with torch.no_grad():
+        out = fn(q, k, v, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2], **inputs)
+    inputs64 = {n: x.double() if x.is_floating_point() else x for n, x in inputs.items()}
+    bound, want = fp8_bound(spec, *(dequantized(t, s) for t, s in zip((q, k, v), scales)), inputs64)
+    error = (out.double() - want).abs().amax(-1)
+    ok = (error <= bound) | (error.isnan() & want.isnan().any(-1))
+    assert bool(ok.all()), (f"FP8 out off by {error[~ok].max().item():.3g} at {_first(~ok)}, bound "
+                            f"{bound[~ok][0].item():.3g}")
+
 
 def check_against_reference(spec: Spec, fn: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
                             v: Tensor, inputs: Mapping[str, Tensor] | None = None, *, grads: bool = True,
