@@ -275,7 +275,7 @@ def check_command(
     define: DefineOption = None,
     examples: Annotated[int, typer.Option(help="How many random cases to try.")] = 50,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when there is a GPU).")] = None,
-    dtype: Annotated[Optional[list[str]], typer.Option(help="f32, f16 or bf16 (repeatable; default: f32 and f16, and bf16 on a GPU).")] = None,
+    dtype: Annotated[Optional[list[str]], typer.Option(help="f32, f16, bf16 or fp8 (an FP8 call's forward, within its bound; repeatable; default: f32 and f16, and bf16 on a GPU).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Draw at random from this seed (default: the same fixed cases every run).")] = None,
     case: Annotated[Optional[str], typer.Option(help="Run just this case, as a failure prints it: B=..,H=..,...,seed=..")] = None,
 ) -> None:
@@ -302,8 +302,8 @@ def check_command(
                      "run TRITON_INTERPRET=1 attngen check ... --device cpu")
     dtypes = dtype or (["f32", "f16", "bf16"] if device == "cuda" else ["f32", "f16"])
     for name in dtypes:
-        if name not in strategies.DTYPES:
-            _usage_error(f"--dtype must be one of {', '.join(strategies.DTYPES)}, got {name!r}")
+        if name not in (*strategies.DTYPES, strategies.FP8):
+            _usage_error(f"--dtype must be one of {', '.join((*strategies.DTYPES, strategies.FP8))}, got {name!r}")
     try:
         single = strategies.Case.parse(case) if case is not None else None
     except ValueError as e:
@@ -352,9 +352,14 @@ def check_command(
     if report.failure is None:
         outputs = "out" if attn.spec.sigmoid else "out and lse"  # sigmoid attention has no LSE
         calls = f"; KV-cache calls too ({', '.join(c for c in caches if c != 'none')}: {outputs})"
+        fp8 = "FP8 calls' out within its bound of the float64 reference (dequantized q, k, v; P rounded to e4m3)"
+        if set(dtypes) == {strategies.FP8}:  # FP8 calls are dense forwards: nothing else was drawn
+            typer.echo(f"{attn.spec.name}: {examples} random cases ({strategies.FP8}, {device}): {fp8}{skipped}")
+            return
+        fp8 = f"; {fp8}" if strategies.FP8 in dtypes else ""
         typer.echo(f"{attn.spec.name}: {examples} random cases ({', '.join(dtypes)}, {device}) match the "
                    f"float64 reference: {outputs.replace(' and ', ', ')} and every gradient, with dropout and without"
-                   f"{calls}{skipped}")
+                   f"{calls}{fp8}{skipped}")
         return
     failure = report.failure
     typer.echo(f"{attn.spec.name}: FAILED. Smallest failing case hypothesis found:\n  {failure.case}\n"

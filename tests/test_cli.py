@@ -193,6 +193,8 @@ def test_check_fuzzes_a_spec_and_reruns_one_case():
     # The interpreter's bf16 dots are done in fp32, so bf16 is checked on the CPU too.
     bf16 = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--dtype", "bf16", "--examples", "2")
     assert bf16.returncode == 0 and "2 random cases (bf16, cpu) match" in bf16.stdout, bf16.stderr
+    fp8 = _run("-m", "attngen.cli", "check", spec, "--device", "cpu", "--dtype", "fp8", "--examples", "2")
+    assert fp8.returncode == 0 and "2 random cases (fp8, cpu): FP8 calls' out within its bound" in fp8.stdout, fp8.stderr
 
 
 def test_check_reports_the_smallest_failure_and_how_to_rerun_it(monkeypatch):
