@@ -5,7 +5,8 @@ the FP8 forward for >= 1.0 PFLOP/s at D=128 (non-causal, N >= 8k) and >= 1.1 at 
     python benchmarks/fp8_bench.py [--out FILE]
 
 FA3's convention: 16k tokens a batch, hidden 2048 (H = 2048 / D), B = 16384 / N; TFLOP/s count 4 * D FLOPs
-per allowed (query, key) pair.
+per allowed (query, key) pair. Where the Hopper family runs the FP8 call, "attngen fp8 kernel" is its kernel
+alone, launched on descriptors built once (HopperFamily.prepare: V's transposed copy made there, not timed).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def main() -> None:
             }
             row = {"N": N, "D": D, "causal": is_causal, "B": B, "H": H, "family": attn.forward_family(q, k, v),
                    "fp8 family": attn.forward_family(q8, k8, v8)}
+            if row["fp8 family"] == "hopper":
+                rt = attn.module.ATTENTION
+                block_m, block_n, _, stages, q_buffers = rt._family_tiles(q8, v8, "hopper")
+                calls["attngen fp8 kernel"] = rt.families["hopper"].prepare(q8, k8, v8, [], (), block_m, block_n, stages,
+                                                                            q_buffers, fp8=scales)
             for name, fn in calls.items():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name.startswith("cudnn") else torch.no_grad():
                     ms = triton.testing.do_bench(fn, warmup=25, rep=200)
