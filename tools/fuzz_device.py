@@ -4,7 +4,8 @@ run cut short by a time limit still reports what it checked.
     python tools/fuzz_device.py [--examples 40] [--dtype bf16 --dtype f16] [--seed 3] [--cache contiguous ...]
                                 [--hopper]
 
---hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths 65 to 700) and
+--dtype fp8 draws FP8 calls (float8_e4m3fn q, k, v with descale factors: a dense forward), each checked within
+its bound (attngen.testing.tolerances.fp8_bound). --hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths 65 to 700) and
 counts the cases by the forward family that ran them.
 
 Without --seed the draw is derandomized (the same cases each run); shards with different seeds
