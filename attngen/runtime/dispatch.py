@@ -14,7 +14,7 @@ class Dispatch:
     """The family dispatch of an Attention (a mixin)."""
 
     def _forward(self, q, k, v, tensors, tables, visits=None, cache=None, page_table=None, family=None, plan=None,
-                 sink=None, dropout=None):
+                 sink=None, dropout=None, fp8=None):
         """Runs the forward pass with the first family whose per-call rule admits this call
         (FORWARD_FAMILIES, in the plan's order), else the portable one; `tables` holds the tile tables
         (counts, indices) at hand by kernel (_table_kernels), and the family follows its own, if there;
@@ -23,19 +23,22 @@ class Dispatch:
         call's _CallPlan, which binds the launches (never with visits, a cache or the user's tables); `sink`
         the sink of every query row of a spec with one (_sink_rows), which every family's forward folds into
         its softmax; `dropout` a call's (Philox words, dropout_p) (Dropout._dropout), None without dropout, which
-        only the families of DROPOUT_FAMILIES and the portable one take. Counting visits (visit_counts) follows
-        the portable tiles."""
+        only the families of DROPOUT_FAMILIES and the portable one take; `fp8` an FP8 call's descale factors
+        (Fp8._fp8_attention), which likewise only FP8_FAMILIES and the portable one take. Counting visits
+        (visit_counts) follows the portable tiles."""
         cached = cache is not None or page_table is not None
         if visits is not None:
             family = ("portable", None)
         elif family is None:
-            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout is not None)
+            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout is not None,
+                                          fp8=fp8 is not None)
         name, launch = family
         if launch is not None:
+            # A family never sees a keyword its entry does not declare (the dispatch passes such calls on).
             return launch(q, k, v, tensors, tables.get(name, ()), cache, page_table, plan=plan, sink=sink,
-                          **_dropout_keywords(dropout))
+                          **_dropout_keywords(dropout), **({} if fp8 is None else {"fp8": fp8}))
         return self._portable_forward(q, k, v, tensors, tables.get(0, ()), visits, cache, page_table, plan=plan, sink=sink,
-                                      dropout=dropout)
+                                      dropout=dropout, fp8=fp8)
 
     def _forward_family(self, q, k, v, HKV, KV_LEN, cached, after=None, packed=False, dropout=False, fp8=False):
         """(name, launch) of the first family of FORWARD_FAMILIES (those after the family named `after`,
@@ -51,16 +54,17 @@ class Dispatch:
                      and serves(q, k, v, HKV, KV_LEN, cached)),
                     ("portable", None))
 
-    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None, dropout=None):
+    def _forward_with_tables(self, q, k, v, tensors, known, build, plan=None, sink=None, dropout=None, fp8=None):
         """A training or inference call's forward (no cache), with the tile table of the family that runs
         it: known[kernel] (the user's) or build(key), which is then known. The family is chosen once: it
         decides which table to build and which kernel follows it; a call's _CallPlan has it, and binds the
-        launches. `sink` and `dropout` as for _forward."""
+        launches. `sink`, `dropout` and `fp8` as for _forward."""
         family = plan.family if plan is not None else self._forward_family(q, k, v, k.shape[1], k.shape[2], False,
-                                                                           dropout=dropout is not None)
+                                                                           dropout=dropout is not None,
+                                                                           fp8=fp8 is not None)
         kernels = self._forward_tables(family[0])
         return self._forward(q, k, v, tensors, dict(zip(kernels, self._resolve(kernels, q, v, known, build))), family=family,
-                        plan=plan, sink=sink, dropout=dropout)
+                        plan=plan, sink=sink, dropout=dropout, fp8=fp8)
 
     def _forward_tables(self, name):
         """The kernels whose tile tables a forward call run by the family `name` needs built: the portable

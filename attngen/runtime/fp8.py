@@ -38,10 +38,5 @@ class Fp8:
         scales = [t.contiguous() for t in scales]
         tensors = [inputs[name].contiguous() for name in self.facts.inputs]
         known = {} if tile_tables is None else self._checked_tables(tile_tables, q, v, (B, H, HKV, Q_LEN, KV_LEN))
-        name, launch = self._forward_family(q, k, v, HKV, KV_LEN, False, fp8=True)
-        kernels = self._forward_tables(name)
-        tables = dict(zip(kernels, self._resolve(kernels, q, v, known, self._builder(_sizes(q, k), q.device, tensors))))
-        sink = self._sink_rows(q, k, inputs)
-        if launch is not None:
-            return launch(q, k, v, tensors, tables.get(name, ()), sink=sink, fp8=scales)
-        return self._portable_forward(q, k, v, tensors, tables.get(0, ()), sink=sink, fp8=scales)
+        return self._forward_with_tables(q, k, v, tensors, known, self._builder(_sizes(q, k), q.device, tensors),
+                                         sink=self._sink_rows(q, k, inputs), fp8=scales)
