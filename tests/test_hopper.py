@@ -567,3 +567,16 @@ def test_published_masks_follow_kept_tables_in_the_hopper_kernels_on_gpu(name):
     assert built == 2  # the family's forward and backward tilings
     testing.check_against_reference(attn.spec, attn, q, k, v, {})
     assert attn.module.TABLE_STATS["built"] == built
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 70, 64), (1, 2, 33, 96), (1, 1, 130, 256)], ids=str)
+def test_an_fp8_calls_v_is_transposed_with_its_keys_innermost(shape):
+    """V^T for the FP8 forward's PV wgmma (8-bit B operands are read K-major only): the kernel's copy holds
+    V's bytes transposed, from V in any strides, its rows padded to 16 bytes past KV_LEN, which the
+    descriptor's shape leaves out."""
+    from attngen.families.hopper import runtime as hopper_runtime
+    B, HKV, KV_LEN, DV = shape
+    v = torch.randn(B, KV_LEN, HKV, DV).to(torch.float8_e4m3fn).transpose(1, 2)  # (B, HKV, KV_LEN, DV) in BSHD
+    descriptor = hopper_runtime._hopper_transposed_descriptor(v, DV, 128)
+    assert list(descriptor.shape) == [B, HKV, DV, KV_LEN] and descriptor.base.stride(2) % 16 == 0
+    assert torch.equal(descriptor.base[..., :KV_LEN].view(torch.uint8), v.view(torch.uint8).transpose(2, 3))

@@ -10,7 +10,8 @@ from ...runtime.checks import CHECKED_VALUES
 from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
-from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
+from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2, _token_sequences
+from .device import _hopper_keys_inner
 
 
 # The dtypes its wgmma reads from shared memory (float8_e4m3fn: FP8 calls, forward only), and the head dims
@@ -86,6 +87,10 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
+# Keys a program of _hopper_keys_inner moves (a tile of at most 64 x 256 bytes).
+HOPPER_TRANSPOSE_KEYS = 64
+
+
 def _hopper_transposed_descriptor(v, rows, width):
     """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_LEN) with
     the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in boxes
@@ -95,8 +100,11 @@ def _hopper_transposed_descriptor(v, rows, width):
     B, HKV, KV_LEN, DV = v.shape
     padded = torch.empty((B, HKV, DV, _cdiv(KV_LEN, HOPPER_TMA_ALIGN) * HOPPER_TMA_ALIGN), dtype=v.dtype,
                          device=v.device)
-    # As bytes: a plain copy kernel.
-    padded[..., :KV_LEN].view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))
+    n_blocks = _cdiv(KV_LEN, HOPPER_TRANSPOSE_KEYS)
+    # As bytes (uint8 views: the same bits, and pointers every Triton backend and its interpreter know).
+    _launch(_hopper_keys_inner, (n_blocks * B * HKV,), v.view(torch.uint8), padded.view(torch.uint8), KV_LEN, DV,
+            HKV, n_blocks, *v.stride()[:3], *padded.stride()[:3], BLOCK_N=HOPPER_TRANSPOSE_KEYS,
+            BLOCK_D=_next_power_of_2(DV), num_warps=4)
     box = _hopper_tile_box(rows, width)
     return _HopperDescriptor(padded, [B, HKV, DV, KV_LEN], padded.stride(), box, _hopper_layout(box, v.dtype))
 
