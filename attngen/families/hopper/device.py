@@ -18,7 +18,7 @@ from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ...runtime.helpers import LN2, LOG2E, _dropout_state, _tile_start
+from ...runtime.helpers import LN2, LOG2E, _dropout_state, _fp8_descales, _tile_start
 
 # Registers of the producer warp (setmaxnreg: the consumers take what it leaves).
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
@@ -416,8 +416,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             # float8_e4m3fn q, k and v (an FP8 call, never packed): the products of q and k count q_descale[b,
             # hkv] * k_descale[b, hkv] times over, so this item's scales take that factor (the portable forward's
             # rule); O takes v_descale's in the epilogue.
-            descale_row = off_b.to(gl.int64) * stride_db + off_hkv.to(gl.int64) * stride_dh
-            qk_descale = gl.load(QDescale + descale_row) * gl.load(KDescale + descale_row)
+            qk_descale, o_descale = _fp8_descales(QDescale, KDescale, VDescale,
+                                                  off_b.to(gl.int64) * stride_db + off_hkv.to(gl.int64) * stride_dh)
             item_sm_scale = sm_scale * qk_descale
             item_qk_scale = qk_scale * qk_descale
         else:
@@ -493,15 +493,13 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             if DROPOUT:
                 o = o * dropout_scale
             if FP8:
-                o = o * gl.load(VDescale + descale_row)
+                o = o * o_descale
         else:
             # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
             empty_row = l_i == 0.0
             inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
             if DROPOUT:
                 inv_l = inv_l * dropout_scale
-            if FP8:
-                inv_l = inv_l * gl.load(VDescale + descale_row)
             lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
             if SINK:
                 # A sink of +inf: O = 0, LSE = +inf; of NaN: both NaN (read again: no register held across the
@@ -510,6 +508,9 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                other=float("-inf"))
                 inv_l = gl.where(sink < float("inf"), inv_l, gl.where(sink == float("inf"), 0.0, float("nan")))
                 lse = gl.where(sink < float("inf"), lse, sink)
+            if FP8:  # last: a negative factor's NaN (_fp8_descales) wins over a sink's values
+                inv_l = inv_l * o_descale
+                lse = gl.where(o_descale == o_descale, lse, float("nan"))
             o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN and not FP8:
             # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows

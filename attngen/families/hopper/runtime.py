@@ -261,9 +261,9 @@ class HopperFamily:
         packed_args, packed_flags = _packed_launch(packed, lse)
         dropout_args, dropout_flag = self.rt._dropout_args(dropout, lse)
         fp8_args, fp8_flag = _fp8_launch(fp8, lse)
-        # Scaling after the row max needs a positive scale: an FP8 call's scale takes the descale factors,
-        # whose signs the host does not read (a sync).
-        defer_scale = self.plain_score and sm_scale > 0 and fp8 is None
+        # Scaling after the row max needs a scale >= 0: an FP8 call's also takes the descale factors, whose
+        # negative values make NaN rows (helpers._fp8_descales) in every family.
+        defer_scale = self.plain_score and sm_scale > 0
 
         def run():
             _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3],
