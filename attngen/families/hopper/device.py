@@ -50,6 +50,38 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
                                          is_pure=True, pack=2)
 
 
+@gluon.jit
+def _hopper_p_operand(p_f32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+    # P (fp32, the QK^T accumulator's layout) as PV's A operand in registers (p_layout). An 8-bit operand
+    # register holds four adjacent keys of a row where the accumulator gives each thread pairs (keys 2c, 2c+1
+    # of every 8); FlashAttention-3's answer is to take each thread's own values as the operand, keys 2c, 2c+1,
+    # 8+2c, 9+2c as operand positions 4c..4c+3 (and 16 more on in each 32-key chunk), with V's keys stored in
+    # that order (_hopper_keys_inner): the product sums over keys, so their order is free. The reshape below
+    # is that order; the conversion it leaves is a renaming of registers.
+    if dtype == gl.float8e4nv:
+        p = p_f32.reshape([BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BLOCK_M, BLOCK_N])
+        # Still fp32: rounded to e4m3 next to its wgmma (_hopper_pv_a).
+        return gl.convert_layout(p, p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+
+
+@gluon.jit
+def _hopper_pv_a(p, FP8: gl.constexpr):
+    # PV's A operand: P as _hopper_p_operand left it, in an FP8 call rounded to e4m3 here, four values (one
+    # operand register) by two cvt.rn.satfinite.e4m3x2 and a move. P crosses the loop's back edge (each step's
+    # P meets the next step's V): as e4m3 it crossed it a byte a register, unpacked and packed again (2 PRMT
+    # and 1 LOP3 an element in SASS); as fp32 it stays whole, and the bytes go straight to the wgmma. cvt puts
+    # its first source in the upper byte, so each pair's second value goes first.
+    if FP8:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        return p
+
+
 @gluon.constexpr_function
 def _hopper_tile_layout(width, dtype):
     # The shared layout of tiles whose rows hold `width` elements of dtype: the widest swizzle a row's bytes
@@ -146,20 +178,24 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _hopper_keys_inner(V, VT, KV_LEN, DV, HKV, n_blocks, stride_vz, stride_vh, stride_vn, stride_tz, stride_th,
-                       stride_td, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    # An FP8 call's V^T: V's BLOCK_N keys x DV bytes (one (batch, kv head) a program row, rows in V's strides)
-    # written as DV rows of BLOCK_N keys, both sides' accesses along their contiguous dim. torch's copy of a
-    # transposed uint8 view moves 0.3 TB/s on an H100 (223 us for 32 MB, 12% of a D=128 FP8 forward).
+def _hopper_keys_inner(V, VT, KV_LEN, KV_PAD, DV, HKV, n_blocks, stride_vz, stride_vh, stride_vn, stride_tz,
+                       stride_th, stride_td, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # An FP8 call's V^T, (DV, KV_PAD) bytes a (batch, kv head), one such a program row: column t holds key
+    # 32 (t // 32) + 16 h + 8 a + 2 c + b, for t % 32 = 16 h + 4 c + 2 a + b, the order in which each thread of
+    # the PV wgmma holds P's keys as its A operand (_hopper_p_operand); keys at or past KV_LEN are 0 (P is 0
+    # there, and 0 * V must be too). Rows are read in V's strides and written along the keys. torch's copy of
+    # a transposed uint8 view moved 0.3 TB/s on an H100 (223 us for 32 MB, 12% of a D=128 FP8 forward).
     pid = tl.program_id(0)
     bh = pid // n_blocks
-    offs_n = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    within = offs_t % 32
+    keys = offs_t - within + within // 16 * 16 + within % 4 // 2 * 8 + within % 16 // 4 * 2 + within % 2
     offs_d = tl.arange(0, BLOCK_D)
     b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
-    tile = tl.load(V + b * stride_vz + h * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                   mask=(offs_n[:, None] < KV_LEN) & (offs_d[None, :] < DV))
-    tl.store(VT + b * stride_tz + h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_n[None, :],
-             tl.trans(tile), mask=(offs_d[:, None] < DV) & (offs_n[None, :] < KV_LEN))
+    tile = tl.load(V + b * stride_vz + h * stride_vh + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                   mask=(keys[:, None] < KV_LEN) & (offs_d[None, :] < DV), other=0)
+    tl.store(VT + b * stride_tz + h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_t[None, :],
+             tl.trans(tile), mask=(offs_d[:, None] < DV) & (offs_t[None, :] < KV_PAD))
 
 
 @gluon.jit
@@ -343,7 +379,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
         mbarrier.wait(v_ready.index(prev), prev_phase)
         _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, _hopper_pv_operand(v_prev, FP8), o, is_async=True)
+        o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_prev, FP8), o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
@@ -356,7 +392,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, MASKED=MASKED, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout, DROPOUT=DROPOUT)
-        p_next = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+        p_next = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -456,7 +492,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout,
                 DROPOUT=DROPOUT)
-            p = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+            p = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
 
             o, p, m_i, l_i = _hopper_consumer_loop(
                 o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -480,7 +516,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             v_last = v_bufs.index(last)
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
             _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(p, _hopper_pv_operand(v_last, FP8), o, is_async=True)
+            o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_last, FP8), o, is_async=True)
             _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
             o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
             mbarrier.arrive(v_empty.index(last), count=1)

@@ -87,26 +87,28 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
-# Keys a program of _hopper_keys_inner moves (a tile of at most 64 x 256 bytes).
+# Keys a program of _hopper_keys_inner moves (a tile of at most 64 x 256 bytes), and the chunks of keys its
+# order permutes (the keys of one 8-bit wgmma's K, 32): V^T's rows are padded to whole chunks, zero-filled.
 HOPPER_TRANSPOSE_KEYS = 64
+HOPPER_KEY_CHUNK = 32
 
 
 def _hopper_transposed_descriptor(v, rows, width):
-    """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_LEN) with
-    the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in boxes
-    of `rows` head dims and `width` keys (zero-filled past DV and KV_LEN). The copy's rows are padded to
-    16 bytes, as TMA's strides must be (the padding is never read: the descriptor's shape ends at KV_LEN);
-    the descriptor holds it (its base)."""
+    """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_PAD) with
+    the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in the
+    order of P's keys in the PV wgmma's registers within each chunk of HOPPER_KEY_CHUNK (_hopper_keys_inner),
+    zeros past KV_LEN to KV_PAD, the chunks' end; in boxes of `rows` head dims and `width` keys (TMA fills past
+    DV and KV_PAD with zeros). The descriptor holds the copy (its base)."""
     B, HKV, KV_LEN, DV = v.shape
-    padded = torch.empty((B, HKV, DV, _cdiv(KV_LEN, HOPPER_TMA_ALIGN) * HOPPER_TMA_ALIGN), dtype=v.dtype,
-                         device=v.device)
-    n_blocks = _cdiv(KV_LEN, HOPPER_TRANSPOSE_KEYS)
+    KV_PAD = _cdiv(KV_LEN, HOPPER_KEY_CHUNK) * HOPPER_KEY_CHUNK
+    padded = torch.empty((B, HKV, DV, KV_PAD), dtype=v.dtype, device=v.device)
+    n_blocks = _cdiv(KV_PAD, HOPPER_TRANSPOSE_KEYS)
     # As bytes (uint8 views: the same bits, and pointers every Triton backend and its interpreter know).
-    _launch(_hopper_keys_inner, (n_blocks * B * HKV,), v.view(torch.uint8), padded.view(torch.uint8), KV_LEN, DV,
-            HKV, n_blocks, *v.stride()[:3], *padded.stride()[:3], BLOCK_N=HOPPER_TRANSPOSE_KEYS,
+    _launch(_hopper_keys_inner, (n_blocks * B * HKV,), v.view(torch.uint8), padded.view(torch.uint8), KV_LEN, KV_PAD,
+            DV, HKV, n_blocks, *v.stride()[:3], *padded.stride()[:3], BLOCK_N=HOPPER_TRANSPOSE_KEYS,
             BLOCK_D=_next_power_of_2(DV), num_warps=4)
     box = _hopper_tile_box(rows, width)
-    return _HopperDescriptor(padded, [B, HKV, DV, KV_LEN], padded.stride(), box, _hopper_layout(box, v.dtype))
+    return _HopperDescriptor(padded, [B, HKV, DV, KV_PAD], padded.stride(), box, _hopper_layout(box, v.dtype))
 
 
 def _hopper_tile_box(rows, width):
