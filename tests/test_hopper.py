@@ -577,8 +577,10 @@ def test_an_fp8_calls_v_is_transposed_with_its_keys_innermost(shape):
     four to a register), zeros past KV_LEN to the last chunk's end."""
     from attngen.families.hopper import runtime as hopper_runtime
     B, HKV, KV_LEN, DV = shape
-    v = torch.randn(B, KV_LEN, HKV, DV).to(torch.float8_e4m3fn).transpose(1, 2)  # (B, HKV, KV_LEN, DV) in BSHD
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter's launch, or the GPU's
+    v = torch.randn(B, KV_LEN, HKV, DV, device=device).to(torch.float8_e4m3fn).transpose(1, 2)  # BSHD strides
     descriptor = hopper_runtime._hopper_transposed_descriptor(v, DV, 128)
+    v = v.cpu()
     KV_PAD = -(-KV_LEN // 32) * 32
     assert list(descriptor.shape) == [B, HKV, DV, KV_PAD] and descriptor.base.stride(2) % 16 == 0
     order = [32 * chunk + 16 * h + 8 * a + 2 * c + b for chunk in range(KV_PAD // 32)
@@ -588,4 +590,4 @@ def test_an_fp8_calls_v_is_transposed_with_its_keys_innermost(shape):
     inside = keys < KV_LEN
     want[..., inside] = v.view(torch.uint8).transpose(2, 3)[..., keys[inside]]
     assert sorted(order) == list(range(KV_PAD))  # a permutation of each chunk
-    assert torch.equal(descriptor.base.view(torch.uint8), want)
+    assert torch.equal(descriptor.base.view(torch.uint8).cpu(), want)
