@@ -118,3 +118,36 @@ def test_fp8_calls_on_gpu(name, shape, family, monkeypatch):
     assert not out.isnan().any()
     bound, want = _bound(attn, _dequantized(q8, qd), _dequantized(k8, kd), _dequantized(v8, vd), inputs)
     assert torch.all((out.double() - want).abs().amax(-1) <= bound)
+
+
+def _negative_factor_rows_are_nan(factor, B=2, H=4, HKV=2, N=40, M=64, D=32):
+    """One (batch row, kv head)'s factor made negative: its query heads' rows of O and LSE are NaN (even with a
+    sink, whose +inf would set them otherwise), every other row is the call's without it, bit for bit."""
+    attn = attngen.build(SPECS / "gpt_oss_sinks.attn")
+    q8, k8, v8, (qd, kd, vd), inputs = _fp8_case(attn, B, H, HKV, N, M, D)
+    inputs["sinks"][1] = float("inf")
+    scales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    negative = scales[factor].clone()
+    negative[1, 0] = -negative[1, 0]
+    with torch.no_grad():
+        want, want_lse = attn(q8, k8, v8, **scales, return_lse=True, **inputs)
+        out, lse = attn(q8, k8, v8, **{**scales, factor: negative}, return_lse=True, **inputs)
+    bad = torch.zeros(B, H, dtype=torch.bool)
+    bad[1, :H // HKV] = True  # batch row 1, the query heads of kv head 0
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert torch.equal(out[~bad], want[~bad]) and torch.equal(lse[~bad], want_lse[~bad])
+    return attn.forward_family(q8, k8, v8, **inputs)
+
+
+@pytest.mark.parametrize("factor", ["q_descale", "k_descale", "v_descale"])
+def test_a_negative_descale_factor_makes_its_rows_nan(factor):
+    _negative_factor_rows_are_nan(factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_FP8_GPU, reason="needs a GPU with e4m3 tensor cores (compute capability 8.9 or more)")
+@pytest.mark.parametrize("factor", ["q_descale", "k_descale", "v_descale"])
+def test_a_negative_descale_factor_makes_its_rows_nan_on_gpu(factor):
+    """As above, by the family a GPU runs (the Hopper family's on a Hopper GPU, which scales after the row max)."""
+    family = _negative_factor_rows_are_nan(factor, N=300, M=333, D=64)
+    assert family == ("hopper" if torch.cuda.get_device_capability()[0] == 9 else "portable")

@@ -567,3 +567,27 @@ def test_published_masks_follow_kept_tables_in_the_hopper_kernels_on_gpu(name):
     assert built == 2  # the family's forward and backward tilings
     testing.check_against_reference(attn.spec, attn, q, k, v, {})
     assert attn.module.TABLE_STATS["built"] == built
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 70, 64), (1, 2, 33, 96), (1, 1, 130, 256)], ids=str)
+def test_an_fp8_calls_v_is_transposed_with_its_keys_innermost(shape):
+    """V^T for the FP8 forward's PV wgmma (8-bit B operands are read K-major only): from V in any strides, its
+    bytes transposed, the keys of each chunk of 32 in the order the wgmma's threads hold P's keys as their A
+    operand (position 16 h + 4 c + 2 a + b holds key 16 h + 8 a + 2 c + b: a thread's own accumulator pairs,
+    four to a register), zeros past KV_LEN to the last chunk's end."""
+    from attngen.families.hopper import runtime as hopper_runtime
+    B, HKV, KV_LEN, DV = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter's launch, or the GPU's
+    v = torch.randn(B, KV_LEN, HKV, DV, device=device).to(torch.float8_e4m3fn).transpose(1, 2)  # BSHD strides
+    descriptor = hopper_runtime._hopper_transposed_descriptor(v, DV, 128)
+    v = v.cpu()
+    KV_PAD = -(-KV_LEN // 32) * 32
+    assert list(descriptor.shape) == [B, HKV, DV, KV_PAD] and descriptor.base.stride(2) % 16 == 0
+    order = [32 * chunk + 16 * h + 8 * a + 2 * c + b for chunk in range(KV_PAD // 32)
+             for h in range(2) for c in range(4) for a in range(2) for b in range(2)]
+    keys = torch.tensor(order)
+    want = torch.zeros(B, HKV, DV, KV_PAD, dtype=torch.uint8)
+    inside = keys < KV_LEN
+    want[..., inside] = v.view(torch.uint8).transpose(2, 3)[..., keys[inside]]
+    assert sorted(order) == list(range(KV_PAD))  # a permutation of each chunk
+    assert torch.equal(descriptor.base.view(torch.uint8).cpu(), want)

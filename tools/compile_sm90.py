@@ -117,9 +117,9 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
                                                      DROPOUT=True, LABEL="_dropout"), tiles),
-                         # float8_e4m3fn q, k and V^T, scaled before the row max (the host's rule for FP8 calls)
+                         # float8_e4m3fn q, k and V^T
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     FP8=True, DEFER_SCALE=False, LABEL="_fp8"), tiles)]
+                                                     FP8=True, LABEL="_fp8"), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                               SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])

@@ -378,6 +378,19 @@ def _dropout_eighth(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
 
 
 @triton.jit
+def _fp8_descales(QDescale, KDescale, VDescale, row):
+    # An FP8 call's descale factors of one (batch, key/value head), at `row` of the three (B, HKV) tensors: the
+    # scores' factor (q's times k's), O's (v's), or NaN for O where any factor is negative. Descale factors are
+    # magnitudes (FlashAttention-3's), and the Hopper forward takes each row's max before scaling, which a
+    # negative factor would turn into the min: such rows come out NaN in every family, never silently wrong.
+    q_descale = tl.load(QDescale + row)
+    k_descale = tl.load(KDescale + row)
+    v_descale = tl.load(VDescale + row)
+    negative = (q_descale < 0) | (k_descale < 0) | (v_descale < 0)
+    return q_descale * k_descale, tl.where(negative, float("nan"), v_descale)
+
+
+@triton.jit
 def _cache_query_offset(KvLen, QOffset, b, Q_LEN, HAS_KV_LEN: tl.constexpr, HAS_Q_OFFSET: tl.constexpr):
     # The position of batch row b's first query in a cache call: q_offset[b], or kv_len[b] - Q_LEN when the
     # call left q_offset out (its queries are the newest tokens); 0 in any other call.

@@ -18,7 +18,7 @@ from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ...runtime.helpers import LN2, LOG2E, _dropout_state, _tile_start
+from ...runtime.helpers import LN2, LOG2E, _dropout_state, _fp8_descales, _tile_start
 
 # Registers of the producer warp (setmaxnreg: the consumers take what it leaves).
 HOPPER_PRODUCER_REGS = gl.constexpr(24)
@@ -48,6 +48,38 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
     else:
         return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.float16,
                                          is_pure=True, pack=2)
+
+
+@gluon.jit
+def _hopper_p_operand(p_f32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+    # P (fp32, the QK^T accumulator's layout) as PV's A operand in registers (p_layout). An 8-bit operand
+    # register holds four adjacent keys of a row where the accumulator gives each thread pairs (keys 2c, 2c+1
+    # of every 8); FlashAttention-3's answer is to take each thread's own values as the operand, keys 2c, 2c+1,
+    # 8+2c, 9+2c as operand positions 4c..4c+3 (and 16 more on in each 32-key chunk), with V's keys stored in
+    # that order (_hopper_keys_inner): the product sums over keys, so their order is free. The reshape below
+    # is that order; the conversion it leaves is a renaming of registers.
+    if dtype == gl.float8e4nv:
+        p = p_f32.reshape([BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BLOCK_M, BLOCK_N])
+        # Still fp32: rounded to e4m3 next to its wgmma (_hopper_pv_a).
+        return gl.convert_layout(p, p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+
+
+@gluon.jit
+def _hopper_pv_a(p, FP8: gl.constexpr):
+    # PV's A operand: P as _hopper_p_operand left it, in an FP8 call rounded to e4m3 here, four values (one
+    # operand register) by two cvt.rn.satfinite.e4m3x2 and a move. P crosses the loop's back edge (each step's
+    # P meets the next step's V): as e4m3 it crossed it a byte a register, unpacked and packed again (2 PRMT
+    # and 1 LOP3 an element in SASS); as fp32 it stays whole, and the bytes go straight to the wgmma. cvt puts
+    # its first source in the upper byte, so each pair's second value goes first.
+    if FP8:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        return p
 
 
 @gluon.constexpr_function
@@ -143,6 +175,27 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
     offs = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
     dq = tl.load(DqSum + offs, mask=(groups < n_groups)[:, None]) * scale
     tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
+
+
+@triton.jit
+def _hopper_keys_inner(V, VT, KV_LEN, KV_PAD, DV, HKV, n_blocks, stride_vz, stride_vh, stride_vn, stride_tz,
+                       stride_th, stride_td, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # An FP8 call's V^T, (DV, KV_PAD) bytes a (batch, kv head), one such a program row: column t holds key
+    # 32 (t // 32) + 16 h + 8 a + 2 c + b, for t % 32 = 16 h + 4 c + 2 a + b, the order in which each thread of
+    # the PV wgmma holds P's keys as its A operand (_hopper_p_operand); keys at or past KV_LEN are 0 (P is 0
+    # there, and 0 * V must be too). Rows are read in V's strides and written along the keys. torch's copy of
+    # a transposed uint8 view moved 0.3 TB/s on an H100 (223 us for 32 MB, 12% of a D=128 FP8 forward).
+    pid = tl.program_id(0)
+    bh = pid // n_blocks
+    offs_t = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    within = offs_t % 32
+    keys = offs_t - within + within // 16 * 16 + within % 4 // 2 * 8 + within % 16 // 4 * 2 + within % 2
+    offs_d = tl.arange(0, BLOCK_D)
+    b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
+    tile = tl.load(V + b * stride_vz + h * stride_vh + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                   mask=(keys[:, None] < KV_LEN) & (offs_d[None, :] < DV), other=0)
+    tl.store(VT + b * stride_tz + h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_t[None, :],
+             tl.trans(tile), mask=(offs_d[:, None] < DV) & (offs_t[None, :] < KV_PAD))
 
 
 @gluon.jit
@@ -326,7 +379,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
         mbarrier.wait(v_ready.index(prev), prev_phase)
         _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, _hopper_pv_operand(v_prev, FP8), o, is_async=True)
+        o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_prev, FP8), o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
@@ -339,7 +392,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, MASKED=MASKED, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout, DROPOUT=DROPOUT)
-        p_next = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+        p_next = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -399,8 +452,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             # float8_e4m3fn q, k and v (an FP8 call, never packed): the products of q and k count q_descale[b,
             # hkv] * k_descale[b, hkv] times over, so this item's scales take that factor (the portable forward's
             # rule); O takes v_descale's in the epilogue.
-            descale_row = off_b.to(gl.int64) * stride_db + off_hkv.to(gl.int64) * stride_dh
-            qk_descale = gl.load(QDescale + descale_row) * gl.load(KDescale + descale_row)
+            qk_descale, o_descale = _fp8_descales(QDescale, KDescale, VDescale,
+                                                  off_b.to(gl.int64) * stride_db + off_hkv.to(gl.int64) * stride_dh)
             item_sm_scale = sm_scale * qk_descale
             item_qk_scale = qk_scale * qk_descale
         else:
@@ -439,7 +492,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout,
                 DROPOUT=DROPOUT)
-            p = gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
+            p = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
 
             o, p, m_i, l_i = _hopper_consumer_loop(
                 o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -463,7 +516,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             v_last = v_bufs.index(last)
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
             _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(p, _hopper_pv_operand(v_last, FP8), o, is_async=True)
+            o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_last, FP8), o, is_async=True)
             _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
             o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
             mbarrier.arrive(v_empty.index(last), count=1)
@@ -476,15 +529,13 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             if DROPOUT:
                 o = o * dropout_scale
             if FP8:
-                o = o * gl.load(VDescale + descale_row)
+                o = o * o_descale
         else:
             # Epilogue. l == 0 only for rows with no allowed key: O = 0 and LSE = -inf.
             empty_row = l_i == 0.0
             inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
             if DROPOUT:
                 inv_l = inv_l * dropout_scale
-            if FP8:
-                inv_l = inv_l * gl.load(VDescale + descale_row)
             lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
             if SINK:
                 # A sink of +inf: O = 0, LSE = +inf; of NaN: both NaN (read again: no register held across the
@@ -493,6 +544,9 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                other=float("-inf"))
                 inv_l = gl.where(sink < float("inf"), inv_l, gl.where(sink == float("inf"), 0.0, float("nan")))
                 lse = gl.where(sink < float("inf"), lse, sink)
+            if FP8:  # last: a negative factor's NaN (_fp8_descales) wins over a sink's values
+                inv_l = inv_l * o_descale
+                lse = gl.where(o_descale == o_descale, lse, float("nan"))
             o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         if HEAD_DIM_V_PAD == HEAD_DIM_PAD and not VARLEN and not FP8:
             # Reuse Q's shared buffer (every wgmma reading it has retired) and TMA-store O: TMA drops the rows

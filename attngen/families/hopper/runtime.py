@@ -10,7 +10,8 @@ from ...runtime.checks import CHECKED_VALUES
 from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
-from ...runtime.shared import _cdiv, _empty_in_layout, _token_sequences
+from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2, _token_sequences
+from .device import _hopper_keys_inner
 
 
 # The dtypes its wgmma reads from shared memory (float8_e4m3fn: FP8 calls, forward only), and the head dims
@@ -86,19 +87,28 @@ class _HopperDescriptor(TensorDescriptor):
         pass
 
 
+# Keys a program of _hopper_keys_inner moves (a tile of at most 64 x 256 bytes), and the chunks of keys its
+# order permutes (the keys of one 8-bit wgmma's K, 32): V^T's rows are padded to whole chunks, zero-filled.
+HOPPER_TRANSPOSE_KEYS = 64
+HOPPER_KEY_CHUNK = 32
+
+
 def _hopper_transposed_descriptor(v, rows, width):
-    """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_LEN) with
-    the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in boxes
-    of `rows` head dims and `width` keys (zero-filled past DV and KV_LEN). The copy's rows are padded to
-    16 bytes, as TMA's strides must be (the padding is never read: the descriptor's shape ends at KV_LEN);
-    the descriptor holds it (its base)."""
+    """A TMA descriptor of V^T for an FP8 call: V (B, HKV, KV_LEN, DV) copied to (B, HKV, DV, KV_PAD) with
+    the keys innermost, since wgmma reads 8-bit B operands only with K (here the keys) contiguous, in the
+    order of P's keys in the PV wgmma's registers within each chunk of HOPPER_KEY_CHUNK (_hopper_keys_inner),
+    zeros past KV_LEN to KV_PAD, the chunks' end; in boxes of `rows` head dims and `width` keys (TMA fills past
+    DV and KV_PAD with zeros). The descriptor holds the copy (its base)."""
     B, HKV, KV_LEN, DV = v.shape
-    padded = torch.empty((B, HKV, DV, _cdiv(KV_LEN, HOPPER_TMA_ALIGN) * HOPPER_TMA_ALIGN), dtype=v.dtype,
-                         device=v.device)
-    # As bytes: a plain copy kernel.
-    padded[..., :KV_LEN].view(torch.uint8).copy_(v.view(torch.uint8).transpose(2, 3))
+    KV_PAD = _cdiv(KV_LEN, HOPPER_KEY_CHUNK) * HOPPER_KEY_CHUNK
+    padded = torch.empty((B, HKV, DV, KV_PAD), dtype=v.dtype, device=v.device)
+    n_blocks = _cdiv(KV_PAD, HOPPER_TRANSPOSE_KEYS)
+    # As bytes (uint8 views: the same bits, and pointers every Triton backend and its interpreter know).
+    _launch(_hopper_keys_inner, (n_blocks * B * HKV,), v.view(torch.uint8), padded.view(torch.uint8), KV_LEN, KV_PAD,
+            DV, HKV, n_blocks, *v.stride()[:3], *padded.stride()[:3], BLOCK_N=HOPPER_TRANSPOSE_KEYS,
+            BLOCK_D=_next_power_of_2(DV), num_warps=4)
     box = _hopper_tile_box(rows, width)
-    return _HopperDescriptor(padded, [B, HKV, DV, KV_LEN], padded.stride(), box, _hopper_layout(box, v.dtype))
+    return _HopperDescriptor(padded, [B, HKV, DV, KV_PAD], padded.stride(), box, _hopper_layout(box, v.dtype))
 
 
 def _hopper_tile_box(rows, width):
@@ -253,9 +263,9 @@ class HopperFamily:
         packed_args, packed_flags = _packed_launch(packed, lse)
         dropout_args, dropout_flag = self.rt._dropout_args(dropout, lse)
         fp8_args, fp8_flag = _fp8_launch(fp8, lse)
-        # Scaling after the row max needs a positive scale: an FP8 call's scale takes the descale factors,
-        # whose signs the host does not read (a sync).
-        defer_scale = self.plain_score and sm_scale > 0 and fp8 is None
+        # Scaling after the row max needs a scale >= 0: an FP8 call's also takes the descale factors, whose
+        # negative values make NaN rows (helpers._fp8_descales) in every family.
+        defer_scale = self.plain_score and sm_scale > 0
 
         def run():
             _launch(self.forward_kernel, grid, q_desc, k_desc, v_desc, o_desc, out, *out.stride()[:3],

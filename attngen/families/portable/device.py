@@ -10,7 +10,7 @@ function it calls, these constexpr ones included, and the interpreter runs them 
 import triton
 import triton.language as tl
 
-from ...runtime.helpers import LN2, LOG2E, _cache_query_offset, _dropout_state, _load_tile
+from ...runtime.helpers import LN2, LOG2E, _cache_query_offset, _dropout_state, _fp8_descales, _load_tile
 
 
 @triton.jit
@@ -36,8 +36,8 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
         # float8_e4m3fn q, k and v (an FP8 call, never packed): the dot of q and k counts q_descale[b, hkv] *
         # k_descale[b, hkv] times over, so the scores' scales take that factor; O takes v_descale's at the end.
         # P enters its product with V as e4m3 too, as FlashAttention-3's FP8 forward does.
-        descale_row = off_b.to(tl.int64) * stride_db + off_hkv.to(tl.int64) * stride_dh
-        qk_descale = tl.load(QDescale + descale_row) * tl.load(KDescale + descale_row)
+        qk_descale, o_descale = _fp8_descales(QDescale, KDescale, VDescale,
+                                              off_b.to(tl.int64) * stride_db + off_hkv.to(tl.int64) * stride_dh)
         sm_scale = sm_scale * qk_descale
         qk_scale = qk_scale * qk_descale
     visits = Visits + (off_bh.to(tl.int64) * ((Q_LEN + BLOCK_M - 1) // BLOCK_M) + start_m) * (
@@ -146,7 +146,9 @@ def _fwd_program(Q, K, V, Out, Lse, sink_args, sm_scale, qk_scale, Rng, dropout_
                            tl.where((sink == float("inf"))[:, None], 0.0, float("nan")))
             lse = tl.where(sink < float("inf"), lse, sink)
     if FP8:
-        acc = acc * tl.load(VDescale + descale_row)
+        acc = acc * o_descale
+        if not SIGMOID:
+            lse = tl.where(o_descale == o_descale, lse, float("nan"))  # NaN O: NaN LSE (_fp8_descales)
     O_head = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
     tl.store(O_head + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < Q_LEN) & (offs_dv[None, :] < HEAD_DIM_V))
