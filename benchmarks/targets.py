@@ -24,11 +24,16 @@ A first-call case (group `first_call`) runs benchmarks/first_call.py's measureme
 forward and backward of the spec at B2 H16 N4096 D128, each in a process of its own whose Triton, Inductor and
 attngen caches are empty folders; its target is attngen's first call no longer than Flex's (a speed ratio >= 1).
 
+An FP8 case (group `fp8`, issue 35's target 4) times the FP8 call (docs/api.md, FP8 calls: float8_e4m3fn q, k and
+v, descale factors of 1) at FA3's shapes (16k tokens a batch, hidden 2048) for both attngen builds, beside
+attngen's bf16 call and cuDNN's bf16 forward; its targets are rates, TFLOP/s over the allowed pairs (4 * D FLOPs
+each), the ratio being the rate reached over the rate asked.
+
 Where Flex's own configurations run out of shared memory in its backward (a score reading a learnable table
 does), its forward+backward is timed again with one pipeline stage in the backward (as `attngen bench` does,
 and as a Flex user would pass it in kernel_options), on its own row, and the Flex targets judge that row.
 
-Everything but `measure` and `main` runs on the CPU (tests/test_targets_script.py).
+Everything but `measure`, `measure_fp8` and `main` runs on the CPU (tests/test_targets_script.py).
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ PHASES = {"fwd": "forward", "fwdbwd": "forward+backward", "first": "first call"}
 FIRST_CALL = "first_call"
 FIRST_CALL_SHAPE = (2, 16, 4096, 128)
 FIRST_CALL_RUNS = {ATTNGEN: "attngen", FLEX: "flex"}  # the implementation's name in first_call.py
+# Issue 35's FP8 cases: (label, N, D, TFLOP/s asked), at FA3's shapes: B = 16384 / N, H = 2048 / D.
+FP8 = "fp8"
+FP8_CASES = (("d128", 8192, 128, 1000.0), ("d256", 8192, 256, 1100.0))
+ATTNGEN_BF16 = "attngen bf16"  # the FP8 case's bf16 call of the same build, beside it
 
 PLAIN = "attention plain\n"
 SOFTCAP = "attention softcap\nparam cap = 30.0\nscore: softcap(score, cap)\n"
@@ -82,12 +91,14 @@ class Measurement:
     spec: str  # an .attn path or spec text, as attngen.build takes it
     problem: Problem
     first_call: bool = False  # a first call with cold caches (FIRST_CALL), not timed calls
+    fp8: bool = False  # FP8 calls (FP8): float8_e4m3fn q, k and v
 
     @property
     def key(self) -> str:
         p = self.problem
         heads = f"H{p.H}" if p.HKV == p.H else f"H{p.H}/{p.HKV}"
-        return f"{'first call ' if self.first_call else ''}{self.label} B{p.B} {heads} N{p.Q_LEN} D{p.D}"
+        kind = "first call " if self.first_call else "fp8 " if self.fp8 else ""
+        return f"{kind}{self.label} B{p.B} {heads} N{p.Q_LEN} D{p.D}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,7 @@ class Result:
     error: str = ""
     rows: list[dict] = field(default_factory=list)  # bench.summarize's, for the raw-times table and the JSON
     notes: list[str] = field(default_factory=list)
+    flops: dict[str, float] = field(default_factory=dict)  # phase -> FLOPs over the allowed pairs
 
 
 Results = Mapping[str, Result]  # Measurement.key -> Result
@@ -202,7 +214,37 @@ class TimeTarget:
         return self.at_most is not None and ratio <= self.at_most
 
 
-Target = SpeedTarget | TimeTarget
+@dataclass(frozen=True)
+class RateTarget:
+    """`phase` at `tflops` TFLOP/s or more (the FLOPs of the measurement's allowed pairs over the median time);
+    the ratio is the rate reached over `tflops` (1 or more: met)."""
+    measurement: Measurement
+    phase: str
+    tflops: float
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        return (self.measurement,)
+
+    @property
+    def bound(self) -> float:
+        return 1.0
+
+    def describe(self) -> str:
+        return f"{PHASES[self.phase]} >= {self.tflops:g} TFLOP/s"
+
+    def ratio(self, results: Results, implementation: str) -> tuple[float | None, str]:
+        """The rate `implementation` reached over the one asked, or None and why there is none."""
+        ms, why = phase_ms(results, self.measurement, implementation, self.phase)
+        if ms is None:
+            return None, why
+        return results[self.measurement.key].flops[self.phase] / ms / 1e9 / self.tflops, ""
+
+    def meets(self, ratio: float) -> bool:
+        return ratio >= 1.0
+
+
+Target = SpeedTarget | TimeTarget | RateTarget
 
 
 @dataclass(frozen=True)
@@ -274,6 +316,9 @@ def cases(quick: bool = False) -> list[Case]:
     for stem in catalog_stems(quick):
         m = Measurement(stem, str(SPECS / f"{stem}.attn"), size(*FIRST_CALL_SHAPE), first_call=True)
         result.append(Case(f"{FIRST_CALL}/{stem}", (SpeedTarget(m, "first", FLEX, 1.0),)))
+    for label, N, D, tflops in FP8_CASES:
+        m = Measurement("full", str(SPECS / "full.attn"), size(16384 // N, 2048 // D, N, D), fp8=True)
+        result.append(Case(f"{FP8}/{label}", (RateTarget(m, "fwd", tflops),)))
     return result
 
 
@@ -500,6 +545,53 @@ def measure_first_call(m: Measurement, step: Callable[[str], None]) -> Result:
                          else f"{name}: no first call ({t.note})" for name, t in timings.items()])
 
 
+def measure_fp8(m: Measurement, step: Callable[[str], None]) -> Result:
+    """The FP8 forward of each attngen build on one measurement (float8_e4m3fn q, k and v, descale factors
+    of 1), beside attngen's bf16 call and cuDNN's bf16 forward on the same values; a failure is that
+    implementation's note."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import attngen
+    from attngen import testing
+
+    spec = attngen.load_spec(m.spec)[0]
+    p = m.problem
+    q, k, v = testing.random_qkv(p.B, p.H, p.HKV, p.Q_LEN, p.KV_LEN, p.D, p.D, torch.bfloat16, device="cuda",
+                                 seed=2)
+    inputs = testing.random_inputs(spec, p.B, p.H, p.HKV, p.Q_LEN, p.KV_LEN, device="cuda", seed=2)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    scales = {name: torch.ones(p.B, p.HKV, device="cuda") for name in ("q_descale", "k_descale", "v_descale")}
+    step(f"{m.key}: counting the allowed pairs")
+    counted = bench.count_flops(spec, p, inputs, device="cuda")
+    builds, ran = {}, {}
+    for name, target in ((ATTNGEN, None), (PORTABLE, PORTABLE_TARGET)):
+        step(f"{m.key}: building {name}")
+        try:
+            builds[name] = attngen.build(m.spec, target=target)
+            ran[name] = builds[name].forward_family(q8, k8, v8, **inputs)
+        except Exception as e:
+            builds[name], ran[name] = Unbuilt(spec, e), "not built"
+    calls = {name: (lambda b=b: b(q8, k8, v8, **scales, **inputs)) for name, b in builds.items()}
+    calls[ATTNGEN_BF16] = lambda: builds[ATTNGEN](q, k, v, **inputs)
+    is_causal, why_not = bench.sdpa_is_causal(spec, p.Q_LEN, p.KV_LEN)
+    absent = {}
+    if is_causal is None:
+        absent[CUDNN] = f"SDPA cannot run it ({why_not})"
+    else:
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa(q, k, v, is_causal=is_causal)
+        calls[CUDNN] = cudnn
+    timings, _ = bench.time_all(calls, [], None, False, lambda what: step(f"{m.key}: {what}"))
+    notes = [f"FLOPs: {counted.describe()}",
+             f"'{ATTNGEN}' and '{PORTABLE}' are FP8 calls (float8_e4m3fn q, k, v); '{ATTNGEN_BF16}' and "
+             f"'{CUDNN}' the same values in bf16."]
+    return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted),
+                  notes, {"fwd": counted.forward, "fwdbwd": counted.forward_backward})
+
+
 def run_info(args: argparse.Namespace) -> dict:
     """The run's context, as bench.run's info dict gives it."""
     import torch
@@ -560,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Result] = {}
     for m in plan:
         try:
-            results[m.key] = (measure_first_call(m, step) if m.first_call
+            results[m.key] = (measure_first_call(m, step) if m.first_call else measure_fp8(m, step) if m.fp8
                               else measure(m, backward=not args.no_backward, step=step))
         except Exception as e:  # the set-up failed (out of memory, an input the spec refuses): its targets say so
             results[m.key] = Result(error=bench._first_line(e))
@@ -577,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = target_rows(args.selected, results)
     quick = " (--quick: smaller N, the targets' shapes are not these)" if args.quick else ""
-    console.print(targets_table(rows, f"Issue 13's and 35's targets, bf16, on {info['gpu']}{quick}"))
+    title = f"Issue 13's and 35's targets, bf16 (the fp8 cases: float8_e4m3fn), on {info['gpu']}{quick}"
+    console.print(targets_table(rows, title))
     for line in tally(rows):
         console.print(line, markup=False, highlight=False)
     console.print("speed ratio: the other's time over attngen's (above 1: attngen is faster); time ratio: the "

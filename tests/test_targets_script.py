@@ -189,7 +189,7 @@ def test_a_first_call_measurement_runs_each_implementation_by_first_call_py(monk
 
 def test_the_issues_shapes_and_bounds():
     described = {c.name: ([m.key for m in c.measurements], [t.describe() for t in c.targets])
-                 for c in targets.cases() if c.group not in (targets.CATALOG, targets.FIRST_CALL)}
+                 for c in targets.cases() if c.group not in (targets.CATALOG, targets.FIRST_CALL, targets.FP8)}
     assert described == {
         "full": (["full B4 H16 N4096 D128"],
                  ["forward >= 1.0x sdpa cudnn", "forward+backward >= 0.9x sdpa cudnn"]),
@@ -205,6 +205,26 @@ def test_the_issues_shapes_and_bounds():
     }
     softcap, plain = _case("softcap").measurements
     assert (softcap.spec, plain.spec) == (targets.SOFTCAP, targets.PLAIN)
+
+
+def test_fp8_cases_ask_issue_35s_rates_at_fa3s_shapes():
+    described = {c.name: ([m.key for m in c.measurements], [t.describe() for t in c.targets])
+                 for c in targets.cases() if c.group == targets.FP8}
+    assert described == {"fp8/d128": (["fp8 full B2 H16 N8192 D128"], ["forward >= 1000 TFLOP/s"]),
+                         "fp8/d256": (["fp8 full B2 H8 N8192 D256"], ["forward >= 1100 TFLOP/s"])}
+
+
+def test_a_rate_target_is_the_rate_reached_over_the_rate_asked():
+    case = _case("fp8/d128")
+    m, = case.measurements
+    flops = 4 * 128 * 2 * 16 * 8192 * 8192  # every pair of the full spec: 4 * D FLOPs each
+    results = {m.key: targets.Result(timings={ATTNGEN: Timing(ATTNGEN, 1.0), PORTABLE: Timing(PORTABLE, 2.5)},
+                                     flops={"fwd": flops, "fwdbwd": 3.5 * flops})}
+    met = targets.evaluate(case.targets[0], results, ATTNGEN)
+    assert (met.status, met.ratio) == (targets.MET, pytest.approx(flops / 1e9 / 1000))  # 1.1 PFLOP/s
+    missed = targets.evaluate(case.targets[0], results, PORTABLE)
+    assert (missed.status, missed.ratio) == (targets.MISSED, pytest.approx(flops / 2.5e9 / 1000))
+    assert targets.evaluate(case.targets[0], {}, ATTNGEN).status == targets.NOT_MEASURED
 
 
 def test_measurement_keys_name_one_spec_and_size_each():
