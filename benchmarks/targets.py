@@ -661,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.error:
             console.print(f"{m.key}: {result.error}", markup=False, highlight=False)
         elif result.rows:
-            console.print(bench.table(raw_rows(result), f"{m.key} {m.problem.dtype} on {info['gpu']}"))
+            dtype = "float8_e4m3fn" if m.fp8 else m.problem.dtype
+            console.print(bench.table(raw_rows(result), f"{m.key} {dtype} on {info['gpu']}"))
             for note in result.notes:
                 console.print(note, markup=False, highlight=False)
         # Rewritten after every measurement: a run cut short still leaves what it measured.
