@@ -58,26 +58,42 @@ def _hopper_p_operand(p_f32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_
     # of every 8); FlashAttention-3's answer is to take each thread's own values as the operand, keys 2c, 2c+1,
     # 8+2c, 9+2c as operand positions 4c..4c+3 (and 16 more on in each 32-key chunk), with V's keys stored in
     # that order (_hopper_keys_inner): the product sums over keys, so their order is free. The reshape below
-    # is that order; the conversion it leaves is a renaming of registers.
+    # is that order; the conversion it leaves is a renaming of registers. An FP8 call's P then leaves as
+    # int32 words of four e4m3 values, one operand register each (_hopper_pack_p).
     if dtype == gl.float8e4nv:
         p = p_f32.reshape([BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BLOCK_M, BLOCK_N])
-        # Still fp32: rounded to e4m3 next to its wgmma (_hopper_pv_a).
-        return gl.convert_layout(p, p_layout, assert_trivial=True)
+        return _hopper_pack_p(gl.convert_layout(p, p_layout, assert_trivial=True), BLOCK_M, BLOCK_N)
     else:
         return gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
 
 
 @gluon.jit
-def _hopper_pv_a(p, FP8: gl.constexpr):
-    # PV's A operand: P as _hopper_p_operand left it, in an FP8 call rounded to e4m3 here, four values (one
-    # operand register) by two cvt.rn.satfinite.e4m3x2 and a move. P crosses the loop's back edge (each step's
-    # P meets the next step's V): as e4m3 it crossed it a byte a register, unpacked and packed again (2 PRMT
-    # and 1 LOP3 an element in SASS); as fp32 it stays whole, and the bytes go straight to the wgmma. cvt puts
-    # its first source in the upper byte, so each pair's second value goes first.
+def _hopper_pack_p(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # An FP8 call's P (fp32, p_layout) as int32 words, keys 4g..4g+3 of a row in word g's bytes 0..3, by two
+    # cvt.rn.satfinite.e4m3x2 (its first source goes in the upper byte). P crosses the loop's back edge
+    # (each step's P meets the next step's V) as these words: Triton would carry e4m3 values a byte a
+    # register, unpacking and repacking them (2 PRMT and 1 LOP3 an element in SASS).
+    p4 = p.reshape([BLOCK_M, BLOCK_N // 4, 2, 2])
+    k01, k23 = gl.split(p4.permute((0, 1, 3, 2)))  # by the pair: keys 4g, 4g+1 and 4g+2, 4g+3
+    k0, k1 = gl.split(k01)
+    k2, k3 = gl.split(k23)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _hopper_pv_a(p, FP8: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # PV's A operand: P as _hopper_p_operand left it; an FP8 call's words are opened into their four e4m3
+    # values (byte k of word g is key 4g+k), which the wgmma takes back four to a register.
     if FP8:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        b0 = (p & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b1 = ((p >> 8) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b2 = ((p >> 16) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b3 = ((p >> 24) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        # join stacks on a new last dim: element (g, c, d) is key 4g + 2c + d, as the reshape reads it.
+        keys = gl.join(gl.join(b0, b2), gl.join(b1, b3))
+        return gl.convert_layout(keys.reshape([BLOCK_M, BLOCK_N]), p_layout, assert_trivial=True)
     else:
         return p
 
@@ -379,7 +395,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
         mbarrier.wait(v_ready.index(prev), prev_phase)
         _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_prev, FP8), o, is_async=True)
+        o_tok = warpgroup_mma(_hopper_pv_a(p, FP8, p_layout, BLOCK_M, BLOCK_N), _hopper_pv_operand(v_prev, FP8), o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
@@ -516,7 +532,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             v_last = v_bufs.index(last)
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
             _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_last, FP8), o, is_async=True)
+            o_tok = warpgroup_mma(_hopper_pv_a(p, FP8, p_layout, BLOCK_M, BLOCK_N), _hopper_pv_operand(v_last, FP8), o, is_async=True)
             _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
             o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
             mbarrier.arrive(v_empty.index(last), count=1)
