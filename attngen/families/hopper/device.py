@@ -50,34 +50,75 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
                                          is_pure=True, pack=2)
 
 
+# The widest padded DV at which an FP8 call's P crosses the forward's loop as packed e4m3 words rather than
+# fp32 (_hopper_pack_p). Measured on an H100 (benchmarks/fp8_bench.py, the kernel alone, 2026-12-07): packed,
+# D=64 565 TFLOP/s against 499; D=128 711 against 830, D=256 669 against 953.
+HOPPER_FP8_PACKED_P_WIDTH = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def _hopper_packs_p(fp8, dv_pad):
+    # Whether the forward carries P as packed e4m3 words (_hopper_pack_p): FP8 calls up to the width above.
+    return fp8 and dv_pad <= HOPPER_FP8_PACKED_P_WIDTH
+
+
 @gluon.jit
 def _hopper_p_operand(p_f32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
+                      BLOCK_N: gl.constexpr, PACK_P: gl.constexpr):
     # P (fp32, the QK^T accumulator's layout) as PV's A operand in registers (p_layout). An 8-bit operand
     # register holds four adjacent keys of a row where the accumulator gives each thread pairs (keys 2c, 2c+1
     # of every 8); FlashAttention-3's answer is to take each thread's own values as the operand, keys 2c, 2c+1,
     # 8+2c, 9+2c as operand positions 4c..4c+3 (and 16 more on in each 32-key chunk), with V's keys stored in
     # that order (_hopper_keys_inner): the product sums over keys, so their order is free. The reshape below
-    # is that order; the conversion it leaves is a renaming of registers.
+    # is that order; the conversion it leaves is a renaming of registers. P stays fp32 until its wgmma
+    # (_hopper_pv_a), or with PACK_P leaves as int32 words of four e4m3 values (_hopper_pack_p).
     if dtype == gl.float8e4nv:
         p = p_f32.reshape([BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BLOCK_M, BLOCK_N])
-        # Still fp32: rounded to e4m3 next to its wgmma (_hopper_pv_a).
-        return gl.convert_layout(p, p_layout, assert_trivial=True)
+        p = gl.convert_layout(p, p_layout, assert_trivial=True)
+        if PACK_P:
+            return _hopper_pack_p(p, BLOCK_M, BLOCK_N)
+        else:
+            return p
     else:
         return gl.convert_layout(_hopper_round_pairs(p_f32, dtype), p_layout)
 
 
 @gluon.jit
-def _hopper_pv_a(p, FP8: gl.constexpr):
-    # PV's A operand: P as _hopper_p_operand left it, in an FP8 call rounded to e4m3 here, four values (one
-    # operand register) by two cvt.rn.satfinite.e4m3x2 and a move. P crosses the loop's back edge (each step's
-    # P meets the next step's V): as e4m3 it crossed it a byte a register, unpacked and packed again (2 PRMT
-    # and 1 LOP3 an element in SASS); as fp32 it stays whole, and the bytes go straight to the wgmma. cvt puts
-    # its first source in the upper byte, so each pair's second value goes first.
-    if FP8:
+def _hopper_pack_p(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # An FP8 call's P (fp32, p_layout) as int32 words, keys 4g..4g+3 of a row in word g's bytes 0..3, by two
+    # cvt.rn.satfinite.e4m3x2 (its first source goes in the upper byte). P crosses the loop's back edge
+    # (each step's P meets the next step's V) as these words: Triton would carry e4m3 values a byte a
+    # register, unpacking and repacking them (2 PRMT and 1 LOP3 an element in SASS); ptxas folds the words'
+    # opening in _hopper_pv_a away. Fewer registers than fp32 P, and faster at D=64 only
+    # (HOPPER_FP8_PACKED_P_WIDTH).
+    p4 = p.reshape([BLOCK_M, BLOCK_N // 4, 2, 2])
+    k01, k23 = gl.split(p4.permute((0, 1, 3, 2)))  # by the pair: keys 4g, 4g+1 and 4g+2, 4g+3
+    k0, k1 = gl.split(k01)
+    k2, k3 = gl.split(k23)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _hopper_pv_a(p, FP8: gl.constexpr, PACK_P: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    # PV's A operand: P as _hopper_p_operand left it. An FP8 call's fp32 P is rounded to e4m3 here, four values
+    # (one operand register) by two cvt.rn.satfinite.e4m3x2 and a move (cvt puts its first source in the
+    # upper byte, so each pair's second value goes first); its packed words (PACK_P) are opened into their
+    # four e4m3 values (byte k of word g is key 4g+k), which the wgmma takes back four to a register.
+    if FP8 and not PACK_P:
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    elif FP8:
+        b0 = (p & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b1 = ((p >> 8) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b2 = ((p >> 16) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        b3 = ((p >> 24) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+        # join stacks on a new last dim: element (g, c, d) is key 4g + 2c + d, as the reshape reads it.
+        keys = gl.join(gl.join(b0, b2), gl.join(b1, b3))
+        return gl.convert_layout(keys.reshape([BLOCK_M, BLOCK_N]), p_layout, assert_trivial=True)
     else:
         return p
 
@@ -361,6 +402,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
                           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                           WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SIGMOID: gl.constexpr,
                           DROPOUT: gl.constexpr, FP8: gl.constexpr):
+    PACK_P: gl.constexpr = _hopper_packs_p(FP8, HEAD_DIM_V_PAD)
     # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
     # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
     # pingpong's issue count then (both carry over from the CTA's earlier work items).
@@ -379,7 +421,8 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
         mbarrier.wait(v_ready.index(prev), prev_phase)
         _hopper_take_turn(sched, turn + i, WG, NUM_CONSUMERS)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_prev, FP8), o, is_async=True)
+        pv_a = _hopper_pv_a(p, FP8, PACK_P, p_layout, BLOCK_M, BLOCK_N)
+        o_tok = warpgroup_mma(pv_a, _hopper_pv_operand(v_prev, FP8), o, is_async=True)
         _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
         # wgmma groups retire in order: at most one outstanding means QK^T is done, PV may still run.
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_smem, k_smem))
@@ -392,7 +435,7 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, MASKED=MASKED, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout, DROPOUT=DROPOUT)
-        p_next = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
+        p_next = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N, PACK_P)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -424,6 +467,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM_V_PAD, 8 * K_WIDTH])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
+    PACK_P: gl.constexpr = _hopper_packs_p(FP8, HEAD_DIM_V_PAD)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if SINK:  # the rows' sinks, fp32 (B, H, Q_LEN) in any strides (signatures.SINK)
@@ -492,7 +536,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout,
                 DROPOUT=DROPOUT)
-            p = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N)
+            p = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N, PACK_P)
 
             o, p, m_i, l_i = _hopper_consumer_loop(
                 o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -516,7 +560,8 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
             v_last = v_bufs.index(last)
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // STAGES) & 1)
             _hopper_take_turn(sched, turn + n_tiles, WG, NUM_CONSUMERS)
-            o_tok = warpgroup_mma(_hopper_pv_a(p, FP8), _hopper_pv_operand(v_last, FP8), o, is_async=True)
+            pv_a = _hopper_pv_a(p, FP8, PACK_P, p_layout, BLOCK_M, BLOCK_N)
+            o_tok = warpgroup_mma(pv_a, _hopper_pv_operand(v_last, FP8), o, is_async=True)
             _hopper_pass_turn(sched, WG, NUM_CONSUMERS)
             o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))
             mbarrier.arrive(v_empty.index(last), count=1)
