@@ -30,7 +30,8 @@ HELPER_NAMES = ("LOG2E", "LN2", "_floordiv", "_floormod", "_ceildiv", "_floordiv
                 "_min_max_sum", "_sum_pair", "_index_bound", "_tile_ranges", "_tile_start", "_count_visit",
                 "EXACT_DIGITS", "EXACT_WORDS", "_exact_add", "_grad_add", "DROPOUT_ROUNDS", "_dropout_state",
                 "_dropout_counters", "_dropout_half_kept", "_dropout_halves_kept", "_dropout_keep",
-                "_dropout_keep_tile", "_dropout_quarter", "_dropout_eighth", "_cache_query_offset", "_cache_row_bad")
+                "_dropout_keep_tile", "_dropout_quarter", "_dropout_eighth", "_cache_query_offset", "_cache_row_bad",
+                "_fp8_descales")
 # The kernels no spec changes, in attngen/runtime/kernels.py, which a module imports where its code names them
 # (tests/test_static.py checks the list is whole; the runtime launches the others itself).
 SHARED_KERNEL_NAMES = ("_bwd_preprocess", "_base2_lse", "_exact_finish", "_cache_values_check")

@@ -218,27 +218,6 @@ def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
     tl.store(Dq + offs, dq.to(Dq.dtype.element_ty), mask=(groups < n_groups)[:, None])
 
 
-@triton.jit
-def _hopper_keys_inner(V, VT, KV_LEN, KV_PAD, DV, HKV, n_blocks, stride_vz, stride_vh, stride_vn, stride_tz,
-                       stride_th, stride_td, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    # An FP8 call's V^T, (DV, KV_PAD) bytes a (batch, kv head), one such a program row: column t holds key
-    # 32 (t // 32) + 16 h + 8 a + 2 c + b, for t % 32 = 16 h + 4 c + 2 a + b, the order in which each thread of
-    # the PV wgmma holds P's keys as its A operand (_hopper_p_operand); keys at or past KV_LEN are 0 (P is 0
-    # there, and 0 * V must be too). Rows are read in V's strides and written along the keys. torch's copy of
-    # a transposed uint8 view moved 0.3 TB/s on an H100 (223 us for 32 MB, 12% of a D=128 FP8 forward).
-    pid = tl.program_id(0)
-    bh = pid // n_blocks
-    offs_t = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    within = offs_t % 32
-    keys = offs_t - within + within // 16 * 16 + within % 4 // 2 * 8 + within % 16 // 4 * 2 + within % 2
-    offs_d = tl.arange(0, BLOCK_D)
-    b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
-    tile = tl.load(V + b * stride_vz + h * stride_vh + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                   mask=(keys[:, None] < KV_LEN) & (offs_d[None, :] < DV), other=0)
-    tl.store(VT + b * stride_tz + h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_t[None, :],
-             tl.trans(tile), mask=(offs_d[:, None] < DV) & (offs_t[None, :] < KV_PAD))
-
-
 @gluon.jit
 def _hopper_bwd_sequence(off_b, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, VARLEN: gl.constexpr):
     # Where a backward program's sequence lies in the descriptors (SEQUENCE) and its lengths: batch off_b

@@ -1,7 +1,9 @@
 """The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels
-(whose device side no spec changes is device.py)."""
+(whose device side no spec changes is device.py), and the one kernel it launches itself (an FP8 call's V^T)."""
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -11,7 +13,6 @@ from ...runtime.helpers import LOG2E
 from ...runtime.launch import _launch
 from ...runtime.plans import _plan_site
 from ...runtime.shared import _cdiv, _empty_in_layout, _next_power_of_2, _token_sequences
-from .device import _hopper_keys_inner
 
 
 # The dtypes its wgmma reads from shared memory (float8_e4m3fn: FP8 calls, forward only), and the head dims
@@ -91,6 +92,27 @@ class _HopperDescriptor(TensorDescriptor):
 # order permutes (the keys of one 8-bit wgmma's K, 32): V^T's rows are padded to whole chunks, zero-filled.
 HOPPER_TRANSPOSE_KEYS = 64
 HOPPER_KEY_CHUNK = 32
+
+
+@triton.jit
+def _hopper_keys_inner(V, VT, KV_LEN, KV_PAD, DV, HKV, n_blocks, stride_vz, stride_vh, stride_vn, stride_tz,
+                       stride_th, stride_td, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # An FP8 call's V^T, (DV, KV_PAD) bytes a (batch, kv head), one such a program row: column t holds key
+    # 32 (t // 32) + 16 h + 8 a + 2 c + b, for t % 32 = 16 h + 4 c + 2 a + b, the order in which each thread of
+    # the PV wgmma holds P's keys as its A operand (_hopper_p_operand); keys at or past KV_LEN are 0 (P is 0
+    # there, and 0 * V must be too). Rows are read in V's strides and written along the keys. torch's copy of
+    # a transposed uint8 view moved 0.3 TB/s on an H100 (223 us for 32 MB, 12% of a D=128 FP8 forward).
+    pid = tl.program_id(0)
+    bh = pid // n_blocks
+    offs_t = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    within = offs_t % 32
+    keys = offs_t - within + within // 16 * 16 + within % 4 // 2 * 8 + within % 16 // 4 * 2 + within % 2
+    offs_d = tl.arange(0, BLOCK_D)
+    b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
+    tile = tl.load(V + b * stride_vz + h * stride_vh + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                   mask=(keys[:, None] < KV_LEN) & (offs_d[None, :] < DV), other=0)
+    tl.store(VT + b * stride_tz + h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_t[None, :],
+             tl.trans(tile), mask=(offs_d[:, None] < DV) & (offs_t[None, :] < KV_PAD))
 
 
 def _hopper_transposed_descriptor(v, rows, width):
