@@ -302,8 +302,8 @@ def check_command(
                      "run TRITON_INTERPRET=1 attngen check ... --device cpu")
     dtypes = dtype or (["f32", "f16", "bf16"] if device == "cuda" else ["f32", "f16"])
     for name in dtypes:
-        if name not in (*strategies.DTYPES, strategies.FP8):
-            _usage_error(f"--dtype must be one of {', '.join((*strategies.DTYPES, strategies.FP8))}, got {name!r}")
+        if name not in strategies.CASE_DTYPES:
+            _usage_error(f"--dtype must be one of {', '.join(strategies.CASE_DTYPES)}, got {name!r}")
     try:
         single = strategies.Case.parse(case) if case is not None else None
     except ValueError as e:

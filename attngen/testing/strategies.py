@@ -34,6 +34,8 @@ DTYPES = {name: tolerances.TORCH_DTYPES[name] for name in ir.FLOAT_DTYPES}
 # A case of dtype FP8 is an FP8 call (check_case): float8_e4m3fn q, k and v, drawn in f32 and rounded, with
 # descale factors; a dense forward only (no cache call, no dropout).
 FP8 = "fp8"
+# Every dtype a case may have.
+CASE_DTYPES = (*DTYPES, FP8)
 
 
 # --- specs ---------------------------------------------------------------------------------------
@@ -227,8 +229,8 @@ class Case:
                         f"with cache={case.cache}")
         if case.H % case.HKV:
             raise wrong(f"H must be a multiple of HKV, got H={case.H} and HKV={case.HKV}")
-        if case.dtype not in (*DTYPES, FP8):
-            raise wrong(f"dtype must be one of {', '.join((*DTYPES, FP8))}, got {case.dtype!r}")
+        if case.dtype not in CASE_DTYPES:
+            raise wrong(f"dtype must be one of {', '.join(CASE_DTYPES)}, got {case.dtype!r}")
         if case.dtype == FP8 and (case.cache != "none" or case.dropout):
             raise wrong(f"an {FP8} case is a dense forward: cache=none and no dropout, got cache={case.cache} "
                         f"and dropout={case.dropout}")

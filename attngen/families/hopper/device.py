@@ -50,6 +50,13 @@ def _hopper_round_pairs(x, dtype: gl.constexpr):
                                          is_pure=True, pack=2)
 
 
+# Four fp32 values ($1..$4) rounded to e4m3 into one 32-bit register ($0), the first in its lowest byte: two
+# cvt.rn.satfinite.e4m3x2, each putting its first source in the upper byte, and a move. An FP8 call's P
+# enters its PV wgmma four values a register so (_hopper_pv_a, _hopper_pack_p).
+HOPPER_E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+
+
 # The widest padded DV at which an FP8 call's P crosses the forward's loop as packed e4m3 words rather than
 # fp32 (_hopper_pack_p). Measured on an H100 (benchmarks/fp8_bench.py, the kernel alone, 2026-12-07): packed,
 # D=64 565 TFLOP/s against 499; D=128 711 against 830, D=256 669 against 953.
@@ -85,8 +92,8 @@ def _hopper_p_operand(p_f32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_
 
 @gluon.jit
 def _hopper_pack_p(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    # An FP8 call's P (fp32, p_layout) as int32 words, keys 4g..4g+3 of a row in word g's bytes 0..3, by two
-    # cvt.rn.satfinite.e4m3x2 (its first source goes in the upper byte). P crosses the loop's back edge
+    # An FP8 call's P (fp32, p_layout) as int32 words, keys 4g..4g+3 of a row in word g's bytes 0..3
+    # (HOPPER_E4M3X4). P crosses the loop's back edge
     # (each step's P meets the next step's V) as these words: Triton would carry e4m3 values a byte a
     # register, unpacking and repacking them (2 PRMT and 1 LOP3 an element in SASS); ptxas folds the words'
     # opening in _hopper_pv_a away. Fewer registers than fp32 P, and faster at D=64 only
@@ -95,22 +102,18 @@ def _hopper_pack_p(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     k01, k23 = gl.split(p4.permute((0, 1, 3, 2)))  # by the pair: keys 4g, 4g+1 and 4g+2, 4g+3
     k0, k1 = gl.split(k01)
     k2, k3 = gl.split(k23)
-    return gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-        "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(HOPPER_E4M3X4, "=r,f,f,f,f", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
 def _hopper_pv_a(p, FP8: gl.constexpr, PACK_P: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr):
     # PV's A operand: P as _hopper_p_operand left it. An FP8 call's fp32 P is rounded to e4m3 here, four values
-    # (one operand register) by two cvt.rn.satfinite.e4m3x2 and a move (cvt puts its first source in the
-    # upper byte, so each pair's second value goes first); its packed words (PACK_P) are opened into their
+    # (one operand register) at a time (HOPPER_E4M3X4); its packed words (PACK_P) are opened into their
     # four e4m3 values (byte k of word g is key 4g+k), which the wgmma takes back four to a register.
     if FP8 and not PACK_P:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        return gl.inline_asm_elementwise(HOPPER_E4M3X4, "=r,f,f,f,f", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
     elif FP8:
         b0 = (p & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
         b1 = ((p >> 8) & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True)
