@@ -5,8 +5,8 @@ run cut short by a time limit still reports what it checked.
                                 [--hopper]
 
 --dtype fp8 draws FP8 calls (float8_e4m3fn q, k, v with descale factors: a dense forward), each checked within
-its bound (attngen.testing.tolerances.fp8_bound). --hopper draws shapes the Hopper family takes (head dims 64-256 in steps of 8, lengths 65 to 700) and
-counts the cases by the forward family that ran them.
+its bound (attngen.testing.tolerances.fp8_bound). --hopper draws shapes the Hopper family takes (head dims 64-256
+in steps of 8, lengths 65 to 700) and counts the cases by the forward family that ran them.
 
 Without --seed the draw is derandomized (the same cases each run); shards with different seeds
 draw different cases, so several processes can share a GPU (compiling dominates).

@@ -61,8 +61,8 @@ def _cache_launch(cache, placeholder):
 
 def _fp8_launch(fp8, placeholder):
     """A forward kernel's FP8 arguments (signatures.FP8_SCALES: the (B, HKV) fp32 descale factors of q, k and v
-    and their strides) and its FP8 flag, the portable and Hopper forwards' alike; `fp8` is an FP8 call's three factors (Fp8._fp8_attention), or None
-    (then `placeholder` stands in for them, never read)."""
+    and their strides) and its FP8 flag, the portable and Hopper forwards' alike; `fp8` is an FP8 call's three
+    factors (Fp8._fp8_attention), or None (then `placeholder` stands in for them, never read)."""
     if fp8 is None:
         return [placeholder, placeholder, placeholder, 0, 0], dict(FP8=False)
     return [*fp8, *fp8[0].stride()], dict(FP8=True)

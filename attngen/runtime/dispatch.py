@@ -30,8 +30,8 @@ class Dispatch:
         if visits is not None:
             family = ("portable", None)
         elif family is None:
-            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached, dropout=dropout is not None,
-                                          fp8=fp8 is not None)
+            family = self._forward_family(q, k, v, *_kv_layout(k, v, page_table)[:2], cached,
+                                          dropout=dropout is not None, fp8=fp8 is not None)
         name, launch = family
         if launch is not None:
             # A family never sees a keyword its entry does not declare (the dispatch passes such calls on).

@@ -27,8 +27,8 @@ from attngen.reference import (PackedRow, dropped, evaluate, evaluate_expr, eval
                                modified_scores, probabilities, scale_value, sink_logits)
 
 __all__ = ["DEFAULT_FACTOR", "FLOOR_ULPS", "FP32_EPS", "ReferenceRun", "assert_matches_reference",
-           "check_against_reference", "check_fp8", "default_floor", "dequantized", "fp8_bound", "output_error_effect", "random_inputs", "random_qkv",
-           "reference_error", "summation_scales", "TORCH_DTYPES"]
+           "check_against_reference", "check_fp8", "default_floor", "dequantized", "fp8_bound", "output_error_effect",
+           "random_inputs", "random_qkv", "reference_error", "summation_scales", "TORCH_DTYPES"]
 
 
 # --- Tolerances ----------------------------------------------------------------------------------
