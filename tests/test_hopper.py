@@ -137,6 +137,25 @@ def test_explain_names_the_family_and_its_tiles():
     assert "hopper backward: 64 queries x 64 keys" in narrower_v and "2 Q/dO stages" in narrower_v
 
 
+def test_backward_tiles_widen_to_128_queries_only_for_plain_steps_at_head_dim_64():
+    # At D <= 64 a spec whose backward step runs no mask, score or sink code walks 128 query rows a step
+    # (FA3's D=64 tile); mask or score code would spill those registers, so such specs keep 64 rows, as
+    # every spec does at wider head dims.
+    def bwd_tiles(source, head_dim):
+        module = attngen.build(source, target="h200").module
+        q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
+        return module._family_tiles(q, q, "hopper_bwd")[:2]
+
+    plain = "attention plain\nparam t = 0.5\nscale: t\n"
+    assert bwd_tiles(SPECS / "full.attn", 64) == (128, 128) and bwd_tiles(plain, 64) == (128, 128)
+    assert bwd_tiles(SPECS / "full.attn", 128) == (64, 128)
+    for name in ("causal", "alibi_causal", "gpt_oss_sinks", "sigmoid_alibi"):
+        assert bwd_tiles(SPECS / f"{name}.attn", 64) == (64, 128), name
+    text = api.explain(SPECS / "full.attn", q_len=4096, kv_len=4096, head_dim=64, head_dim_v=64, dtype="bf16",
+                       target="h200").text
+    assert "hopper backward: 128 queries x 128 keys" in text
+
+
 def _compile_sm90(specs, head_dim):
     """tools/compile_sm90.py's facts of the Hopper family's kernels of `specs` at D = DV = head_dim."""
     if not specs:
@@ -372,6 +391,38 @@ def test_hopper_head_dims_on_gpu(name, dims):
     assert attn.forward_family(q, k, v, **inputs) == "hopper"
     assert attn.backward_family(q, k, v, **inputs) == "hopper"
     testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 4, 129, 300), (1, 4, 2, 257, 700), (1, 2, 1, 1, 5)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+def test_hopper_128_query_backward_of_plain_specs_on_gpu(dtype, shape, dropout_p):
+    # full at D = 64 takes the 128-query backward (test_backward_tiles_widen_...): ragged query and key
+    # lengths, grouped heads, dropout, against the float64 reference.
+    B, H, HKV, Q_LEN, KV_LEN = shape
+    attn = attngen.build(SPECS / "full.attn")
+    q, k, v = testing.random_qkv(B, H, HKV, Q_LEN, KV_LEN, 64, 64, dtype, device="cuda")
+    assert attn.module._family_tiles(q, v, "hopper_bwd")[:2] == (128, 128)
+    assert attn.backward_family(q, k, v) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, {}, seed=4, dropout_p=dropout_p)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+def test_hopper_128_query_backward_of_packed_calls_on_gpu():
+    # The packed kernels of full at D = 64: sequences shorter than, across and many times the 128-row tile.
+    attn = attngen.build(SPECS / "full.attn")
+    lengths = [300, 1, 0, 700, 77, 129]
+    g = torch.Generator().manual_seed(5)
+    fused = torch.randn(sum(lengths), 8 + 2 * 2, 64, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = fused.split([8, 2, 2], dim=1)
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    packed = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    assert attn.backward_family(q, k, v, **packed) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, {}, packed=packed)
 
 
 @pytest.mark.gpu

@@ -641,12 +641,15 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
     # registers; SPLIT_D's warpgroups each hold half the columns, so P^T and dS^T go through ds_smem.
     ROW_WARPS: gl.constexpr = BLOCK_N // 16
     COL_WARPS: gl.constexpr = 2 if SPLIT_D else 1
-    WARPGROUPS: gl.constexpr = ROW_WARPS * COL_WARPS // 4
+    WARPS: gl.constexpr = ROW_WARPS * COL_WARPS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
                                                        instr_shape=[16, BLOCK_M // COL_WARPS, 16])
-    # dQ_i has BLOCK_M (64) rows, one warpgroup's M: the warpgroups split its columns instead.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                        instr_shape=[16, HEAD_DIM_PAD // WARPGROUPS, 16])
+    # dQ_i has BLOCK_M rows: 64 are one warpgroup's M, so the warpgroups split its columns instead; 128 are
+    # split by rows, 16 a warp.
+    DQ_ROW_WARPS: gl.constexpr = min(BLOCK_M // 16, WARPS)
+    DQ_COL_WARPS: gl.constexpr = WARPS // DQ_ROW_WARPS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[DQ_ROW_WARPS, DQ_COL_WARPS],
+                                                        instr_shape=[16, HEAD_DIM_PAD // DQ_COL_WARPS, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
@@ -882,7 +885,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "b6fb09f6cb7c1f9e"
+MODULE_DIGEST = "3c00ba1e9416cdc6"
 FACTS = SpecFacts(
     name="sigmoid_alibi",
     fingerprint="3d459e31007b3b82",

@@ -631,12 +631,15 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
     # registers; SPLIT_D's warpgroups each hold half the columns, so P^T and dS^T go through ds_smem.
     ROW_WARPS: gl.constexpr = BLOCK_N // 16
     COL_WARPS: gl.constexpr = 2 if SPLIT_D else 1
-    WARPGROUPS: gl.constexpr = ROW_WARPS * COL_WARPS // 4
+    WARPS: gl.constexpr = ROW_WARPS * COL_WARPS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
                                                        instr_shape=[16, BLOCK_M // COL_WARPS, 16])
-    # dQ_i has BLOCK_M (64) rows, one warpgroup's M: the warpgroups split its columns instead.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                        instr_shape=[16, HEAD_DIM_PAD // WARPGROUPS, 16])
+    # dQ_i has BLOCK_M rows: 64 are one warpgroup's M, so the warpgroups split its columns instead; 128 are
+    # split by rows, 16 a warp.
+    DQ_ROW_WARPS: gl.constexpr = min(BLOCK_M // 16, WARPS)
+    DQ_COL_WARPS: gl.constexpr = WARPS // DQ_ROW_WARPS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[DQ_ROW_WARPS, DQ_COL_WARPS],
+                                                        instr_shape=[16, HEAD_DIM_PAD // DQ_COL_WARPS, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
@@ -652,14 +655,15 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         # S^T and dP^T both in flight; the exponentials wait only for S^T (wgmma groups retire in order).
         s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         # Base 2; rows past Q_LEN and rows no key was allowed to hold +inf, so P = 0 there. From shared
-        # memory: a column vector is 16 values a thread here, whose addresses by pointer spilled registers.
+        # memory (a column vector is BLOCK_M / 4 values a thread here, whose addresses by pointer spilled
+        # registers), once S^T has landed: held over the wait, they spilled 128-query steps.
         lse = lse_bufs.index(stage).load(col_layout)
         if VARLEN:
             # A packed call's rows past the sequence's end are the next sequence's, their LSE finite: +inf
             # here, so P = 0 on them too.
             lse = gl.where(offs_m < Q_LEN, lse, float("inf"))
-        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
         pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
         if MASKED:
@@ -879,7 +883,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "519668706a8e45eb"
+MODULE_DIGEST = "1d84982804a38340"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",

@@ -52,6 +52,13 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[in
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
 
 
+# Up to this width a spec whose backward step runs no code of its own (plan.family.plain_backward_step) walks
+# 128 query rows a step, as FA3 does at D=64: its S^T and dP^T (64 fp32 registers a thread each), dK and dV (32
+# each) fit the registers. A step with mask or score code spills at that width (alibi_causal at D=64: 301 spill
+# stores, 2.2x slower; causal 50, 9% slower; H100, 2026-12-07), so those keep 64 query rows.
+HOPPER_BACKWARD_WIDE_QUERIES = 64
+
+
 def _hopper_deterministic(facts: Analysis) -> tuple[bool, str]:
     # Its backward never serves a deterministic call (HopperFamily.backward_serves): the dispatcher chooses each
     # call's backward family apart from its forward's, so such a call keeps the Hopper forward. Measured on an
@@ -68,7 +75,14 @@ def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: in
     return (block_n * (d + dv) + stages * block_m * (d + dv) + block_n * block_m) * 2 + block_m * d * 4
 
 
-def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, int, int, int], str]:
+def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str,
+                           plain_step: bool) -> tuple[tuple[int, int, int, int], str]:
+    if max(d, dv) <= HOPPER_BACKWARD_WIDE_QUERIES and plain_step:
+        shared_bytes = _hopper_backward_shared_bytes(128, 128, 2, d, dv)
+        return (128, 128, 8, 2), (
+            f"hopper backward: 128 queries x 128 keys (FA3's D=64 tile: a spec with no mask, score or sink code "
+            f"fits its registers), two consumer warpgroups holding dK and dV in registers, 2 Q/dO stages, dQ by TMA "
+            f"reduce-add ({shared_bytes // 1024} KiB of shared memory)")
     if max(d, dv) <= HOPPER_BACKWARD_SPLIT_ABOVE:
         shared_bytes = _hopper_backward_shared_bytes(64, 128, 2, d, dv)
         return (64, 128, 8, 2), (
