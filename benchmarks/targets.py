@@ -24,6 +24,10 @@ A first-call case (group `first_call`) runs benchmarks/first_call.py's measureme
 forward and backward of the spec at B2 H16 N4096 D128, each in a process of its own whose Triton, Inductor and
 attngen caches are empty folders; its target is attngen's first call no longer than Flex's (a speed ratio >= 1).
 
+A backward case (group `backward`, issue 35's target 1) times a catalog spec at FA3's shapes (16k tokens a batch,
+hidden 2048) as the other cases do; its rate target is the backward alone's (the forward+backward median less the
+forward's, over 2.5 times the forward's FLOPs), beside forward+backward against cuDNN's at D=64 and D=128.
+
 An FP8 case (group `fp8`, issue 35's target 4) times the FP8 call (docs/api.md, FP8 calls: float8_e4m3fn q, k and
 v, descale factors of 1) at FA3's shapes (16k tokens a batch, hidden 2048) for both attngen builds, beside
 attngen's bf16 call and cuDNN's bf16 forward; its targets are rates, TFLOP/s over the allowed pairs (4 * D FLOPs
@@ -61,7 +65,7 @@ PORTABLE_TARGET = "a100"
 CUDNN = "sdpa cudnn"
 # The two attngen builds each target is evaluated for, in the table's order.
 JUDGED = (ATTNGEN, PORTABLE)
-PHASES = {"fwd": "forward", "fwdbwd": "forward+backward", "first": "first call"}
+PHASES = {"fwd": "forward", "fwdbwd": "forward+backward", "bwd": "backward", "first": "first call"}
 # Issue 35's first-call cases: one catalog spec's first forward and backward, compiles included, with cold
 # Triton, Inductor and attngen caches (benchmarks/first_call.py, a process per implementation), attngen as built
 # for this GPU beside Flex; the portable build is not measured there. Their shape is first_call.py's default.
@@ -72,6 +76,12 @@ FIRST_CALL_RUNS = {ATTNGEN: "attngen", FLEX: "flex"}  # the implementation's nam
 FP8 = "fp8"
 FP8_CASES = (("d128", 8192, 128, 1000.0), ("d256", 8192, 256, 1100.0))
 ATTNGEN_BF16 = "attngen bf16"  # the FP8 case's bf16 call of the same build, beside it
+# Issue 35's backward cases (target 1): (spec, N, D, TFLOP/s asked of the backward alone, forward+backward's
+# speed asked against cuDNN's or None), at FA3's shapes.
+BACKWARD = "backward"
+BACKWARD_CASES = (("full", 8192, 64, 480.0, 1.0), ("causal", 8192, 64, 480.0, 1.0), ("full", 8192, 128, 580.0, 1.1),
+                  ("causal", 8192, 128, 580.0, 1.1), ("full", 8192, 256, 450.0, None),
+                  ("causal", 8192, 256, 450.0, None))
 
 PLAIN = "attention plain\n"
 SOFTCAP = "attention softcap\nparam cap = 30.0\nscore: softcap(score, cap)\n"
@@ -142,6 +152,8 @@ def _ms(timing: Timing | None, phase: str) -> float | None:
         return None
     if phase == "first":
         return timing.first_call_s * 1000 if timing.first_call_s is not None else None
+    if phase == "bwd":  # the backward alone: forward+backward less the forward, both medians
+        return timing.fwdbwd_ms - timing.fwd_ms if None not in (timing.fwd_ms, timing.fwdbwd_ms) else None
     return timing.fwd_ms if phase == "fwd" else timing.fwdbwd_ms
 
 
@@ -316,6 +328,10 @@ def cases(quick: bool = False) -> list[Case]:
     for stem in catalog_stems(quick):
         m = Measurement(stem, str(SPECS / f"{stem}.attn"), size(*FIRST_CALL_SHAPE), first_call=True)
         result.append(Case(f"{FIRST_CALL}/{stem}", (SpeedTarget(m, "first", FLEX, 1.0),)))
+    for stem, N, D, tflops, against_cudnn in BACKWARD_CASES:
+        m = catalog(stem, size(16384 // N, 2048 // D, N, D))
+        speed = (SpeedTarget(m, "fwdbwd", CUDNN, against_cudnn),) if against_cudnn is not None else ()
+        result.append(Case(f"{BACKWARD}/{stem}_d{D}", (RateTarget(m, "bwd", tflops), *speed)))
     for label, N, D, tflops in FP8_CASES:
         m = Measurement("full", str(SPECS / "full.attn"), size(16384 // N, 2048 // D, N, D), fp8=True)
         result.append(Case(f"{FP8}/{label}", (RateTarget(m, "fwd", tflops),)))
@@ -524,7 +540,9 @@ def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Resu
     if tables is not None:
         notes.append(f"'{ATTNGEN}' builds its tile tables in every call; '{ATTNGEN_PREBUILT}' and Flex build "
                      "theirs outside the timed region; the targets judge the first.")
-    return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted), notes)
+    return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted), notes,
+                  {"fwd": counted.forward, "fwdbwd": counted.forward_backward,
+                   "bwd": counted.forward_backward - counted.forward})
 
 
 def measure_first_call(m: Measurement, step: Callable[[str], None]) -> Result:

@@ -189,7 +189,8 @@ def test_a_first_call_measurement_runs_each_implementation_by_first_call_py(monk
 
 def test_the_issues_shapes_and_bounds():
     described = {c.name: ([m.key for m in c.measurements], [t.describe() for t in c.targets])
-                 for c in targets.cases() if c.group not in (targets.CATALOG, targets.FIRST_CALL, targets.FP8)}
+                 for c in targets.cases()
+                 if c.group not in (targets.CATALOG, targets.FIRST_CALL, targets.FP8, targets.BACKWARD)}
     assert described == {
         "full": (["full B4 H16 N4096 D128"],
                  ["forward >= 1.0x sdpa cudnn", "forward+backward >= 0.9x sdpa cudnn"]),
@@ -212,6 +213,29 @@ def test_fp8_cases_ask_issue_35s_rates_at_fa3s_shapes():
                  for c in targets.cases() if c.group == targets.FP8}
     assert described == {"fp8/d128": (["fp8 full B2 H16 N8192 D128"], ["forward >= 1000 TFLOP/s"]),
                          "fp8/d256": (["fp8 full B2 H8 N8192 D256"], ["forward >= 1100 TFLOP/s"])}
+
+
+def test_backward_cases_ask_issue_35s_backward_rates_at_fa3s_shapes():
+    described = {c.name: ([m.key for m in c.measurements], [t.describe() for t in c.targets])
+                 for c in targets.cases() if c.group == targets.BACKWARD}
+    assert described["backward/full_d64"] == (["full B2 H32 N8192 D64"], [
+        "backward >= 480 TFLOP/s", "forward+backward >= 1.0x sdpa cudnn"])
+    assert described["backward/causal_d128"] == (["causal B2 H16 N8192 D128"], [
+        "backward >= 580 TFLOP/s", "forward+backward >= 1.1x sdpa cudnn"])
+    assert described["backward/full_d256"] == (["full B2 H8 N8192 D256"], ["backward >= 450 TFLOP/s"])
+    assert len(described) == 6
+
+
+def test_a_backward_rate_is_the_backward_s_flops_over_forward_backward_less_forward():
+    case = _case("backward/full_d64")
+    m = case.measurements[0]
+    forward = 4 * 64 * 2 * 32 * 8192 * 8192
+    results = {m.key: targets.Result(timings={ATTNGEN: Timing(ATTNGEN, 1.0, 3.5), PORTABLE: Timing(PORTABLE, 1.0)},
+                                     flops={"fwd": forward, "fwdbwd": 3.5 * forward, "bwd": 2.5 * forward})}
+    met = targets.evaluate(case.targets[0], results, ATTNGEN)
+    assert met.ratio == pytest.approx(2.5 * forward / 2.5e9 / 480)  # 2.5 x the FLOPs in 2.5 ms
+    # No forward+backward time: the backward is not measured, never counted as a rate of the forward alone.
+    assert targets.evaluate(case.targets[0], results, PORTABLE).status == targets.NOT_MEASURED
 
 
 def test_a_rate_target_is_the_rate_reached_over_the_rate_asked():
