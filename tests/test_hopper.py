@@ -21,6 +21,7 @@ from attngen.analysis import analyze
 from attngen.plan import families
 from attngen.plan.targets import get_target
 from attngen.families.hopper import runtime as hopper
+from attngen.runtime import launching
 
 SPECS = Path(__file__).parent.parent / "specs"
 # The shared memory one block may hold on the Hopper targets (227 KiB): a kernel needing more fails to launch.
@@ -154,6 +155,30 @@ def test_backward_tiles_widen_to_128_queries_only_for_plain_steps_at_head_dim_64
     text = api.explain(SPECS / "full.attn", q_len=4096, kv_len=4096, head_dim=64, head_dim_v=64, dtype="bf16",
                        target="h200").text
     assert "hopper backward: 128 queries x 128 keys" in text
+
+
+def test_a_dropout_call_s_backward_walks_64_query_rows_in_every_box(monkeypatch):
+    # full at D = 64 plans 128-query backward steps; a dropout call runs 64-row steps (the keep-mask spills the
+    # wider step's registers): the kernel's BLOCK_M, the Q, dO and dQ boxes, the row terms' boxes and their
+    # padding must all say 64, and 128 without dropout. Launches are recorded, not run (no GPU here).
+    launches = []
+    monkeypatch.setattr(hopper, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
+    monkeypatch.setattr(launching, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
+    rt = attngen.build(SPECS / "full.attn", target="h200").module.ATTENTION
+    q, k, v, out, do = (torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(5))
+    words = torch.zeros(2, dtype=torch.int64)
+    for dropout, rows in ((None, 128), ((words, 0.1), 64)):
+        launches.clear()
+        rt.families["hopper"].backward(q, k, v, out, torch.zeros(1, 2, 300), do, None, [], (), dropout=dropout)
+        row_terms, backward = launches[0], launches[1]
+        assert backward[1]["BLOCK_M"] == rows and backward[1]["BLOCK_N"] == 128
+        boxes = [tuple(a.block_shape) for a in backward[0] if hasattr(a, "block_shape")]
+        assert boxes == [(1, 1, rows, 64), (1, 1, 128, 64), (1, 1, 128, 64), (1, 1, rows, 64), (1, rows), (1, rows),
+                         (1, 1, rows, 64)]
+        # delta and the base-2 LSE, padded to whole query tiles of the backward's rows
+        padded = [tuple(a.shape) for a in row_terms[0] if isinstance(a, torch.Tensor) and a.dim() == 3
+                  and a.dtype == torch.float32 and a.shape[-1] != 300]
+        assert len(padded) >= 2 and set(padded) == {(1, 2, -(-300 // rows) * rows)}
 
 
 def _compile_sm90(specs, head_dim):

@@ -81,8 +81,9 @@ def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str,
         shared_bytes = _hopper_backward_shared_bytes(128, 128, 2, d, dv)
         return (128, 128, 8, 2), (
             f"hopper backward: 128 queries x 128 keys (FA3's D=64 tile: a spec with no mask, score or sink code "
-            f"fits its registers), two consumer warpgroups holding dK and dV in registers, 2 Q/dO stages, dQ by TMA "
-            f"reduce-add ({shared_bytes // 1024} KiB of shared memory)")
+            f"fits its registers; 64 queries in dropout calls, whose keep-mask does not), two consumer warpgroups "
+            f"holding dK and dV in registers, 2 Q/dO stages, dQ by TMA reduce-add ({shared_bytes // 1024} KiB of "
+            f"shared memory)")
     if max(d, dv) <= HOPPER_BACKWARD_SPLIT_ABOVE:
         shared_bytes = _hopper_backward_shared_bytes(64, 128, 2, d, dv)
         return (64, 128, 8, 2), (
