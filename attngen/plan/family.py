@@ -33,9 +33,10 @@ class Family:
     Another family provides `kernels` (a subset of KERNELS) for the calls its `per_call` rule admits,
     checked by the host on each call's shapes (its folder's runtime.py); the other calls and kernels go
     down the list. `tiles` gives its forward's launch shape per padded head dim pair and dtype, and
-    `backward_tiles` its backward's (given whether the spec's backward step is plain), if it has one (it then follows the tile tables, built for its
-    tiles); `follows_tables` says whether its forward follows the mask's tile tables (built for its
-    tiles) or decides every element of the mask's hull; `packed_forward` and `packed_backward` whether its
+    `backward_tiles` its backward's (given whether the spec's backward step is plain), if it has one (it
+    then follows the tile tables, built for its tiles); `follows_tables` says whether its forward follows
+    the mask's tile tables (built for its tiles) or decides every element of the mask's hull;
+    `packed_forward` and `packed_backward` whether its
     forward and backward kernels also serve packed calls (sequences in FlashAttention's varlen layout,
     their grid following the sequences); `gathers_every_tile` whether its kernels load a score's input
     gathers on every tile, not once per tile where the index is constant on it (`attngen explain`);
