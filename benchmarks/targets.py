@@ -465,6 +465,13 @@ def _raiser(error: Exception) -> Callable:
     return call
 
 
+def _phase_flops(counted: bench.Flops) -> dict[str, float]:
+    """The FLOPs of each timed phase (RateTarget's numerator): the backward alone's are forward+backward's less
+    the forward's, as its time is."""
+    return {"fwd": counted.forward, "fwdbwd": counted.forward_backward,
+            "bwd": counted.forward_backward - counted.forward}
+
+
 def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Result:
     """Build and time every implementation on one measurement, as bench.run does, with the portable build
     beside attngen's; a failure of one implementation is its note, of the whole set-up the Result's error."""
@@ -541,8 +548,7 @@ def measure(m: Measurement, backward: bool, step: Callable[[str], None]) -> Resu
         notes.append(f"'{ATTNGEN}' builds its tile tables in every call; '{ATTNGEN_PREBUILT}' and Flex build "
                      "theirs outside the timed region; the targets judge the first.")
     return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted), notes,
-                  {"fwd": counted.forward, "fwdbwd": counted.forward_backward,
-                   "bwd": counted.forward_backward - counted.forward})
+                  _phase_flops(counted))
 
 
 def measure_first_call(m: Measurement, step: Callable[[str], None]) -> Result:
@@ -607,7 +613,7 @@ def measure_fp8(m: Measurement, step: Callable[[str], None]) -> Result:
              f"'{ATTNGEN}' and '{PORTABLE}' are FP8 calls (float8_e4m3fn q, k, v); '{ATTNGEN_BF16}' and "
              f"'{CUDNN}' the same values in bf16."]
     return Result({t.implementation: t for t in timings}, ran, absent, "", bench.summarize(timings, counted),
-                  notes, {"fwd": counted.forward, "fwdbwd": counted.forward_backward})
+                  notes, _phase_flops(counted))
 
 
 def run_info(args: argparse.Namespace) -> dict:

@@ -162,8 +162,8 @@ def test_a_dropout_call_s_backward_walks_64_query_rows_in_every_box(monkeypatch)
     # wider step's registers): the kernel's BLOCK_M, the Q, dO and dQ boxes, the row terms' boxes and their
     # padding must all say 64, and 128 without dropout. Launches are recorded, not run (no GPU here).
     launches = []
-    monkeypatch.setattr(hopper, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
-    monkeypatch.setattr(launching, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
+    for module in (hopper, launching):  # the backward's launches and the row terms'
+        monkeypatch.setattr(module, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
     rt = attngen.build(SPECS / "full.attn", target="h200").module.ATTENTION
     q, k, v, out, do = (torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(5))
     words = torch.zeros(2, dtype=torch.int64)
