@@ -181,6 +181,40 @@ def test_a_dropout_call_s_backward_walks_64_query_rows_in_every_box(monkeypatch)
         assert len(padded) >= 2 and set(padded) == {(1, 2, -(-300 // rows) * rows)}
 
 
+def test_forward_tiles_hold_three_consumers_at_head_dim_64_without_tables(monkeypatch):
+    # At D <= 64 a spec with closed-form tile ranges runs 192-row tiles, three consumer warpgroups of 64 rows
+    # (FA3's D=64 forward); a spec following tile tables (built for power-of-two tiles) keeps 128, as every
+    # spec does at wider head dims.
+    def fwd_tiles(name, head_dim):
+        module = attngen.build(SPECS / f"{name}.attn", target="h200").module
+        q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
+        return module._family_tiles(q, q, "hopper")[:2]
+
+    for name in ("full", "causal", "alibi_causal", "sliding_window"):
+        assert fwd_tiles(name, 64) == (192, 128) and fwd_tiles(name, 128) == (128, 128), name
+    assert fwd_tiles("document_causal", 64) == (128, 128)
+    text = api.explain(SPECS / "causal.attn", q_len=4096, kv_len=4096, head_dim=64, head_dim_v=64, dtype="bf16",
+                       target="h200").text
+    assert "hopper: 192x128 tiles" in text and "three 4-warp consumer warpgroups" in text
+    # Each launch's consumers, their query boxes, and dropout and FP8 calls narrowed to 128 rows (two
+    # consumers: the keep-mask spills 160 registers). Launches are recorded, not run (no GPU here).
+    launches = []
+    monkeypatch.setattr(hopper, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
+    rt = attngen.build(SPECS / "full.attn", target="h200").module.ATTENTION
+    q = torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16)
+    q8 = q.to(torch.float8_e4m3fn)
+    scales = [torch.ones(1, 2)] * 3
+    words = torch.zeros(2, dtype=torch.int64)
+    for call, rows, consumers in ((dict(), 192, 3), (dict(dropout=(words, 0.1)), 128, 2),
+                                  (dict(fp8=scales), 128, 2)):
+        launches.clear()
+        qkv = (q8, q8, q8) if "fp8" in call else (q, q, q)
+        rt.families["hopper"].forward(*qkv, [], (), **call)
+        (args, options), = [launch for launch in launches if "CONSUMERS" in launch[1]]  # (FP8: V^T's too)
+        assert options["BLOCK_M"] == rows and options["CONSUMERS"] == consumers, call
+        assert tuple(args[0].block_shape) == (1, 1, 64, 64)  # q_desc: one consumer's rows
+
+
 def _compile_sm90(specs, head_dim):
     """tools/compile_sm90.py's facts of the Hopper family's kernels of `specs` at D = DV = head_dim."""
     if not specs:
@@ -359,7 +393,7 @@ def test_the_family_s_descriptors_pass_tensor_descriptor_s_checks(dims, dtype):
         block_m, block_n = module._family_tiles(q, v, "hopper")[:2]
         bwd_m, bwd_n = module._family_tiles(q, v, "hopper_bwd")[:2]
         rows = -(-Q_LEN // bwd_m) * bwd_m
-        made = [hopper._hopper_descriptor(q, block_m // 2, d_pad), hopper._hopper_descriptor(k, block_n, d_pad),
+        made = [hopper._hopper_descriptor(q, hopper.HOPPER_CONSUMER_ROWS, d_pad), hopper._hopper_descriptor(k, block_n, d_pad),
                 hopper._hopper_descriptor(v, block_n, dv_pad), hopper._hopper_descriptor(q, bwd_m, d_pad),
                 hopper._hopper_descriptor(k, bwd_n, d_pad),
                 hopper._hopper_descriptor(torch.zeros(2, 8, Q_LEN, D, dtype=torch.float32), bwd_m, d_pad),

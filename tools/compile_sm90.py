@@ -110,7 +110,8 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                              (0, 0, 4, 1)))
         if family == "hopper":
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
-                              PINGPONG=True, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
+                              CONSUMERS=tiles[0] // _hopper_runtime(module).HOPPER_CONSUMER_ROWS,
+                              DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
             launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
@@ -202,7 +203,7 @@ def _hopper_runtime(module):
 
 def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target):
     """The Hopper family's Gluon forward or backward, typed as a bf16 launch of its host code would type
-    it: TMA descriptors of the tiles' boxes (the forward's pingpong variant has half-height query boxes;
+    it: TMA descriptors of the tiles' boxes (the forward's consumers each have a box of their own query rows;
     the backward reduces dQ into fp32)."""
     import triton
     from triton.experimental.gluon import language as gl
@@ -216,8 +217,8 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
             shape, {"bf16": gl.bfloat16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv}[element])
         return f"tensordesc<{element}[{', '.join(map(str, shape))}],{layout!r}>"
     box = _hopper_runtime(module)._hopper_tile_box
-    if "PINGPONG" in constants:
-        rows = block_m // 2
+    if "CONSUMERS" in constants:
+        rows = block_m // constants["CONSUMERS"]
         boxes = {"q_desc": box(rows, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "o_desc": box(rows, dv)}
         if constants.get("FP8"):  # e4m3 Q, K and V^T boxes (head dims x keys), O bf16
@@ -225,7 +226,7 @@ def _compile_hopper(module, fn, signature, constexprs, constants, tiles, target)
                                          (("q_desc", box(rows, d)), ("k_desc", box(block_n, d)),
                                           ("v_desc", box(dv, block_n)))}}
             boxes = {"o_desc": box(rows, dv)}
-        num_warps, maxnreg = _hopper_runtime(module)._hopper_launch_config(block_m, constants["PINGPONG"])
+        num_warps, maxnreg = _hopper_runtime(module)._hopper_launch_config(block_m, constants["CONSUMERS"])
     else:
         boxes = {"q_desc": box(block_m, d), "k_desc": box(block_n, d), "v_desc": box(block_n, dv),
                  "do_desc": box(block_m, dv)}

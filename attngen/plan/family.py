@@ -11,8 +11,10 @@ from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
-# (target, d, dv, dtype) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles' fields.
-TileRule = Callable[[Target, int, int, str], tuple[tuple[int, ...], str]]
+# (target, d, dv, dtype, tables) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles'
+# fields, given whether the spec's kernels follow tile tables (analysis.tile_table), which are built for
+# power-of-two tiles.
+TileRule = Callable[[Target, int, int, str, bool], tuple[tuple[int, ...], str]]
 # The same, for a backward, with whether the spec's backward step is plain (plain_backward_step): a step of
 # no mask, score, sink or sigmoid code holds fewer registers, so it may take wider tiles.
 BackwardTileRule = Callable[[Target, int, int, str, bool], tuple[tuple[int, ...], str]]

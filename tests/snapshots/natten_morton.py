@@ -926,7 +926,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                        CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                        HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                       CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
                        VARLEN: tl.constexpr, DROPOUT: tl.constexpr, FP8: tl.constexpr):
     # A persistent kernel over the spec's functions and inputs: device.py's _hopper_fwd_pipeline.
     inputs = ()
@@ -938,8 +938,8 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                          work_counter, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale,
                          stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                         BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, PINGPONG, FOLLOW_TABLE, DEFER_SCALE, False, False,
-                         VARLEN, DROPOUT, FP8)
+                         BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, CONSUMERS, FOLLOW_TABLE, DEFER_SCALE, False,
+                         False, VARLEN, DROPOUT, FP8)
 
 
 @gluon.jit
@@ -1676,7 +1676,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "7bc32f0cc6361350"
+MODULE_DIGEST = "45eb10876ae3eab2"
 FACTS = SpecFacts(
     name="natten_morton",
     fingerprint="3a754d4f657e9fcb",

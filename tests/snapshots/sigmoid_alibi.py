@@ -584,7 +584,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                        CuSeqlensK, TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                        HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                       PINGPONG: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
+                       CONSUMERS: tl.constexpr, FOLLOW_TABLE: tl.constexpr, DEFER_SCALE: tl.constexpr,
                        VARLEN: tl.constexpr, DROPOUT: tl.constexpr, FP8: tl.constexpr):
     # A persistent kernel over the spec's functions and inputs: device.py's _hopper_fwd_pipeline.
     inputs = (slopes_ptr, stride_slopes_0, size_slopes_0)
@@ -596,7 +596,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                          work_counter, sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale,
                          stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
-                         BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, PINGPONG, FOLLOW_TABLE, DEFER_SCALE, True, False,
+                         BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, CONSUMERS, FOLLOW_TABLE, DEFER_SCALE, True, False,
                          VARLEN, DROPOUT, FP8)
 
 
@@ -885,7 +885,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "3c00ba1e9416cdc6"
+MODULE_DIGEST = "0581957e3f85d2db"
 FACTS = SpecFacts(
     name="sigmoid_alibi",
     fingerprint="3d459e31007b3b82",
@@ -918,8 +918,8 @@ FACTS = SpecFacts(
     max_batch_heads=65535,
     masked_width_floor=64,
     family_tiles=shape_table(
-        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
-        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((128,), (16, 32, 64, 128), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),

@@ -27,8 +27,10 @@ HOPPER_PRODUCER_REGS = gl.constexpr(24)
 # mbarrier.arrive`), so a partition counts once however many warpgroups it has. Newer Triton arrives
 # once per warpgroup (tid & 127): re-check this when upgrading.
 HOPPER_PARTITION_ARRIVALS = gl.constexpr(1)
-# Consumer worker budget in the pingpong variant (FA3 gives its two consumer warpgroups 240 each).
+# Consumer worker budget in the pingpong variant (FA3 gives its two consumer warpgroups 240 each), and with
+# three consumers (FA3's D=64 forward: 160 each, what 64K registers leave beside the producer's warpgroup).
 HOPPER_CONSUMER_REGS = gl.constexpr(240)
+HOPPER_CONSUMER_REGS_3 = gl.constexpr(160)
 
 
 # --- helpers (the pipelines call them, and so do a module's functions: its emit side's DEVICE_HELPERS) ----
@@ -174,17 +176,18 @@ def _hopper_box(buffer, desc):
 
 @gluon.jit
 def _hopper_take_turn(sched, t, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    # FA3 pingpong: the two consumer warpgroups take turns issuing their MMAs, so one warpgroup's
-    # softmax runs while the other's GEMMs own the tensor cores. t counts this warpgroup's issue points;
-    # warpgroup 0 goes first (a fresh mbarrier passes a wait on parity 1).
-    if NUM_CONSUMERS == 2:
-        mbarrier.wait(sched.index(WG), (t & 1) ^ (1 - WG))
+    # FA3 pingpong: the consumer warpgroups take turns issuing their MMAs, in order round the CTA, so one
+    # warpgroup's GEMMs own the tensor cores while the others run their softmax. t counts this warpgroup's
+    # issue points; sched[WG] completes a phase when the warpgroup before it has issued, and warpgroup 0 goes
+    # first (a fresh mbarrier passes a wait on parity 1).
+    if NUM_CONSUMERS > 1:
+        mbarrier.wait(sched.index(WG), (t & 1) ^ (1 if WG == 0 else 0))
 
 
 @gluon.jit
 def _hopper_pass_turn(sched, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    if NUM_CONSUMERS == 2:
-        mbarrier.arrive(sched.index(1 - WG), count=1)
+    if NUM_CONSUMERS > 1:
+        mbarrier.arrive(sched.index((WG + 1) % NUM_CONSUMERS), count=1)
 
 
 @gluon.jit
@@ -609,7 +612,7 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
                          stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE: gl.constexpr, SPEC_STEP: gl.constexpr,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          HEAD_DIM_V_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
+                         STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr,
                          FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, SIGMOID: gl.constexpr,
                          SINK: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FP8: gl.constexpr):
     # The forward kernel's body (a module's _hopper_fwd_kernel runs it with its spec's functions and inputs;
@@ -617,13 +620,14 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
     # _hopper_fwd_work) from a counter until none is left, so the producer loads the next item's Q and K/V
     # while the consumers finish this one, and the CTA's set-up is paid once.
-    # PINGPONG=False: one consumer partition of BLOCK_M/16 warps (the default partition).
-    # PINGPONG=True: two 4-warp consumer partitions (default + a worker), BLOCK_M / 2 query rows each,
-    # taking turns at the tensor cores (FA3's inter-warpgroup pingpong); q_desc/o_desc boxes are then
-    # BLOCK_M / 2 rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
+    # CONSUMERS=1: one consumer partition of BLOCK_M/16 warps (the default partition).
+    # CONSUMERS=2 or 3: as many 4-warp consumer partitions (the default and workers), BLOCK_M / CONSUMERS
+    # query rows each, taking turns at the tensor cores (FA3's inter-warpgroup pingpong; three at D=64, as
+    # FA3's 192-row tiles, so each warpgroup's softmax has two others' GEMMs to hide behind); q_desc/o_desc
+    # boxes are then BLOCK_M / CONSUMERS rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
     # FP8: float8_e4m3fn q, k and v with their descale factors ((B, HKV) fp32, signatures.FP8_SCALES), and V
     # as V^T (B, HKV, DV, keys); O is bfloat16.
-    NUM_CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    NUM_CONSUMERS: gl.constexpr = CONSUMERS
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     n_m = gl.cdiv(Q_LEN, BLOCK_M)
     n_work = n_m * B * H
@@ -644,7 +648,7 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     # Each Q buffer's work item number, from the producer to the consumers.
     work_ids = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for i in gl.static_range(Q_BUFFERS):
@@ -655,14 +659,42 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS * HOPPER_PARTITION_ARRIVALS)
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(sched.index(i), count=HOPPER_PARTITION_ARRIVALS)
     # Barrier initialisation must be visible to the async proxy (TMA) before the first copy.
     fence_async_shared()
 
     # (The partitions' arguments are written out in each tuple: a tuple bound to a name would have its
     # constexprs, the spec's functions among them, turned into tensors.)
-    if PINGPONG:
+    if NUM_CONSUMERS == 3:
+        gl.warp_specialize([
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                                o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
+                                HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                                o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
+                                HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
+                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+            (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                                o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
+                                sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
+                                stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
+                                CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
+                                HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
+                                DEFER_SCALE, 2, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+            (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                                v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
+                                KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
+                                NUM_CONSUMERS, FOLLOW_TABLE, VARLEN, FP8)),
+        ], [4, 4, 1], [HOPPER_CONSUMER_REGS_3, HOPPER_CONSUMER_REGS_3, HOPPER_PRODUCER_REGS])
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,

@@ -116,7 +116,7 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "hopper_fwd": sig("_hopper_fwd_kernel", (
             "q_desc", "k_desc", "v_desc", "o_desc", "Out", *_strides("o", "m")[:3], *lse, *sink, "work_counter",
             "sm_scale", "qk_scale", *DROPOUT, *FP8_SCALES, *inputs, *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "PINGPONG", "FOLLOW_TABLE", "DEFER_SCALE",
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "Q_BUFFERS", "CONSUMERS", "FOLLOW_TABLE", "DEFER_SCALE",
              "VARLEN", "DROPOUT", "FP8")),
         # The spec's parts of it: the key tiles a work item visits, and the softmax step on an S tile, where
         # the spec's score and mask hooks run (the pipeline's SPEC_RANGE and SPEC_STEP). The spec's inputs

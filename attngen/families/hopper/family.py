@@ -32,19 +32,29 @@ def _hopper_forward_shared_bytes(block_m: int, block_n: int, stages: int, q_buff
     return (q_buffers * block_m * d + stages * block_n * (d + dv)) * 2
 
 
-def _hopper_tiles(target: Target, d: int, dv: int, dtype: str) -> tuple[tuple[int, ...], str]:
+# Up to this width the forward's tile holds 192 query rows, three consumer warpgroups of 64 (FA3's D=64
+# tile): a narrow head's softmax costs as much as its two GEMMs, and with three warpgroups each one's softmax
+# runs behind two others' GEMMs rather than one's. Specs whose kernels follow tile tables keep 128 rows (the
+# tables' kernels take power-of-two tiles).
+HOPPER_THREE_CONSUMERS_UP_TO = 64
+
+
+def _hopper_tiles(target: Target, d: int, dv: int, dtype: str, tables: bool) -> tuple[tuple[int, ...], str]:
     # At d = dv = 128 a third K/V stage leaves no room for a second Q tile; at 256 the key tiles halve.
     # A persistent CTA holds two Q tiles where they fit (the next work item's loads during this one).
     widest = max(d, dv)
+    block_m = 192 if widest <= HOPPER_THREE_CONSUMERS_UP_TO and not tables else 128
     block_n = 128 if widest <= 128 else 64
     stages = 3 if widest <= 64 else 2
     budget = target.smem_per_block - HOPPER_SHARED_MARGIN
-    q_buffers = 2 if _hopper_forward_shared_bytes(128, block_n, stages, 2, d, dv) <= budget else 1
-    shared_bytes = _hopper_forward_shared_bytes(128, block_n, stages, q_buffers, d, dv)
-    return ((128, block_n, 4, stages, q_buffers),
-            f"hopper: 128x{block_n} tiles, a persistent CTA an SM taking query tiles from a counter, two 4-warp "
-            f"consumer warpgroups taking turns at the tensor cores and a TMA producer warp, {stages} K/V stages, "
-            f"{q_buffers} Q tile{'s' if q_buffers > 1 else ''} ({shared_bytes // 1024} KiB of shared memory)")
+    q_buffers = 2 if _hopper_forward_shared_bytes(block_m, block_n, stages, 2, d, dv) <= budget else 1
+    shared_bytes = _hopper_forward_shared_bytes(block_m, block_n, stages, q_buffers, d, dv)
+    consumers = block_m // 64
+    return ((block_m, block_n, 4, stages, q_buffers),
+            f"hopper: {block_m}x{block_n} tiles, a persistent CTA an SM taking query tiles from a counter, "
+            f"{'three' if consumers == 3 else 'two'} 4-warp consumer warpgroups taking turns at the tensor cores "
+            f"and a TMA producer warp, {stages} K/V stages, {q_buffers} Q tile{'s' if q_buffers > 1 else ''} "
+            f"({shared_bytes // 1024} KiB of shared memory)")
 
 
 # Above this width dK and dV (2 * d fp32 a key row) no longer fit the registers of 128-key tiles: the

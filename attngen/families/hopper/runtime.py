@@ -31,6 +31,13 @@ HOPPER_TMA_MAX_STRIDE = 2**40
 # of the 128-row step that plain specs take at head dims up to 64 (family.py), 18% slower than 64-row steps
 # (full, B4 H16 N4096 D64, dropout_p 0.1, H100). Such specs have no tile table to keep the plan's rows for.
 HOPPER_DROPOUT_QUERY_ROWS = 64
+# The query rows of a forward tile with dropout or FP8 at most: three consumer warpgroups' 160 registers spill
+# the keep-mask's Philox draws (512 spill stores, full at D=64), and FP8's 192-row tile is not yet measured. Only
+# specs without tile tables take 192 rows (family.py), so no table is built for the rows given up here.
+HOPPER_NARROW_FORWARD_ROWS = 128
+# The query rows of one consumer warpgroup of the pingpong forward (a 64-row wgmma accumulator of 4 warps):
+# a tile of block_m rows runs block_m / 64 of them.
+HOPPER_CONSUMER_ROWS = 64
 
 
 # Per device: whether it is a Hopper GPU. A module built for --target h100/h200 on another machine may
@@ -64,10 +71,10 @@ def _hopper_addressable(t):
             and all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1]))
 
 
-def _hopper_launch_config(block_m, pingpong):
-    """(num_warps, maxnreg) of a launch: pingpong runs two 4-warp consumer warpgroups (the default
-    partition and a worker) and a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
-    num_warps, worker_warps = (4, 4 + 1) if pingpong else (block_m // 16, 1)
+def _hopper_launch_config(block_m, consumers):
+    """(num_warps, maxnreg) of a launch: with `consumers` > 1 as many 4-warp consumer warpgroups (the default
+    partition and workers) take turns beside a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
+    num_warps, worker_warps = (4, 4 * (consumers - 1) + 1) if consumers > 1 else (block_m // 16, 1)
     # Registers are granted per warpgroup: the 1-warp producer still takes a whole warpgroup's slots.
     # Cap the kernel so all warps (rounded up to warpgroups) fit the 64K-register file; setmaxnreg then
     # moves the producer down to HOPPER_PRODUCER_REGS and the consumers up to what is left.
@@ -79,7 +86,7 @@ def _hopper_backward_config(block_n, warps):
     """(num_warps, maxnreg, SPLIT_D) of a backward launch of `warps` consumer warps over key tiles of block_n:
     one consumer partition, a 16-key slab a warp; where the warps outnumber the tile's slabs (64-key tiles,
     head dims above 128), two warpgroups side by side split the head dims' columns (SPLIT_D)."""
-    return (*_hopper_launch_config(16 * warps, False), 16 * warps > block_n)
+    return (*_hopper_launch_config(16 * warps, 1), 16 * warps > block_n)
 
 
 class _HopperDescriptor(TensorDescriptor):
@@ -272,8 +279,10 @@ class HopperFamily:
         d_pad, dv_pad = self.rt._widths(D, DV)
         out = _empty_in_layout(q, DV, torch.bfloat16 if fp8 is not None else None)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        num_warps, maxnreg = _hopper_launch_config(block_m, pingpong)
-        rows = block_m // 2 if pingpong else block_m
+        # Pingpong: a 4-warp consumer warpgroup per 64 query rows of the tile (two, or three at D=64).
+        consumers = block_m // HOPPER_CONSUMER_ROWS if pingpong else 1
+        num_warps, maxnreg = _hopper_launch_config(block_m, consumers)
+        rows = block_m // consumers
         q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
         if fp8 is not None:
             v_desc = _hopper_transposed_descriptor(v, dv_pad, block_n)
@@ -300,7 +309,7 @@ class HopperFamily:
                     *table_args, B, H,
                     HKV, Q_LEN, KV_LEN,
                     *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-                    BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, PINGPONG=pingpong, FOLLOW_TABLE=bool(table),
+                    BLOCK_N=block_n, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, FOLLOW_TABLE=bool(table),
                     DEFER_SCALE=defer_scale, num_warps=num_warps, maxnreg=maxnreg,
                     bind=_plan_site(plan, "hopper", bool(table)), **packed_flags, **dropout_flag, **fp8_flag)
             return out, lse
@@ -314,6 +323,8 @@ class HopperFamily:
         call's _CallPlan; `packed`, `sink`, `dropout` and `fp8` as for prepare. Returns out and the natural-log
         LSE, as the portable forward does."""
         block_m, block_n, _, stages, q_buffers = self.rt._family_tiles(q, v, "hopper")
+        if dropout is not None or fp8 is not None:
+            block_m = min(block_m, HOPPER_NARROW_FORWARD_ROWS)
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
                             sink=sink, dropout=dropout, fp8=fp8)()
 
