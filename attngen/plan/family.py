@@ -11,17 +11,15 @@ from attngen.analysis import Analysis
 from attngen.plan.targets import Target
 
 KERNELS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
-# (target, d, dv, dtype, tables) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles'
-# fields, given whether the spec's kernels follow tile tables (analysis.tile_table), which are built for
-# power-of-two tiles.
+# (target, d, dv, dtype, plain) -> ((BLOCK_M, BLOCK_N, num_warps, num_stages[, buffers]), why): planner.Tiles'
+# fields of a forward or a backward, given whether the spec's steps are plain (plain_steps): a step of no mask,
+# score, sink or sigmoid code holds fewer registers, so it may take wider tiles.
 TileRule = Callable[[Target, int, int, str, bool], tuple[tuple[int, ...], str]]
-# The same, for a backward, with whether the spec's backward step is plain (plain_backward_step): a step of
-# no mask, score, sink or sigmoid code holds fewer registers, so it may take wider tiles.
-BackwardTileRule = Callable[[Target, int, int, str, bool], tuple[tuple[int, ...], str]]
 
 
-def plain_backward_step(facts: Analysis) -> bool:
-    """Whether the spec's backward steps run no code of its own: no mask, score or sink, softmax weights."""
+def plain_steps(facts: Analysis) -> bool:
+    """Whether the spec's forward and backward steps run no code of its own: no mask, score or sink, softmax
+    weights."""
     spec = facts.spec
     return spec.mask is None and spec.score is None and spec.sink is None and spec.normalize == "softmax"
 
@@ -35,7 +33,7 @@ class Family:
     Another family provides `kernels` (a subset of KERNELS) for the calls its `per_call` rule admits,
     checked by the host on each call's shapes (its folder's runtime.py); the other calls and kernels go
     down the list. `tiles` gives its forward's launch shape per padded head dim pair and dtype, and
-    `backward_tiles` its backward's (given whether the spec's backward step is plain), if it has one (it
+    `backward_tiles` its backward's (both given whether the spec's steps are plain), if it has one (it
     then follows the tile tables, built for its tiles); `follows_tables` says whether its forward follows
     the mask's tile tables (built for its tiles) or decides every element of the mask's hull;
     `packed_forward` and `packed_backward` whether its
@@ -53,7 +51,7 @@ class Family:
     kernels: tuple[str, ...] = KERNELS
     per_call: str = "every call"
     tiles: TileRule | None = None
-    backward_tiles: BackwardTileRule | None = None
+    backward_tiles: TileRule | None = None
     follows_tables: bool = False
     packed_forward: bool = False
     packed_backward: bool = False

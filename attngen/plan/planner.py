@@ -12,7 +12,7 @@ from attngen.analysis import Analysis
 from attngen.runtime import shared
 from attngen.plan import visits as tile_visits
 from attngen.plan.families import KERNELS, Family, choose_families
-from attngen.plan.family import plain_backward_step
+from attngen.plan.family import plain_steps
 from attngen.plan.targets import Target
 
 PlanDtype = Literal["f16", "bf16", "f32"]
@@ -346,7 +346,7 @@ def _fit(target: Target, kernel: str, generation: str, d: int, dv: int, dtype: s
 
 def plan(target: Target, *, gather_bytes: int = 0, narrow: bool = False,
          mask_blocks: dict[str, int | None] | None = None, families: tuple[Family, ...] = (),
-         plain_step: bool = False, tables: bool = False) -> Plan:
+         plain: bool = False) -> Plan:
     """Tiles for every padded head dim pair and dtype on `target`.
 
     `gather_bytes` is what the spec's loads indexed by both q and k read per score element.
@@ -355,17 +355,16 @@ def plan(target: Target, *, gather_bytes: int = 0, narrow: bool = False,
     `mask_blocks`: for "q" and "k", the length of aligned blocks the mask is constant on, if any
     (analysis.block_steps of a tile-table mask); streamed tiles are kept that long if they can be.
     `families`: the kernel families beside the portable one whose tiles the entries also carry.
-    `plain_step`: the spec's backward steps run no code of its own (family.plain_backward_step), which a
-    family's backward tiles may take into account; `tables`: the kernels follow tile tables (built for
-    power-of-two tiles), which a family's forward tiles take into account.
+    `plain`: the spec's steps run no code of its own (family.plain_steps), which a family's tiles may take
+    into account.
     """
     entries = []
     generation = _generation(target)
     for d in HEAD_DIMS:
         for dv in HEAD_DIMS:
             for dtype in DTYPES:
-                others = [(f.name, f.tiles(target, d, dv, dtype, tables)) for f in families if f.tiles is not None]
-                others += [(f.backward_name, f.backward_tiles(target, d, dv, dtype, plain_step)) for f in families
+                others = [(f.name, f.tiles(target, d, dv, dtype, plain)) for f in families if f.tiles is not None]
+                others += [(f.backward_name, f.backward_tiles(target, d, dv, dtype, plain)) for f in families
                            if f.backward_tiles is not None]
                 family_tiles = tuple((name, Tiles(**dict(zip(Tiles.model_fields, shape))))
                                      for name, (shape, _) in others)
@@ -396,7 +395,7 @@ def plan_for(facts: Analysis, target: Target) -> Plan:
     # A tile table's mask constant on aligned blocks (a block layout) keeps tiles as long as a block.
     blocks = dict(facts.block_steps) if facts.tile_table else None
     tiles = plan(target, gather_bytes=facts.gather_bytes, narrow=facts.narrow, mask_blocks=blocks,
-                 families=families, plain_step=plain_backward_step(facts), tables=facts.tile_table)
+                 families=families, plain=plain_steps(facts))
     visits, visits_reason = tile_visits.choose(facts)
     return tiles.model_copy(update={"families": tuple(f.name for f in families), "family_reason": why,
                                     "visits": visits, "visits_reason": visits_reason})

@@ -852,7 +852,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "bf9357787944b522"
+MODULE_DIGEST = "0b14f91224d9c3b6"
 FACTS = SpecFacts(
     name="causal",
     fingerprint="a8ef8d5de15a236b",
@@ -885,8 +885,8 @@ FACTS = SpecFacts(
     max_batch_heads=65535,
     masked_width_floor=64,
     family_tiles=shape_table(
-        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
-        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((128,), (16, 32, 64, 128), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),

@@ -925,7 +925,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "ddd33d11d020df93"
+MODULE_DIGEST = "a7bbdf4ef8137e3c"
 FACTS = SpecFacts(
     name="chunked_causal",
     fingerprint="74d45fadb9c4912b",
@@ -954,8 +954,8 @@ FACTS = SpecFacts(
     max_batch_heads=65535,
     masked_width_floor=64,
     family_tiles=shape_table(
-        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
-        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (192, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
+        (((16, 32, 64), (16, 32, 64), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 3, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((128,), (16, 32, 64, 128), ('f16', 'bf16')), {'decode': (64, 64, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),
         (((16, 32, 64), (128,), ('f32',)), {'decode': (64, 32, 4, 3, 1), 'hopper': (128, 128, 4, 2, 2), 'hopper_bwd': (64, 128, 8, 2, 1)}),

@@ -17,7 +17,7 @@ def _decode_problem(facts: Analysis, target: Target) -> str | None:
     return None
 
 
-def _decode_tiles(target: Target, d: int, dv: int, dtype: str, tables: bool) -> tuple[tuple[int, int, int, int], str]:
+def _decode_tiles(target: Target, d: int, dv: int, dtype: str, plain: bool) -> tuple[tuple[int, int, int, int], str]:
     if target.interpreter:
         return (DECODE_MAX_ROWS, 16, 4, 1), "decode: BLOCK_N=16, 1 stage in the interpreter (tests cross tiles)"
     block_n = 64 if max(d, dv) <= 128 else 32

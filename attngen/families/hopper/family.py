@@ -32,27 +32,27 @@ def _hopper_forward_shared_bytes(block_m: int, block_n: int, stages: int, q_buff
     return (q_buffers * block_m * d + stages * block_n * (d + dv)) * 2
 
 
-# Up to this width the forward's tile holds 192 query rows, three consumer warpgroups of 64 (FA3's D=64
-# tile): a narrow head's softmax costs as much as its two GEMMs, and with three warpgroups each one's softmax
-# runs behind two others' GEMMs rather than one's. Specs whose kernels follow tile tables keep 128 rows (the
-# tables' kernels take power-of-two tiles).
+# Up to this width a plain spec's forward tile (plan.family.plain_steps) holds 192 query rows, three consumer
+# warpgroups of 64 (FA3's D=64 tile): a narrow head's softmax costs about as much as its two GEMMs, and with
+# three warpgroups each one's softmax runs behind two others' GEMMs. full at D=64, B2 H16 N8192: 1.12-1.17 ms
+# against 1.20-1.22 at 128 rows (cuDNN 1.20; H100, 2026-12-07). Mask or score code loses at 192 rows (160
+# registers a consumer): alibi_causal 24% slower, sliding_window 2x (52 spill stores); causal level.
 HOPPER_THREE_CONSUMERS_UP_TO = 64
 
 
-def _hopper_tiles(target: Target, d: int, dv: int, dtype: str, tables: bool) -> tuple[tuple[int, ...], str]:
+def _hopper_tiles(target: Target, d: int, dv: int, dtype: str, plain: bool) -> tuple[tuple[int, ...], str]:
     # At d = dv = 128 a third K/V stage leaves no room for a second Q tile; at 256 the key tiles halve.
     # A persistent CTA holds two Q tiles where they fit (the next work item's loads during this one).
     widest = max(d, dv)
-    block_m = 192 if widest <= HOPPER_THREE_CONSUMERS_UP_TO and not tables else 128
+    block_m = 192 if widest <= HOPPER_THREE_CONSUMERS_UP_TO and plain else 128
     block_n = 128 if widest <= 128 else 64
     stages = 3 if widest <= 64 else 2
     budget = target.smem_per_block - HOPPER_SHARED_MARGIN
     q_buffers = 2 if _hopper_forward_shared_bytes(block_m, block_n, stages, 2, d, dv) <= budget else 1
     shared_bytes = _hopper_forward_shared_bytes(block_m, block_n, stages, q_buffers, d, dv)
-    consumers = block_m // 64
     return ((block_m, block_n, 4, stages, q_buffers),
             f"hopper: {block_m}x{block_n} tiles, a persistent CTA an SM taking query tiles from a counter, "
-            f"{'three' if consumers == 3 else 'two'} 4-warp consumer warpgroups taking turns at the tensor cores "
+            f"{'three' if block_m == 192 else 'two'} 4-warp consumer warpgroups taking turns at the tensor cores "
             f"and a TMA producer warp, {stages} K/V stages, {q_buffers} Q tile{'s' if q_buffers > 1 else ''} "
             f"({shared_bytes // 1024} KiB of shared memory)")
 
@@ -62,7 +62,7 @@ def _hopper_tiles(target: Target, d: int, dv: int, dtype: str, tables: bool) -> 
 HOPPER_BACKWARD_SPLIT_ABOVE = 128
 
 
-# Up to this width a spec whose backward step runs no code of its own (plan.family.plain_backward_step) walks
+# Up to this width a spec whose backward step runs no code of its own (plan.family.plain_steps) walks
 # 128 query rows a step, as FA3 does at D=64: its S^T and dP^T (64 fp32 registers a thread each), dK and dV (32
 # each) fit the registers. A step with mask or score code spills at that width (alibi_causal at D=64: 301 spill
 # stores, 2.2x slower; causal 50, 9% slower; H100, 2026-12-07), so those keep 64 query rows.
@@ -86,8 +86,8 @@ def _hopper_backward_shared_bytes(block_m: int, block_n: int, stages: int, d: in
 
 
 def _hopper_backward_tiles(target: Target, d: int, dv: int, dtype: str,
-                           plain_step: bool) -> tuple[tuple[int, int, int, int], str]:
-    if max(d, dv) <= HOPPER_BACKWARD_WIDE_QUERIES and plain_step:
+                           plain: bool) -> tuple[tuple[int, int, int, int], str]:
+    if max(d, dv) <= HOPPER_BACKWARD_WIDE_QUERIES and plain:
         shared_bytes = _hopper_backward_shared_bytes(128, 128, 2, d, dv)
         return (128, 128, 8, 2), (
             f"hopper backward: 128 queries x 128 keys (FA3's D=64 tile: a spec with no mask, score or sink code "
@@ -114,7 +114,8 @@ FAMILY = Family(
     name="hopper",
     strength=("FlashAttention-3-style Gluon kernels. Forward: TMA loads by a producer warp, asynchronous wgmma "
               "with P in registers, softmax overlapped with the previous tile's P.V, two consumer warpgroups in "
-              "pingpong. Backward: a CTA per key tile with dK/dV in registers over the query heads of its group, "
+              "pingpong (three for plain specs at head dims up to 64). Backward: a CTA per key tile with dK/dV in "
+              "registers over the query heads of its group, "
               "dQ by TMA reduce-add. The spec's score and mask run on the wgmma accumulators, over the same tile "
               "ranges and tables"),
     problem=_hopper_problem,
