@@ -138,16 +138,25 @@ def test_explain_names_the_family_and_its_tiles():
     assert "hopper backward: 64 queries x 64 keys" in narrower_v and "2 Q/dO stages" in narrower_v
 
 
+# A spec whose steps run no code of its own (plan.family.plain_steps) but a scale.
+PLAIN_SCALED = "attention plain\nparam t = 0.5\nscale: t\n"
+
+
+def _h200_tiles(source, head_dim, family):
+    """(BLOCK_M, BLOCK_N) of `family`'s kernel ("hopper" or "hopper_bwd") for a bf16 call at D = DV = head_dim."""
+    module = attngen.build(source, target="h200").module
+    q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
+    return module._family_tiles(q, q, family)[:2]
+
+
 def test_backward_tiles_widen_to_128_queries_only_for_plain_steps_at_head_dim_64():
     # At D <= 64 a spec whose backward step runs no mask, score or sink code walks 128 query rows a step
     # (FA3's D=64 tile); mask or score code would spill those registers, so such specs keep 64 rows, as
     # every spec does at wider head dims.
     def bwd_tiles(source, head_dim):
-        module = attngen.build(source, target="h200").module
-        q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
-        return module._family_tiles(q, q, "hopper_bwd")[:2]
+        return _h200_tiles(source, head_dim, "hopper_bwd")
 
-    plain = "attention plain\nparam t = 0.5\nscale: t\n"
+    plain = PLAIN_SCALED
     assert bwd_tiles(SPECS / "full.attn", 64) == (128, 128) and bwd_tiles(plain, 64) == (128, 128)
     assert bwd_tiles(SPECS / "full.attn", 128) == (64, 128)
     for name in ("causal", "alibi_causal", "gpt_oss_sinks", "sigmoid_alibi"):
@@ -186,11 +195,9 @@ def test_forward_tiles_hold_three_consumers_for_plain_specs_at_head_dim_64(monke
     # warpgroups of 64 rows (FA3's D=64 forward); mask or score code loses at 192 rows (160 registers a
     # consumer), so such specs keep 128, as every spec does at wider head dims.
     def fwd_tiles(source, head_dim):
-        module = attngen.build(source, target="h200").module
-        q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
-        return module._family_tiles(q, q, "hopper")[:2]
+        return _h200_tiles(source, head_dim, "hopper")
 
-    plain = "attention plain\nparam t = 0.5\nscale: t\n"
+    plain = PLAIN_SCALED
     assert fwd_tiles(SPECS / "full.attn", 64) == (192, 128) and fwd_tiles(plain, 64) == (192, 128)
     assert fwd_tiles(SPECS / "full.attn", 128) == (128, 128)
     for name in ("causal", "alibi_causal", "sliding_window", "document_causal", "gpt_oss_sinks", "sigmoid_alibi"):
