@@ -624,7 +624,8 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
     # CONSUMERS=2 or 3: as many 4-warp consumer partitions (the default and workers), BLOCK_M / CONSUMERS
     # query rows each, taking turns at the tensor cores (FA3's inter-warpgroup pingpong; three at D=64, as
     # FA3's 192-row tiles, so each warpgroup's softmax has two others' GEMMs to hide behind); q_desc/o_desc
-    # boxes are then BLOCK_M / CONSUMERS rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next item's), else 1.
+    # boxes are then BLOCK_M / CONSUMERS rows. Q_BUFFERS: 2 where shared memory holds a second Q tile (the next
+    # item's), else 1.
     # FP8: float8_e4m3fn q, k and v with their descale factors ((B, HKV) fp32, signatures.FP8_SCALES), and V
     # as V^T (B, HKV, DV, keys); O is bfloat16.
     NUM_CONSUMERS: gl.constexpr = CONSUMERS

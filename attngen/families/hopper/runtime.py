@@ -33,7 +33,7 @@ HOPPER_TMA_MAX_STRIDE = 2**40
 HOPPER_DROPOUT_QUERY_ROWS = 64
 # The query rows of a forward tile with dropout or FP8 at most: three consumer warpgroups' 160 registers spill
 # the keep-mask's Philox draws (512 spill stores, full at D=64), and FP8's 192-row tile is not yet measured. Only
-# specs without tile tables take 192 rows (family.py), so no table is built for the rows given up here.
+# plain specs take 192 rows (family.py), and they have no tile table to keep the plan's rows for.
 HOPPER_NARROW_FORWARD_ROWS = 128
 # The query rows of one consumer warpgroup of the pingpong forward (a 64-row wgmma accumulator of 4 warps):
 # a tile of block_m rows runs block_m / 64 of them.
