@@ -287,6 +287,17 @@ def test_every_catalog_spec_compiles_for_sm90_with_wgmma(specs, wide):
             assert kernels[kernel]["shared"] <= SM90_SHARED_BYTES, spec
 
 
+@pytest.mark.slow
+def test_the_three_consumer_forward_compiles_without_spills_at_head_dim_64():
+    # full at D = 64 plans 192-row forward tiles: three consumer warpgroups of 160 registers. The rule rests on
+    # their step fitting those registers (a spilling step ran 2x slower on an H100: sliding_window, BENCHMARKS.md),
+    # so the plain forward's SASS must hold no spill store (tools/compile_sm90.py counts them with nvdisasm).
+    kernels = _compile_sm90(["full"], 64)["full"]
+    forward = kernels["_hopper_fwd_kernel"]
+    assert forward["wgmma"] and forward["setmaxnreg"] and forward["shared"] <= SM90_SHARED_BYTES
+    assert forward["spill_stores"] == 0, forward
+
+
 class _Tensor:
     """What the per-call rule reads of a tensor, without memory behind it (the rule's CPU test): dense
     strides unless given."""

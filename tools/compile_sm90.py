@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -109,18 +110,21 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                                                      BLOCK_PAGES=2048),
                              (0, 0, 4, 1)))
         if family == "hopper":
+            hopper = _hopper_runtime(module)
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
-                              CONSUMERS=tiles[0] // _hopper_runtime(module).HOPPER_CONSUMER_ROWS,
-                              DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
+                              CONSUMERS=tiles[0] // hopper.HOPPER_CONSUMER_ROWS, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
+            # Dropout and FP8 calls run at most HOPPER_NARROW_FORWARD_ROWS rows (the runtime's forward).
+            narrow_m = min(tiles[0], hopper.HOPPER_NARROW_FORWARD_ROWS)
+            narrow = dict(BLOCK_M=narrow_m, CONSUMERS=narrow_m // hopper.HOPPER_CONSUMER_ROWS)
             launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     DROPOUT=True, LABEL="_dropout"), tiles),
+                                                     DROPOUT=True, LABEL="_dropout", **narrow), tiles),
                          # float8_e4m3fn q, k and V^T
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     FP8=True, LABEL="_fp8"), tiles)]
+                                                     FP8=True, LABEL="_fp8", **narrow), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                               SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
@@ -128,8 +132,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
+                         # Dropout calls walk at most HOPPER_DROPOUT_QUERY_ROWS query rows (the runtime's backward).
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     DROPOUT=True, LABEL="_dropout"), tiles)]
+                                                     DROPOUT=True, LABEL="_dropout",
+                                                     BLOCK_M=min(tiles[0], _hopper_runtime(module).HOPPER_DROPOUT_QUERY_ROWS)),
+                          tiles)]
             # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
             # scales and rounds it. (Deterministic calls run the portable backward: the Hopper one has no such mode.)
             if module.FACTS.normalize != "sigmoid":
@@ -178,12 +185,27 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
             # And the cubin, for nvdisasm (SASS: instruction counts, dependency chains, spills).
             stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
         sizes[f"{name}{_label(constants)}"] = {"ptx_lines": ptx.count("\n"), "shared": compiled.metadata.shared,
+                                                        "spill_stores": _spill_stores(compiled.asm["cubin"]),
                                                         "wgmma": "wgmma" in ptx,
                                                         "mma": "mma.sync" in ptx, "tanh_approx": "tanh.approx" in ptx,
                                                         "rcp_approx": "rcp.approx" in ptx,
                                                         "tma": "cp.async.bulk.tensor" in ptx,
                                                         "setmaxnreg": "setmaxnreg" in ptx}
     return sizes
+
+
+def _spill_stores(cubin: bytes) -> int | None:
+    """The register spill stores (STL) in a cubin's SASS, by the nvdisasm Triton ships; None without it."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.is_file():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?STL\b", sass, re.MULTILINE))
 
 
 def _runtime_module(module, name):
