@@ -112,19 +112,21 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
         if family == "hopper":
             hopper = _hopper_runtime(module)
             hopper_fwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3], Q_BUFFERS=tiles[4],
-                              CONSUMERS=tiles[0] // hopper.HOPPER_CONSUMER_ROWS, DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
-            # Dropout and FP8 calls run at most HOPPER_NARROW_FORWARD_ROWS rows (the runtime's forward).
-            narrow_m = min(tiles[0], hopper.HOPPER_NARROW_FORWARD_ROWS)
-            narrow = dict(BLOCK_M=narrow_m, CONSUMERS=narrow_m // hopper.HOPPER_CONSUMER_ROWS)
+                              CONSUMERS=hopper._hopper_consumers(tiles[0]), DEFER_SCALE=module.HOPPER_PLAIN_SCORE)
+
+            def call_rows(dropout, fp8):  # the rows the runtime's forward gives a dropout or FP8 call
+                rows = hopper._hopper_forward_rows(tiles[0], dropout, fp8)
+                return dict(BLOCK_M=rows, CONSUMERS=hopper._hopper_consumers(rows))
+
             launches += [("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     DROPOUT=True, LABEL="_dropout", **narrow), tiles),
+                                                     DROPOUT=True, LABEL="_dropout", **call_rows(True, False)), tiles),
                          # float8_e4m3fn q, k and V^T
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     FP8=True, LABEL="_fp8", **narrow), tiles)]
+                                                     FP8=True, LABEL="_fp8", **call_rows(False, True)), tiles)]
         if family == "hopper_bwd":
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
                               SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
@@ -132,10 +134,11 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                           tiles),
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
                           tiles),
-                         # Dropout calls walk at most HOPPER_DROPOUT_QUERY_ROWS query rows (the runtime's backward).
+                         # Dropout calls walk the rows the runtime's backward gives them.
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
                                                      DROPOUT=True, LABEL="_dropout",
-                                                     BLOCK_M=min(tiles[0], _hopper_runtime(module).HOPPER_DROPOUT_QUERY_ROWS)),
+                                                     BLOCK_M=_hopper_runtime(module)._hopper_backward_rows(
+                                                         tiles[0], True, bool(module.FACTS.tile_table))),
                           tiles)]
             # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
             # scales and rounds it. (Deterministic calls run the portable backward: the Hopper one has no such mode.)

@@ -71,6 +71,22 @@ def _hopper_addressable(t):
             and all(0 < s < HOPPER_TMA_MAX_STRIDE // t.element_size() and s % step == 0 for s in strides[:-1]))
 
 
+def _hopper_forward_rows(block_m, dropout, fp8):
+    """The query rows of a forward call's tile: the plan's, at most HOPPER_NARROW_FORWARD_ROWS with dropout or FP8."""
+    return min(block_m, HOPPER_NARROW_FORWARD_ROWS) if dropout or fp8 else block_m
+
+
+def _hopper_backward_rows(block_m, dropout, table):
+    """The query rows of a backward call's step: the plan's, at most HOPPER_DROPOUT_QUERY_ROWS for a dropout call
+    without a tile table (a table is built for the plan's rows)."""
+    return min(block_m, HOPPER_DROPOUT_QUERY_ROWS) if dropout and not table else block_m
+
+
+def _hopper_consumers(block_m):
+    """The pingpong forward's consumer warpgroups on a tile of block_m query rows: one per HOPPER_CONSUMER_ROWS."""
+    return block_m // HOPPER_CONSUMER_ROWS
+
+
 def _hopper_launch_config(block_m, consumers):
     """(num_warps, maxnreg) of a launch: with `consumers` > 1 as many 4-warp consumer warpgroups (the default
     partition and workers) take turns beside a 1-warp producer; otherwise one consumer of block_m / 16 warps."""
@@ -280,7 +296,7 @@ class HopperFamily:
         out = _empty_in_layout(q, DV, torch.bfloat16 if fp8 is not None else None)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         # Pingpong: a 4-warp consumer warpgroup per 64 query rows of the tile (two, or three at D=64).
-        consumers = block_m // HOPPER_CONSUMER_ROWS if pingpong else 1
+        consumers = _hopper_consumers(block_m) if pingpong else 1
         num_warps, maxnreg = _hopper_launch_config(block_m, consumers)
         rows = block_m // consumers
         q_desc, k_desc = _hopper_descriptor(q, rows, d_pad), _hopper_descriptor(k, block_n, d_pad)
@@ -323,8 +339,7 @@ class HopperFamily:
         call's _CallPlan; `packed`, `sink`, `dropout` and `fp8` as for prepare. Returns out and the natural-log
         LSE, as the portable forward does."""
         block_m, block_n, _, stages, q_buffers = self.rt._family_tiles(q, v, "hopper")
-        if dropout is not None or fp8 is not None:
-            block_m = min(block_m, HOPPER_NARROW_FORWARD_ROWS)
+        block_m = _hopper_forward_rows(block_m, dropout is not None, fp8 is not None)
         return self.prepare(q, k, v, tensors, table, block_m, block_n, stages, q_buffers, plan=plan, packed=packed,
                             sink=sink, dropout=dropout, fp8=fp8)()
 
@@ -347,8 +362,7 @@ class HopperFamily:
         if not _hopper_addressable(do):
             do = do.clone(memory_format=torch.contiguous_format)
         block_m, block_n, warps, stages, _ = self.rt._family_tiles(q, v, "hopper_bwd")
-        if dropout is not None and not table:
-            block_m = min(block_m, HOPPER_DROPOUT_QUERY_ROWS)
+        block_m = _hopper_backward_rows(block_m, dropout is not None, bool(table))
         # dQ is summed over the key tiles by TMA reduce-adds into fp32 (zeroed by the row terms' pass),
         # scaled and rounded once at the end, element by element: dq_sum and dq share one layout (q's).
         dq_sum = _empty_in_layout(q, D, torch.float32)
