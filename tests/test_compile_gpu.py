@@ -26,6 +26,12 @@ FAMILY_CALLS = {
     "portable": (2, 8, 8, 1024, 1024, 48, torch.bfloat16),
     "decode": (2, 8, 2, 4, 4096, 64, torch.bfloat16),
 }
+# The spec each call runs, by test id: the families' calls run a causal mask; "hopper_three_consumers" runs
+# full attention at D = 64, whose Hopper forward takes 192-row tiles and three consumer warpgroups.
+CALLS = {family: (family, "causal") for family in FAMILY_CALLS}
+CALLS["decode"] = ("decode", "causal_bottom_right")
+CALLS["hopper_three_consumers"] = ("hopper", "full")
+SHAPES = dict(FAMILY_CALLS, hopper_three_consumers=(2, 8, 8, 1024, 1024, 64, torch.bfloat16))
 LAYOUTS = ("dense", "transposed", "fused_qkv")
 
 
@@ -46,8 +52,8 @@ def _qkv(layout, B, H, HKV, Q_LEN, KV_LEN, D, dtype):
     return leaves, tuple(leaves)
 
 
-def _shape(family, layout):
-    B, H, HKV, Q_LEN, KV_LEN, D, dtype = FAMILY_CALLS[family]
+def _shape(call, layout):
+    B, H, HKV, Q_LEN, KV_LEN, D, dtype = SHAPES[call]
     if layout == "fused_qkv":
         HKV, KV_LEN = H, Q_LEN
     return B, H, HKV, Q_LEN, KV_LEN, D, dtype
@@ -57,14 +63,17 @@ def _shape(family, layout):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("contiguous_do", [True, False], ids=["do_dense", "do_transposed"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", list(FAMILY_CALLS))
-def test_inductor_forward_and_backward_on_model_layouts(family, layout, contiguous_do, dynamic):
+@pytest.mark.parametrize("call", list(CALLS))
+def test_inductor_forward_and_backward_on_model_layouts(call, layout, contiguous_do, dynamic):
+    family, spec = CALLS[call]
     if family == "decode" and layout == "fused_qkv":
         pytest.skip("a fused QKV projection has Q_LEN = KV_LEN: no decode call")
-    attn = attngen.build(SPECS / "causal_bottom_right.attn" if family == "decode" else SPECS / "causal.attn")
-    shape = _shape(family, layout)
+    attn = attngen.build(SPECS / f"{spec}.attn")
+    shape = _shape(call, layout)
     leaves, (q, k, v) = _qkv(layout, *shape)
     assert attn.forward_family(q, k, v) == family
+    if call == "hopper_three_consumers":
+        assert attn.module._family_tiles(q, k, "hopper")[:2] == (192, 128)
 
     def step(q, k, v):
         out = attn(q, k, v)
