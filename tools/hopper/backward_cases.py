@@ -1,13 +1,14 @@
 """GPU times of the Hopper backward on the cases its tile rules tell apart (head dim 64 plain, with dropout and
-packed; causal at 64 and 128; full at 128), for one version of attngen (PYTHONPATH): run it once per version in
-the same device call to compare them side by side.
+packed; causal at 64 and 128; full at 128; a score and a tile table at 64 and 128), for one version of attngen
+(PYTHONPATH): run it once per version in the same device call to compare them side by side.
 
     PYTHONPATH=/tmp/old python tools/hopper/backward_cases.py --label old --out old.json
     PYTHONPATH=$PWD     python tools/hopper/backward_cases.py --label new --out new.json --cudnn
 
 Each case's forward and forward+backward are timed by their kernels' GPU time (attngen.bench.kernel_ms), the
 backward being the difference; its rate counts 2.5 times the forward's FLOPs over the allowed pairs. --cudnn
-times SDPA's cuDNN backend beside each dense case without dropout; --only-dropout keeps the dropout cases.
+times SDPA's cuDNN backend beside each full or causal case, dense and without dropout; --only-dropout keeps
+the dropout cases.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from attngen import bench, testing
 # (spec, B, H, HKV, N, D, dropout_p, packed)
 CASES = [("full", 2, 32, 32, 8192, 64, 0.0, False), ("full", 4, 16, 16, 4096, 64, 0.1, False),
          ("full", 8, 16, 16, 2048, 64, 0.0, True), ("causal", 4, 16, 16, 4096, 64, 0.0, False),
+         ("causal", 2, 32, 32, 8192, 64, 0.0, False), ("alibi_causal", 4, 16, 16, 4096, 64, 0.0, False),
+         ("document_causal", 4, 16, 16, 4096, 64, 0.0, False), ("alibi_causal", 2, 16, 16, 8192, 128, 0.0, False),
          ("causal", 2, 16, 16, 8192, 128, 0.0, False), ("full", 2, 16, 16, 8192, 128, 0.0, False)]
 
 
@@ -50,15 +53,16 @@ def run_case(spec, B, H, HKV, N, D, p, packed, cudnn) -> dict:
         keywords = dict(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=N, max_seqlen_k=N)
     else:
         q, k, v = testing.random_qkv(B, H, HKV, N, N, D, D, torch.bfloat16, device="cuda")
+        keywords = testing.random_inputs(attn.spec, B, H, HKV, N, N, device="cuda")
     leaves = [t.requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
     forward, backward = _times(lambda: attn(q, k, v, dropout_p=p, **keywords), dout, leaves)
-    pairs = B * H * N * N * (0.5 if spec == "causal" else 1.0)
+    pairs = B * H * N * N * (0.5 if spec == "causal" else 1.0)  # the rates are those of full and causal only
     row = dict(case=f"{spec} B{B} H{H}/{HKV} N{N} D{D} dropout_p {p}{' packed' if packed else ''}",
                fwd_ms=round(forward, 4), bwd_ms=round(backward, 4),
-               bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12),
+               bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12) if spec in ("full", "causal") else None,
                family=attn.backward_family(q, k, v, **keywords))
-    if cudnn and not packed and not p:
+    if cudnn and not packed and not p and spec in ("full", "causal"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
