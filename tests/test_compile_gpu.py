@@ -18,20 +18,17 @@ from attngen import testing
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]  # conftest: fresh compiled graphs
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-# (B, H, HKV, Q_LEN, KV_LEN, D, dtype) of a call each family serves on an H200: hopper (bf16, D = 128),
-# portable (D = 48, which the Hopper family does not take), decode (a few query rows over many keys;
-# its backward runs another family's kernels).
-FAMILY_CALLS = {
-    "hopper": (2, 8, 8, 512, 512, 128, torch.bfloat16),
-    "portable": (2, 8, 8, 1024, 1024, 48, torch.bfloat16),
-    "decode": (2, 8, 2, 4, 4096, 64, torch.bfloat16),
+# Each test id's call on an H200: the family serving it, its spec, its (B, H, HKV, Q_LEN, KV_LEN, D, dtype), and
+# the query rows of the Hopper forward's tile where that family runs it. hopper: bf16, D = 128; portable: D = 48,
+# which the Hopper family does not take; decode: a few query rows over many keys (its backward runs another
+# family's kernels); hopper_three_consumers: full attention at D = 64, whose forward takes 192-row tiles and three
+# consumer warpgroups.
+CALLS = {
+    "hopper": ("hopper", "causal", (2, 8, 8, 512, 512, 128, torch.bfloat16), 128),
+    "portable": ("portable", "causal", (2, 8, 8, 1024, 1024, 48, torch.bfloat16), None),
+    "decode": ("decode", "causal_bottom_right", (2, 8, 2, 4, 4096, 64, torch.bfloat16), None),
+    "hopper_three_consumers": ("hopper", "full", (2, 8, 8, 1024, 1024, 64, torch.bfloat16), 192),
 }
-# The spec each call runs, by test id: the families' calls run a causal mask; "hopper_three_consumers" runs
-# full attention at D = 64, whose Hopper forward takes 192-row tiles and three consumer warpgroups.
-CALLS = {family: (family, "causal") for family in FAMILY_CALLS}
-CALLS["decode"] = ("decode", "causal_bottom_right")
-CALLS["hopper_three_consumers"] = ("hopper", "full")
-SHAPES = dict(FAMILY_CALLS, hopper_three_consumers=(2, 8, 8, 1024, 1024, 64, torch.bfloat16))
 LAYOUTS = ("dense", "transposed", "fused_qkv")
 
 
@@ -53,7 +50,7 @@ def _qkv(layout, B, H, HKV, Q_LEN, KV_LEN, D, dtype):
 
 
 def _shape(call, layout):
-    B, H, HKV, Q_LEN, KV_LEN, D, dtype = SHAPES[call]
+    B, H, HKV, Q_LEN, KV_LEN, D, dtype = CALLS[call][2]
     if layout == "fused_qkv":
         HKV, KV_LEN = H, Q_LEN
     return B, H, HKV, Q_LEN, KV_LEN, D, dtype
@@ -65,15 +62,15 @@ def _shape(call, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("call", list(CALLS))
 def test_inductor_forward_and_backward_on_model_layouts(call, layout, contiguous_do, dynamic):
-    family, spec = CALLS[call]
+    family, spec, _, forward_rows = CALLS[call]
     if family == "decode" and layout == "fused_qkv":
         pytest.skip("a fused QKV projection has Q_LEN = KV_LEN: no decode call")
     attn = attngen.build(SPECS / f"{spec}.attn")
     shape = _shape(call, layout)
     leaves, (q, k, v) = _qkv(layout, *shape)
     assert attn.forward_family(q, k, v) == family
-    if call == "hopper_three_consumers":
-        assert attn.module._family_tiles(q, k, "hopper")[:2] == (192, 128)
+    if forward_rows is not None:
+        assert attn.module._family_tiles(q, v, "hopper")[0] == forward_rows
 
     def step(q, k, v):
         out = attn(q, k, v)
@@ -101,7 +98,7 @@ def test_outputs_follow_the_transposed_layout_on_gpu(family):
     # O and the gradients come back in q's, k's and v's (B, N, H, D) memory: reading O as (B, N, H, D)
     # and the projections' gradients need no copy.
     attn = attngen.build(SPECS / "causal.attn")
-    leaves, (q, k, v) = _qkv("transposed", *FAMILY_CALLS[family])
+    leaves, (q, k, v) = _qkv("transposed", *CALLS[family][2])
     assert attn.backward_family(q, k, v) == family
     out = attn(q, k, v)
     assert out.transpose(1, 2).is_contiguous()

@@ -28,6 +28,8 @@ CASES = [("full", 2, 32, 32, 8192, 64, 0.0, False), ("full", 4, 16, 16, 4096, 64
          ("causal", 2, 32, 32, 8192, 64, 0.0, False), ("alibi_causal", 4, 16, 16, 4096, 64, 0.0, False),
          ("document_causal", 4, 16, 16, 4096, 64, 0.0, False), ("alibi_causal", 2, 16, 16, 8192, 128, 0.0, False),
          ("causal", 2, 16, 16, 8192, 128, 0.0, False), ("full", 2, 16, 16, 8192, 128, 0.0, False)]
+# The allowed pairs of the specs it gives rates for and times cuDNN beside (the others' rows give times only).
+PAIR_FRACTION = {"full": 1.0, "causal": 0.5}
 
 
 def _times(call, dout, leaves) -> tuple[float, float]:
@@ -57,12 +59,12 @@ def run_case(spec, B, H, HKV, N, D, p, packed, cudnn) -> dict:
     leaves = [t.requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
     forward, backward = _times(lambda: attn(q, k, v, dropout_p=p, **keywords), dout, leaves)
-    pairs = B * H * N * N * (0.5 if spec == "causal" else 1.0)  # the rates are those of full and causal only
+    pairs = B * H * N * N * PAIR_FRACTION[spec] if spec in PAIR_FRACTION else None
     row = dict(case=f"{spec} B{B} H{H}/{HKV} N{N} D{D} dropout_p {p}{' packed' if packed else ''}",
                fwd_ms=round(forward, 4), bwd_ms=round(backward, 4),
-               bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12) if spec in ("full", "causal") else None,
+               bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12) if pairs else None,
                family=attn.backward_family(q, k, v, **keywords))
-    if cudnn and not packed and not p and spec in ("full", "causal"):
+    if cudnn and not packed and not p and pairs:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
