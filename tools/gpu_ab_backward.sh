@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 CASES=tools/hopper/backward_cases.py
-(timeout "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 12 tests/test_hopper.py tests/test_sinks.py \
+(PYTHONPATH="$NEW:${PYTHONPATH:-}" timeout "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 12 tests/test_hopper.py tests/test_sinks.py \
    tests/test_packed.py tests/test_sigmoid.py tests/test_dropout.py \
    -k "hopper or 128_query or head_dims_on or short_query or gqa_head_dims or packed_half" > "$OUT/tests.log" 2>&1) &
 for version in old new; do

@@ -6,9 +6,9 @@ packed; causal at 64 and 128; full at 128; a score and a tile table at 64 and 12
     PYTHONPATH=$PWD     python tools/hopper/backward_cases.py --label new --out new.json --cudnn
 
 Each case's forward and forward+backward are timed by their kernels' GPU time (attngen.bench.kernel_ms), the
-backward being the difference; its rate counts 2.5 times the forward's FLOPs over the allowed pairs. --cudnn
-times SDPA's cuDNN backend beside each full or causal case, dense and without dropout; --only-dropout keeps
-the dropout cases.
+backward being the difference; its rate counts 2.5 times the forward's FLOPs over the allowed pairs
+(bench.count_flops). --cudnn times SDPA's cuDNN backend beside each case SDPA can run (bench.sdpa_is_causal:
+full and causal), dense and without dropout; --only-dropout keeps the dropout cases.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ CASES = [("full", 2, 32, 32, 8192, 64, 0.0, False), ("full", 4, 16, 16, 4096, 64
          ("causal", 2, 32, 32, 8192, 64, 0.0, False), ("alibi_causal", 4, 16, 16, 4096, 64, 0.0, False),
          ("document_causal", 4, 16, 16, 4096, 64, 0.0, False), ("alibi_causal", 2, 16, 16, 8192, 128, 0.0, False),
          ("causal", 2, 16, 16, 8192, 128, 0.0, False), ("full", 2, 16, 16, 8192, 128, 0.0, False)]
-# The allowed pairs of the specs it gives rates for and times cuDNN beside (the others' rows give times only).
-PAIR_FRACTION = {"full": 1.0, "causal": 0.5}
 
 
 def _times(call, dout, leaves) -> tuple[float, float]:
@@ -59,21 +57,25 @@ def run_case(spec, B, H, HKV, N, D, p, packed, cudnn) -> dict:
     leaves = [t.requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
     forward, backward = _times(lambda: attn(q, k, v, dropout_p=p, **keywords), dout, leaves)
-    pairs = B * H * N * N * PAIR_FRACTION[spec] if spec in PAIR_FRACTION else None
+    # The backward's FLOPs over the mask's allowed pairs (a packed call's B sequences of N count as a batch of B).
+    counted = bench.count_flops(attn.spec, bench.Problem(B, H, HKV, N, N, D, "bf16"), None if packed else keywords,
+                                device="cuda")
+    backward_flops = counted.forward_backward - counted.forward
     row = dict(case=f"{spec} B{B} H{H}/{HKV} N{N} D{D} dropout_p {p}{' packed' if packed else ''}",
                fwd_ms=round(forward, 4), bwd_ms=round(backward, 4),
-               bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12) if pairs else None,
+               bwd_tflops=round(backward_flops / (backward * 1e-3) / 1e12),
                family=attn.backward_family(q, k, v, **keywords))
-    if cudnn and not packed and not p and pairs:
+    is_causal, _ = bench.sdpa_is_causal(attn.spec, N, N)  # None: SDPA cannot run the spec
+    if cudnn and not packed and not p and is_causal is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
         def sdpa():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return scaled_dot_product_attention(q, k, v, is_causal=spec == "causal", enable_gqa=H != HKV)
+                return scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=H != HKV)
         forward, backward = _times(sdpa, dout, leaves)
         row.update(cudnn_fwd_ms=round(forward, 4), cudnn_bwd_ms=round(backward, 4),
-                   cudnn_bwd_tflops=round(10 * pairs * D / (backward * 1e-3) / 1e12))
+                   cudnn_bwd_tflops=round(backward_flops / (backward * 1e-3) / 1e12))
     return row
 
 
