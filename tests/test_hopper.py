@@ -190,6 +190,31 @@ def test_a_dropout_call_s_backward_walks_64_query_rows_in_every_box(monkeypatch)
         assert len(padded) >= 2 and set(padded) == {(1, 2, -(-300 // rows) * rows)}
 
 
+@pytest.mark.parametrize("source, D, dropout, folds", [
+    ("causal", 64, False, (True, True)),  # 64-row steps, the plain score: both row terms in the accumulators
+    ("causal", 64, True, (False, False)),  # a dropout call scales dP before delta comes off
+    ("alibi_causal", 64, False, (True, False)),  # a score of its own: S^T is not qk_scale * the products
+    ("full", 64, False, (False, False)),  # 128-row steps
+    ("sigmoid_alibi", 128, False, (False, False)),  # no row terms
+    ("attention zero\nscale: 0\nmask: causal\n", 128, False, (True, False)),  # -LSE / 0 is no number
+    ("attention negative\nscale: -0.1\nmask: causal\n", 128, False, (True, True)),
+])
+def test_a_backward_launch_folds_the_row_terms_by_the_rule(monkeypatch, source, D, dropout, folds):
+    # FOLD_ROWS starts each step's dP^T accumulator at -delta, FOLD_LSE its S^T accumulator at -LSE / qk_scale
+    # (families/hopper/runtime.py's _hopper_folds); the GPU tests check each kind against the reference.
+    launches = []
+    for module in (hopper, launching):
+        monkeypatch.setattr(module, "_launch", lambda kernel, grid, *args, **options: launches.append((args, options)))
+    spec = SPECS / f"{source}.attn" if "\n" not in source else source
+    rt = attngen.build(spec, target="h200").module.ATTENTION
+    q, k, v, out, do = (torch.zeros(1, 2, 300, D, dtype=torch.bfloat16) for _ in range(5))
+    words = torch.zeros(2, dtype=torch.int64)
+    rt.families["hopper"].backward(q, k, v, out, torch.zeros(1, 2, 300), do, None, [], (),
+                                   dropout=(words, 0.1) if dropout else None)
+    backward = next(options for _, options in launches if "FOLD_ROWS" in options)
+    assert (backward["FOLD_ROWS"], backward["FOLD_LSE"]) == folds
+
+
 def test_forward_tiles_hold_three_consumers_for_plain_specs_at_head_dim_64(monkeypatch):
     # At D <= 64 a spec whose steps run no mask, score or sink code runs 192-row forward tiles, three consumer
     # warpgroups of 64 rows (FA3's D=64 forward); mask or score code loses at 192 rows (160 registers a
@@ -519,10 +544,11 @@ def test_hopper_backward_of_short_query_calls_on_gpu(q_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("scale", ["0.05", "-0.1"])
+@pytest.mark.parametrize("scale", ["0.05", "-0.1", "0"])
 def test_hopper_spec_scales_on_gpu(scale):
     # A positive scale takes FA3's order (row max of the raw products, DEFER_SCALE); a negative one may
-    # not (the max of the raw products is then the scaled minimum) and takes the scaled-first path.
+    # not (the max of the raw products is then the scaled minimum) and takes the scaled-first path. The
+    # backward's 64-row steps start S^T at -LSE / qk_scale for any scale but 0 (FOLD_LSE), negative ones too.
     attn = attngen.build(f"attention scaled\nscale: {scale}\nmask: causal\n")
     q, k, v = testing.random_qkv(1, 4, 2, 300, 300, 128, 128, torch.bfloat16, device="cuda")
     assert attn.forward_family(q, k, v) == "hopper"

@@ -128,17 +128,24 @@ def compile_module(path: str, ptx_dir: str | None, families: list[str] | None = 
                          ("_hopper_fwd_kernel", dict(hopper_fwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
                                                      FP8=True, LABEL="_fp8", **call_rows(False, True)), tiles)]
         if family == "hopper_bwd":
+            hopper = _hopper_runtime(module)
             hopper_bwd = dict(head, BLOCK_M=tiles[0], BLOCK_N=tiles[1], STAGES=tiles[3],
-                              SPLIT_D=_hopper_runtime(module)._hopper_backward_config(*tiles[1:3])[2])
-            launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False),
-                          tiles),
-                         ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed"),
-                          tiles),
+                              SPLIT_D=hopper._hopper_backward_config(*tiles[1:3])[2])
+
+            def folds(block_m, dropout):  # the runtime's FOLD_ROWS and FOLD_LSE for such a call
+                fold_rows, fold_lse = hopper._hopper_folds(block_m, module.FACTS.normalize != "sigmoid", dropout,
+                                                           module.HOPPER_PLAIN_SCORE,
+                                                           module.softmax_scale(head_dim))
+                return dict(BLOCK_M=block_m, FOLD_ROWS=fold_rows, FOLD_LSE=fold_lse)
+
+            dropout_rows = hopper._hopper_backward_rows(tiles[0], True, bool(module.FACTS.tile_table))
+            launches += [("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
+                                                     **folds(tiles[0], False)), tiles),
+                         ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=False, VARLEN=True, LABEL="_packed",
+                                                     **folds(tiles[0], False)), tiles),
                          # Dropout calls walk the rows the runtime's backward gives them.
                          ("_hopper_bwd_kernel", dict(hopper_bwd, FOLLOW_TABLE=bool(module.FACTS.tile_table), VARLEN=False,
-                                                     DROPOUT=True, LABEL="_dropout",
-                                                     BLOCK_M=_hopper_runtime(module)._hopper_backward_rows(
-                                                         tiles[0], True, bool(module.FACTS.tile_table))),
+                                                     DROPOUT=True, LABEL="_dropout", **folds(dropout_rows, True)),
                           tiles)]
             # Its row terms' pass, which also zeros dQ's fp32 sum (a sigmoid spec has none), and the pass that
             # scales and rounds it. (Deterministic calls run the portable backward: the Hopper one has no such mode.)

@@ -29,7 +29,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LOG2E, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile, _cache_query_offset  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess  # the same in every spec
-from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_sigmoid2, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish  # its kernels call them
+from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_sigmoid2, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish, _hopper_step_lse  # its kernels call them
 from attngen.families.portable.device import _fwd_program  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
@@ -631,7 +631,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
+                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr,
+                      FOLD_ROWS: tl.constexpr, FOLD_LSE: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads (the
     # backward's consumer runs them: device.py's SPEC_STEPS). lse_bufs and delta_bufs are None in a sigmoid spec.
     (slopes_ptr, stride_slopes_0, size_slopes_0) = inputs
@@ -654,6 +655,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
     offs_n = start_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    # FOLD_LSE's S^T accumulator holds qk - LSE / qk_scale (the scale is finite and not 0: the runtime's rule).
+    lse_unscale = -1.0 / qk_scale
     for i in range(i_lo, i_hi):
         stage = t % STAGES
         q_smem = q_bufs.index(stage)
@@ -662,9 +665,18 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                                      full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        # The rows' terms start the accumulators where the registers allow (FOLD_ROWS, FOLD_LSE: a subtraction
+        # an element fewer each): the tensor cores then subtract them.
+        s_acc = s_zero
+        dp_acc = s_zero
+        if FOLD_ROWS:
+            dp_acc = s_zero - gl.expand_dims(delta_bufs.index(stage).load(col_layout), 0)
+            if FOLD_LSE:
+                lse = _hopper_step_lse(lse_bufs, stage, offs_m, Q_LEN, col_layout, VARLEN)
+                s_acc = s_zero + gl.expand_dims(lse * lse_unscale, 0)
         # S^T and dP^T both in flight; the exponentials wait only for S^T (wgmma groups retire in order).
-        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_acc, use_acc=FOLD_LSE, is_async=True)
+        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), dp_acc, use_acc=FOLD_ROWS, is_async=True)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
         # score: score + slopes[h] * (k - q) - log(KV_LEN)
         s = qk * sm_scale
@@ -748,7 +760,8 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, stride_
                        TOTAL_Q, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
-                       VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                       VARLEN: tl.constexpr, DROPOUT: tl.constexpr, FOLD_ROWS: tl.constexpr,
+                       FOLD_LSE: tl.constexpr):
     # A CTA per key tile of one (batch, kv head), over the spec's functions and inputs: device.py's
     # _hopper_bwd_pipeline.
     inputs = (slopes_ptr, stride_slopes_0, size_slopes_0)
@@ -760,7 +773,7 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, stride_
                          stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng, dropout_p,
                          inputs, grads, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE,
                          SPEC_STEPS, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
-                         STAGES, FOLLOW_TABLE, SPLIT_D, True, VARLEN, DROPOUT)
+                         STAGES, FOLLOW_TABLE, SPLIT_D, True, VARLEN, DROPOUT, FOLD_ROWS, FOLD_LSE)
 
 
 # --- decode (split-KV) forward ----------------------------------------------------------------
@@ -885,7 +898,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "20e221637ebf3690"
+MODULE_DIGEST = "d9a4a405d21c3844"
 FACTS = SpecFacts(
     name="sigmoid_alibi",
     fingerprint="3d459e31007b3b82",

@@ -25,7 +25,7 @@ from attngen.runtime.attention import Attention
 from attngen.runtime.facts import Kernels, SpecFacts, shape_table
 from attngen.runtime.helpers import LN2, _dot, _load_tile, _page_numbers, _index_bound, _tile_ranges, _tile_start, _count_visit, _dropout_state, _dropout_keep_tile, _cache_query_offset  # the kernels call them
 from attngen.runtime.kernels import _bwd_preprocess, _base2_lse  # the same in every spec
-from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish  # its kernels call them
+from attngen.families.hopper.device import _hopper_fwd_pipeline, _hopper_bwd_pipeline, _hopper_tile_start, _hopper_box, _hopper_reduce_add, _hopper_dq_finish, _hopper_step_lse  # its kernels call them
 from attngen.families.portable.device import _fwd_program  # its kernels call them
 
 # --- forward ---------------------------------------------------------------------------------
@@ -622,7 +622,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                       HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr,
                       FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr, VARLEN: tl.constexpr,
-                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr):
+                      dk_layout: tl.constexpr, dv_layout: tl.constexpr, DROPOUT: tl.constexpr,
+                      FOLD_ROWS: tl.constexpr, FOLD_LSE: tl.constexpr):
     # Steps [i_lo, i_hi) of one query head's walk; t is the ring position, which runs on across heads (the
     # backward's consumer runs them: device.py's SPEC_STEPS). lse_bufs and delta_bufs are None in a sigmoid spec.
     dtype: gl.constexpr = k_smem.dtype
@@ -644,6 +645,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, dq_layout)
     offs_n = start_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    # FOLD_LSE's S^T accumulator holds qk - LSE / qk_scale (the scale is finite and not 0: the runtime's rule).
+    lse_unscale = -1.0 / qk_scale
     for i in range(i_lo, i_hi):
         stage = t % STAGES
         q_smem = q_bufs.index(stage)
@@ -652,20 +655,27 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                                      full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        # The rows' terms start the accumulators where the registers allow (FOLD_ROWS, FOLD_LSE: a subtraction
+        # an element fewer each): the tensor cores then subtract them.
+        s_acc = s_zero
+        dp_acc = s_zero
+        if FOLD_ROWS:
+            dp_acc = s_zero - gl.expand_dims(delta_bufs.index(stage).load(col_layout), 0)
+            if FOLD_LSE:
+                lse = _hopper_step_lse(lse_bufs, stage, offs_m, Q_LEN, col_layout, VARLEN)
+                s_acc = s_zero + gl.expand_dims(lse * lse_unscale, 0)
         # S^T and dP^T both in flight; the exponentials wait only for S^T (wgmma groups retire in order).
-        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_acc, use_acc=FOLD_LSE, is_async=True)
+        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), dp_acc, use_acc=FOLD_ROWS, is_async=True)
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, k_smem, q_smem))
-        # Base 2; rows past Q_LEN and rows no key was allowed to hold +inf, so P = 0 there. From shared
-        # memory (a column vector is BLOCK_M / 4 values a thread here, whose addresses by pointer spilled
-        # registers), once S^T has landed: held over the wait, they spilled 128-query steps.
-        lse = lse_bufs.index(stage).load(col_layout)
-        if VARLEN:
-            # A packed call's rows past the sequence's end are the next sequence's, their LSE finite: +inf
-            # here, so P = 0 on them too.
-            lse = gl.where(offs_m < Q_LEN, lse, float("inf"))
+        if not FOLD_LSE:
+            # Base 2, once S^T has landed: held over the wait, the LSE spilled 128-query steps.
+            lse = _hopper_step_lse(lse_bufs, stage, offs_m, Q_LEN, col_layout, VARLEN)
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
-        pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
+        if FOLD_LSE:
+            pT = gl.exp2(s2)  # s2 = qk_scale * (qk - LSE / qk_scale): the plain score less the LSE
+        else:
+            pT = gl.exp2(s2 - gl.expand_dims(lse, 0))
         if MASKED:
             # mask: q >= k and q - k < window
             mk0 = offs_m[None, :] >= offs_n[:, None]
@@ -698,8 +708,11 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
         if DROPOUT:
             dpT = gl.where(pT > 0.0, dpT * dropout_scale, 0.0)
             pT = gl.abs(pT)
-        delta = delta_bufs.index(stage).load(col_layout)
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        if FOLD_ROWS:
+            dsT = pT * dpT  # dP^T began at -delta
+        else:
+            delta = delta_bufs.index(stage).load(col_layout)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
         # no learnable inputs
         # d score'/d score = 1: dsT is already the gradient of the raw score
         dsT = dsT.to(dtype)
@@ -739,7 +752,8 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, FOLLOW_TABLE: tl.constexpr, SPLIT_D: tl.constexpr,
-                       VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                       VARLEN: tl.constexpr, DROPOUT: tl.constexpr, FOLD_ROWS: tl.constexpr,
+                       FOLD_LSE: tl.constexpr):
     # A CTA per key tile of one (batch, kv head), over the spec's functions and inputs: device.py's
     # _hopper_bwd_pipeline.
     inputs = ()
@@ -751,7 +765,7 @@ def _hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq
                          stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, sm_scale, qk_scale, Rng,
                          dropout_p, inputs, grads, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          SPEC_RANGE, SPEC_STEPS, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M,
-                         BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D, False, VARLEN, DROPOUT)
+                         BLOCK_N, STAGES, FOLLOW_TABLE, SPLIT_D, False, VARLEN, DROPOUT, FOLD_ROWS, FOLD_LSE)
 
 
 # --- decode (split-KV) forward ----------------------------------------------------------------
@@ -883,7 +897,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "2ad7ad43a9b0b403"
+MODULE_DIGEST = "d64da4fb4d5d4dd1"
 FACTS = SpecFacts(
     name="sliding_window",
     fingerprint="45cd148b4f47750a",

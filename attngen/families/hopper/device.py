@@ -212,6 +212,18 @@ def _hopper_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               src.handle)
 
 
+@gluon.jit
+def _hopper_step_lse(lse_bufs, stage, offs_m, Q_LEN, col_layout: gl.constexpr, VARLEN: gl.constexpr):
+    # A backward step's rows' LSE (base 2), from shared memory: a column vector is BLOCK_M / 4 values a thread
+    # in the steps' layout, whose addresses by pointer spilled registers. Rows past Q_LEN and rows no key was
+    # allowed hold +inf, so P = 0 there; a packed call's rows past its sequence's end are the next sequence's,
+    # their LSE finite: +inf here too.
+    lse = lse_bufs.index(stage).load(col_layout)
+    if VARLEN:
+        lse = gl.where(offs_m < Q_LEN, lse, float("inf"))
+    return lse
+
+
 @triton.jit
 def _hopper_dq_finish(DqSum, Dq, scale, n_groups, BLOCK: tl.constexpr):
     # dQ = scale * the fp32 sum the backward's reduce-adds left, rounded to dQ's dtype. Both are laid out
@@ -810,7 +822,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
                          SPEC_STEPS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                          HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FOLLOW_TABLE: gl.constexpr,
-                         SPLIT_D: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+                         SPLIT_D: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+                         FOLD_ROWS: gl.constexpr, FOLD_LSE: gl.constexpr):
     # The accumulators' layouts: a 16-key slab per warp (the steps' S^T tiles have the same rows); with
     # SPLIT_D (head dims above 128, 64-key tiles) two warpgroups side by side, each holding half the head
     # dims' columns of dK and dV (64 fp32 registers a thread each at 256).
@@ -854,7 +867,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, STAGES=STAGES, MASKED=True, FOLLOW_TABLE=FOLLOW_TABLE, SPLIT_D=SPLIT_D, VARLEN=VARLEN,
-            dk_layout=dk_layout, dv_layout=dv_layout, DROPOUT=DROPOUT)
+            dk_layout=dk_layout, dv_layout=dv_layout, DROPOUT=DROPOUT, FOLD_ROWS=FOLD_ROWS,
+            FOLD_LSE=FOLD_LSE)
         t, dk, dv = SPEC_STEPS(
             t=t, i_lo=n_checked, i_hi=n_steps, dk=dk, dv=dv, q_bufs=q_bufs, do_bufs=do_bufs, lse_bufs=lse_bufs,
             delta_bufs=delta_bufs, k_smem=k_smem, v_smem=v_smem, ds_smem=ds_smem, dq_smem=dq_smem, ready=ready,
@@ -866,7 +880,8 @@ def _hopper_bwd_consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, 
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, STAGES=STAGES, MASKED=False, FOLLOW_TABLE=FOLLOW_TABLE, SPLIT_D=SPLIT_D, VARLEN=VARLEN,
-            dk_layout=dk_layout, dv_layout=dv_layout, DROPOUT=DROPOUT)
+            dk_layout=dk_layout, dv_layout=dv_layout, DROPOUT=DROPOUT, FOLD_ROWS=FOLD_ROWS,
+            FOLD_LSE=FOLD_LSE)
     # The last reduce must have read dq_smem before the CTA's shared memory goes away.
     tma.store_wait(pendings=0)
     if DROPOUT:
@@ -889,9 +904,12 @@ def _hopper_bwd_pipeline(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          HEAD_DIM_V: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, HEAD_DIM_V_PAD: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          FOLLOW_TABLE: gl.constexpr, SPLIT_D: gl.constexpr, SIGMOID: gl.constexpr,
-                         VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+                         VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FOLD_ROWS: gl.constexpr,
+                         FOLD_LSE: gl.constexpr):
     # The backward kernel's body (a module's _hopper_bwd_kernel runs it with its spec's functions and inputs;
-    # lse_desc and delta_desc are None in a sigmoid spec's, which has no row terms).
+    # lse_desc and delta_desc are None in a sigmoid spec's, which has no row terms). FOLD_ROWS: each step's
+    # dP^T accumulator starts at -delta, so dS^T = P^T * dP^T; FOLD_LSE: its S^T accumulator starts at
+    # -LSE / qk_scale, so P^T = exp2(qk_scale * S^T) (the runtime's HopperFamily._folds says when).
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
@@ -935,7 +953,7 @@ def _hopper_bwd_pipeline(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                                 stride_dvh, stride_dvn, start_n, off_b, off_hkv, sm_scale, qk_scale, Rng, dropout_p,
                                 B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, inputs, grads, table, SPEC_RANGE,
                                 SPEC_STEPS, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
-                                STAGES, FOLLOW_TABLE, SPLIT_D, VARLEN, DROPOUT)),
+                                STAGES, FOLLOW_TABLE, SPLIT_D, VARLEN, DROPOUT, FOLD_ROWS, FOLD_LSE)),
         (_hopper_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                                 delta_bufs, k_smem, v_smem, kv_bar, ready, empty, start_n, off_b, off_hkv, B, H, HKV,
                                 Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK, inputs, table, SPEC_RANGE, BLOCK_M, BLOCK_N,

@@ -20,7 +20,7 @@ DECLARATION = ("forward_kernel=_hopper_fwd_kernel, backward_kernel=_hopper_bwd_k
 # What its kernels import from its device library (device.py), which no spec changes: the pipelines and the
 # helpers a module's functions call.
 DEVICE_HELPERS = ("_hopper_fwd_pipeline", "_hopper_bwd_pipeline", "_hopper_sigmoid2", "_hopper_tile_start",
-                  "_hopper_box", "_hopper_reduce_add", "_hopper_dq_finish")
+                  "_hopper_box", "_hopper_reduce_add", "_hopper_dq_finish", "_hopper_step_lse")
 # What the spec's element hooks may read in the forward's consumers, besides the tile's indices.
 _HOOK_ARGS = ("sm_scale", "qk_scale", *POSITIONS, *SIZES)
 
@@ -134,7 +134,8 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             "q_desc", "k_desc", "v_desc", "do_desc", *row_descriptors, "dq_desc", "DK", "DV",
             *_strides("dk", "n")[:3], *_strides("dv", "n")[:3], "sm_scale", "qk_scale", *DROPOUT, *inputs, *grads,
             *table, *SIZES, *PACKED),
-            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT")),
+            (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "DROPOUT", "FOLD_ROWS",
+             "FOLD_LSE")),
         "hopper_bwd_range": sig("_hopper_bwd_tile_range", ("start_n", *POSITIONS, *SIZES, "inputs", "table"),
                                 ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_bwd_steps": sig("_hopper_bwd_steps", (
@@ -142,6 +143,6 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
             "ds_smem", "dq_smem", "ready", "empty", "dq_desc", "start_n", "n_masked", *TILE_RANGE, "sm_scale",
             "qk_scale", *POSITIONS, *SIZES, *SEQUENCE, "inputs", "grads", *DROPOUT_STATE),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "STAGES", "MASKED", "FOLLOW_TABLE", "SPLIT_D", "VARLEN", "dk_layout",
-             "dv_layout", "DROPOUT")),
+             "dv_layout", "DROPOUT", "FOLD_ROWS", "FOLD_LSE")),
         "hopper_bwd_pipeline": Signature.of(device._hopper_bwd_pipeline),
     }

@@ -1,6 +1,8 @@
 """The Hopper family's runtime side: its per-call rules, TMA descriptors and the launches of its Gluon kernels
 (whose device side no spec changes is device.py), and the one kernel it launches itself (an FP8 call's V^T)."""
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,9 @@ HOPPER_DROPOUT_QUERY_ROWS = 64
 # the keep-mask's Philox draws (512 spill stores, full at D=64), and FP8's 192-row tile is not yet measured. Only
 # plain specs take 192 rows (family.py), and they have no tile table to keep the plan's rows for.
 HOPPER_NARROW_FORWARD_ROWS = 128
+# The query rows of a backward step whose row terms start its accumulators (FOLD_ROWS) at most: at 64 rows the
+# broadcast LSE and delta cost 16 registers a thread each (causal D64 B2 H32 N8192 backward 3.65 -> 3.51 ms, H100).
+HOPPER_FOLD_ROWS_UP_TO = 64
 # The query rows of one consumer warpgroup of the pingpong forward (a 64-row wgmma accumulator of 4 warps):
 # a tile of block_m rows runs block_m / 64 of them.
 HOPPER_CONSUMER_ROWS = 64
@@ -80,6 +85,15 @@ def _hopper_backward_rows(block_m, dropout, table):
     """The query rows of a backward call's step: the plan's, at most HOPPER_DROPOUT_QUERY_ROWS for a dropout call
     without a tile table (a table is built for the plan's rows)."""
     return min(block_m, HOPPER_DROPOUT_QUERY_ROWS) if dropout and not table else block_m
+
+
+def _hopper_folds(block_m, softmax, dropout, plain_score, sm_scale):
+    """(FOLD_ROWS, FOLD_LSE) of a backward launch of block_m-row steps: whether they start dP^T's accumulator at
+    -delta (softmax steps of at most HOPPER_FOLD_ROWS_UP_TO rows, not a dropout call's, which scales dP before
+    delta comes off), and S^T's at -LSE / qk_scale (besides, the plain score, whose s2 is qk_scale * S^T, at a
+    finite scale other than 0)."""
+    fold_rows = softmax and not dropout and block_m <= HOPPER_FOLD_ROWS_UP_TO
+    return fold_rows, fold_rows and plain_score and math.isfinite(sm_scale) and sm_scale != 0
 
 
 def _hopper_consumers(block_m):
@@ -386,6 +400,8 @@ class HopperFamily:
         dk, dv = _empty_in_layout(k, D), _empty_in_layout(v, DV)
         grads = self.rt._input_grads(tensors, q.device)
         num_warps, maxnreg, split_d = _hopper_backward_config(block_n, warps)
+        fold_rows, fold_lse = _hopper_folds(block_m, not self.rt.facts.sigmoid, dropout is not None,
+                                            self.plain_score, sm_scale)
         descriptors = (_hopper_descriptor(q, block_m, d_pad), _hopper_descriptor(k, block_n, d_pad),
                        _hopper_descriptor(v, block_n, dv_pad), _hopper_descriptor(do, block_m, dv_pad), *rows)
         dq_desc = _hopper_descriptor(dq_sum, block_m, d_pad)
@@ -397,7 +413,8 @@ class HopperFamily:
             *dv.stride()[:3], sm_scale, sm_scale * LOG2E.value, *dropout_args,
             *self.rt._input_args(tensors), *[g for g in grads if g is not None], *table_args, B, H, HKV, Q_LEN, KV_LEN,
             *packed_args, HEAD_DIM=D, HEAD_DIM_V=DV, HEAD_DIM_PAD=d_pad, HEAD_DIM_V_PAD=dv_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, num_warps=num_warps,
+            BLOCK_N=block_n, STAGES=stages, FOLLOW_TABLE=bool(table), SPLIT_D=split_d, FOLD_ROWS=fold_rows,
+            FOLD_LSE=fold_lse, num_warps=num_warps,
             maxnreg=maxnreg, bind=_plan_site(plan, "hopper backward", bool(table)), **packed_flags, **dropout_flag)
         dq = _empty_in_layout(q, D)
         _launch(self.dq_finish_kernel, (_cdiv(dq.numel(), HOPPER_DQ_FINISH_BLOCK),), dq_sum, dq, sm_scale,
