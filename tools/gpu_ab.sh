@@ -4,8 +4,8 @@
 # and the one at $NEW (default: this checkout). Compiles both in parallel first, then times them
 # alternately (old, new, old, new) so drift shows as a difference between the two runs of one version.
 #     OLD=.baseline bash tools/gpu_ab.sh            (outputs in $OUT, default device-out)
-# HEAD_DIM (default 128) sets D and DV; SPECS (default every catalog spec) names the specs; TAG
-# prefixes the output files, so several comparisons can share one $OUT.
+# HEAD_DIM (default 128) sets D and DV; SPECS (default every catalog spec) names the specs, FOLDER (default
+# specs) the folder they are in; TAG prefixes the output files, so several comparisons can share one $OUT.
 set -u
 OUT=${OUT:-device-out}
 OLD=${OLD:-.baseline}
@@ -14,8 +14,9 @@ TAG=${TAG:-}
 HEAD_DIM=${HEAD_DIM:-128}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-SPECS=${SPECS:-$(ls specs/*.attn | xargs -n1 basename | sed 's/\.attn$//')}
-TIME="tools/time_catalog.py --head-dim $HEAD_DIM"
+FOLDER=${FOLDER:-specs}
+SPECS=${SPECS:-$(ls "$FOLDER"/*.attn | xargs -n1 basename | sed 's/\.attn$//')}
+TIME="tools/time_catalog.py --head-dim $HEAD_DIM --folder $FOLDER"
 T0=$(date +%s)
 for spec in $SPECS; do
   PYTHONPATH="$OLD:${PYTHONPATH:-}" python3 $TIME --warm --only "$spec" > "$OUT/${TAG}warm_old_$spec.log" 2>&1 &

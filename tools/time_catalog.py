@@ -5,6 +5,8 @@ version of attngen (PYTHONPATH) in the same GPU session to compare two commits s
     PYTHONPATH=/path/to/old python tools/time_catalog.py --label old --out old.json
     PYTHONPATH=.             python tools/time_catalog.py --label new --out new.json
     python tools/time_catalog.py --compare old.json new.json
+
+--folder DIR times the specs of another folder (e.g. random specs from benchmarks/random_variants.py --export).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(B=2, H=16, HKV=16, Q_LEN=8192, KV_LEN=8192, D=128, DV=128)
 
 
-def time_catalog(only: list[str] | None, warm_only: bool = False,
-                 head_dim: int = SHAPE["D"]) -> dict[str, dict[str, float]]:
+def time_catalog(only: list[str] | None, warm_only: bool = False, head_dim: int = SHAPE["D"],
+                 folder: Path = ROOT / "specs") -> dict[str, dict[str, float]]:
     import torch
     from triton.testing import do_bench
 
@@ -27,7 +29,7 @@ def time_catalog(only: list[str] | None, warm_only: bool = False,
     from attngen import testing
 
     results = {}
-    for path in sorted((ROOT / "specs").glob("*.attn")):
+    for path in sorted(Path(folder).glob("*.attn")):
         if only and path.stem not in only:
             continue
         attn = attngen.build(str(path))
@@ -71,17 +73,18 @@ def main() -> None:
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
     parser.add_argument("--warm", action="store_true", help="only compile and run each spec once")
     parser.add_argument("--head-dim", type=int, default=SHAPE["D"], help="D and DV of q, k and v")
+    parser.add_argument("--folder", default=ROOT / "specs", help="the folder of the .attn specs (default specs/)")
     args = parser.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     import attngen
     if args.warm:
-        time_catalog(args.only, warm_only=True, head_dim=args.head_dim)
+        time_catalog(args.only, warm_only=True, head_dim=args.head_dim, folder=args.folder)
         return
     shape = dict(SHAPE, D=args.head_dim, DV=args.head_dim)
     result = {"label": args.label, "attngen": attngen.__file__, "shape": shape,
-              "times": time_catalog(args.only, head_dim=args.head_dim)}
+              "times": time_catalog(args.only, head_dim=args.head_dim, folder=args.folder)}
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)

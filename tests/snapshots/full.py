@@ -462,6 +462,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = True
+# Whether its forward's consumers run their masked and unmasked steps in one loop (its step is long: the
+# emitter's HOPPER_ONE_LOOP_LINES).
+HOPPER_ONE_LOOP = gl.constexpr(False)
 
 
 @gluon.jit
@@ -483,7 +486,7 @@ def _hopper_fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 @gluon.jit
 def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
                          B, H, HKV, Q_LEN, KV_LEN, inputs, dropout_seed, dropout_offset, dropout_threshold,
-                         dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         dropout_scale, mask_step, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
                          s_layout: tl.constexpr, DROPOUT: tl.constexpr):
@@ -497,8 +500,9 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
     else:
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
     if MASKED:
-        allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
-        s2 = gl.where(allowed, s2, float("-inf"))
+        if mask_step:  # a run-time flag in ONE_LOOP's loop, True in a loop of masked steps
+            allowed = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
+            s2 = gl.where(allowed, s2, float("-inf"))
     # A row with no allowed key yet keeps m = -inf; subtracting 0 instead keeps exp2 at exp2(-inf) = 0
     # rather than exp2(NaN).
     if DEFER_SCALE:
@@ -539,7 +543,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                          stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, CONSUMERS, FOLLOW_TABLE, DEFER_SCALE, False,
-                         False, VARLEN, DROPOUT, FP8)
+                         False, VARLEN, DROPOUT, FP8, HOPPER_ONE_LOOP)
 
 
 @gluon.jit
@@ -825,7 +829,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "3be66480940d95f0"
+MODULE_DIGEST = "3a6f6a17f42747a1"
 FACTS = SpecFacts(
     name="full",
     fingerprint="3ad9bbf9cfce0bb5",

@@ -767,6 +767,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = True
+# Whether its forward's consumers run their masked and unmasked steps in one loop (its step is long: the
+# emitter's HOPPER_ONE_LOOP_LINES).
+HOPPER_ONE_LOOP = gl.constexpr(True)
 
 
 @gluon.jit
@@ -797,7 +800,7 @@ def _hopper_fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 @gluon.jit
 def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
                          B, H, HKV, Q_LEN, KV_LEN, inputs, dropout_seed, dropout_offset, dropout_threshold,
-                         dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         dropout_scale, mask_step, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
                          s_layout: tl.constexpr, DROPOUT: tl.constexpr):
@@ -811,94 +814,95 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
     else:
         s2 = qk * qk_scale  # no score expression: fold the scale into the base-2 factor
     if MASKED:
-        # mask: abs(clamp(q & 1 | q >> 1 & 2 | q >> 2 & 4 | q >> 3 & 8 | q >> 4 & 16 | q >> 5 & 32 | q >> 6 & 64 | q >> 7 & 128, kernel_w // 2, canvas_w - 1 - kernel_w // 2) - (k & 1 | k >> 1 & 2 | k >> 2 & 4 | k >> 3 & 8 | k >> 4 & 16 | k >> 5 & 32 | k >> 6 & 64 | k >> 7 & 128)) <= kernel_w // 2 and abs(clamp(q >> 1 & 1 | q >> 2 & 2 | q >> 3 & 4 | q >> 4 & 8 | q >> 5 & 16 | q >> 6 & 32 | q >> 7 & 64 | q >> 8 & 128, kernel_h // 2, canvas_h - 1 - kernel_h // 2) - (k >> 1 & 1 | k >> 2 & 2 | k >> 3 & 4 | k >> 4 & 8 | k >> 5 & 16 | k >> 6 & 32 | k >> 7 & 64 | k >> 8 & 128)) <= kernel_h // 2
-        mk0 = pos_m[:, None] & 1
-        mk1 = pos_m[:, None] >> 1
-        mk2 = mk1 & 2
-        mk3 = mk0 | mk2
-        mk4 = pos_m[:, None] >> 2
-        mk5 = mk4 & 4
-        mk6 = mk3 | mk5
-        mk7 = pos_m[:, None] >> 3
-        mk8 = mk7 & 8
-        mk9 = mk6 | mk8
-        mk10 = pos_m[:, None] >> 4
-        mk11 = mk10 & 16
-        mk12 = mk9 | mk11
-        mk13 = pos_m[:, None] >> 5
-        mk14 = mk13 & 32
-        mk15 = mk12 | mk14
-        mk16 = pos_m[:, None] >> 6
-        mk17 = mk16 & 64
-        mk18 = mk15 | mk17
-        mk19 = pos_m[:, None] >> 7
-        mk20 = mk19 & 128
-        mk21 = mk18 | mk20
-        mk22 = tl.minimum(tl.maximum(mk21, 3), 60)
-        mk23 = offs_n[None, :] & 1
-        mk24 = offs_n[None, :] >> 1
-        mk25 = mk24 & 2
-        mk26 = mk23 | mk25
-        mk27 = offs_n[None, :] >> 2
-        mk28 = mk27 & 4
-        mk29 = mk26 | mk28
-        mk30 = offs_n[None, :] >> 3
-        mk31 = mk30 & 8
-        mk32 = mk29 | mk31
-        mk33 = offs_n[None, :] >> 4
-        mk34 = mk33 & 16
-        mk35 = mk32 | mk34
-        mk36 = offs_n[None, :] >> 5
-        mk37 = mk36 & 32
-        mk38 = mk35 | mk37
-        mk39 = offs_n[None, :] >> 6
-        mk40 = mk39 & 64
-        mk41 = mk38 | mk40
-        mk42 = offs_n[None, :] >> 7
-        mk43 = mk42 & 128
-        mk44 = mk41 | mk43
-        mk45 = mk22 - mk44
-        mk46 = tl.abs(mk45)
-        mk47 = mk46 <= 3
-        mk48 = mk1 & 1
-        mk49 = mk4 & 2
-        mk50 = mk48 | mk49
-        mk51 = mk7 & 4
-        mk52 = mk50 | mk51
-        mk53 = mk10 & 8
-        mk54 = mk52 | mk53
-        mk55 = mk13 & 16
-        mk56 = mk54 | mk55
-        mk57 = mk16 & 32
-        mk58 = mk56 | mk57
-        mk59 = mk19 & 64
-        mk60 = mk58 | mk59
-        mk61 = pos_m[:, None] >> 8
-        mk62 = mk61 & 128
-        mk63 = mk60 | mk62
-        mk64 = tl.minimum(tl.maximum(mk63, 3), 60)
-        mk65 = mk24 & 1
-        mk66 = mk27 & 2
-        mk67 = mk65 | mk66
-        mk68 = mk30 & 4
-        mk69 = mk67 | mk68
-        mk70 = mk33 & 8
-        mk71 = mk69 | mk70
-        mk72 = mk36 & 16
-        mk73 = mk71 | mk72
-        mk74 = mk39 & 32
-        mk75 = mk73 | mk74
-        mk76 = mk42 & 64
-        mk77 = mk75 | mk76
-        mk78 = offs_n[None, :] >> 8
-        mk79 = mk78 & 128
-        mk80 = mk77 | mk79
-        mk81 = mk64 - mk80
-        mk82 = tl.abs(mk81)
-        mk83 = mk82 <= 3
-        mk84 = mk47 & mk83
-        allowed = (mk84) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
-        s2 = gl.where(allowed, s2, float("-inf"))
+        if mask_step:  # a run-time flag in ONE_LOOP's loop, True in a loop of masked steps
+            # mask: abs(clamp(q & 1 | q >> 1 & 2 | q >> 2 & 4 | q >> 3 & 8 | q >> 4 & 16 | q >> 5 & 32 | q >> 6 & 64 | q >> 7 & 128, kernel_w // 2, canvas_w - 1 - kernel_w // 2) - (k & 1 | k >> 1 & 2 | k >> 2 & 4 | k >> 3 & 8 | k >> 4 & 16 | k >> 5 & 32 | k >> 6 & 64 | k >> 7 & 128)) <= kernel_w // 2 and abs(clamp(q >> 1 & 1 | q >> 2 & 2 | q >> 3 & 4 | q >> 4 & 8 | q >> 5 & 16 | q >> 6 & 32 | q >> 7 & 64 | q >> 8 & 128, kernel_h // 2, canvas_h - 1 - kernel_h // 2) - (k >> 1 & 1 | k >> 2 & 2 | k >> 3 & 4 | k >> 4 & 8 | k >> 5 & 16 | k >> 6 & 32 | k >> 7 & 64 | k >> 8 & 128)) <= kernel_h // 2
+            mk0 = pos_m[:, None] & 1
+            mk1 = pos_m[:, None] >> 1
+            mk2 = mk1 & 2
+            mk3 = mk0 | mk2
+            mk4 = pos_m[:, None] >> 2
+            mk5 = mk4 & 4
+            mk6 = mk3 | mk5
+            mk7 = pos_m[:, None] >> 3
+            mk8 = mk7 & 8
+            mk9 = mk6 | mk8
+            mk10 = pos_m[:, None] >> 4
+            mk11 = mk10 & 16
+            mk12 = mk9 | mk11
+            mk13 = pos_m[:, None] >> 5
+            mk14 = mk13 & 32
+            mk15 = mk12 | mk14
+            mk16 = pos_m[:, None] >> 6
+            mk17 = mk16 & 64
+            mk18 = mk15 | mk17
+            mk19 = pos_m[:, None] >> 7
+            mk20 = mk19 & 128
+            mk21 = mk18 | mk20
+            mk22 = tl.minimum(tl.maximum(mk21, 3), 60)
+            mk23 = offs_n[None, :] & 1
+            mk24 = offs_n[None, :] >> 1
+            mk25 = mk24 & 2
+            mk26 = mk23 | mk25
+            mk27 = offs_n[None, :] >> 2
+            mk28 = mk27 & 4
+            mk29 = mk26 | mk28
+            mk30 = offs_n[None, :] >> 3
+            mk31 = mk30 & 8
+            mk32 = mk29 | mk31
+            mk33 = offs_n[None, :] >> 4
+            mk34 = mk33 & 16
+            mk35 = mk32 | mk34
+            mk36 = offs_n[None, :] >> 5
+            mk37 = mk36 & 32
+            mk38 = mk35 | mk37
+            mk39 = offs_n[None, :] >> 6
+            mk40 = mk39 & 64
+            mk41 = mk38 | mk40
+            mk42 = offs_n[None, :] >> 7
+            mk43 = mk42 & 128
+            mk44 = mk41 | mk43
+            mk45 = mk22 - mk44
+            mk46 = tl.abs(mk45)
+            mk47 = mk46 <= 3
+            mk48 = mk1 & 1
+            mk49 = mk4 & 2
+            mk50 = mk48 | mk49
+            mk51 = mk7 & 4
+            mk52 = mk50 | mk51
+            mk53 = mk10 & 8
+            mk54 = mk52 | mk53
+            mk55 = mk13 & 16
+            mk56 = mk54 | mk55
+            mk57 = mk16 & 32
+            mk58 = mk56 | mk57
+            mk59 = mk19 & 64
+            mk60 = mk58 | mk59
+            mk61 = pos_m[:, None] >> 8
+            mk62 = mk61 & 128
+            mk63 = mk60 | mk62
+            mk64 = tl.minimum(tl.maximum(mk63, 3), 60)
+            mk65 = mk24 & 1
+            mk66 = mk27 & 2
+            mk67 = mk65 | mk66
+            mk68 = mk30 & 4
+            mk69 = mk67 | mk68
+            mk70 = mk33 & 8
+            mk71 = mk69 | mk70
+            mk72 = mk36 & 16
+            mk73 = mk71 | mk72
+            mk74 = mk39 & 32
+            mk75 = mk73 | mk74
+            mk76 = mk42 & 64
+            mk77 = mk75 | mk76
+            mk78 = offs_n[None, :] >> 8
+            mk79 = mk78 & 128
+            mk80 = mk77 | mk79
+            mk81 = mk64 - mk80
+            mk82 = tl.abs(mk81)
+            mk83 = mk82 <= 3
+            mk84 = mk47 & mk83
+            allowed = (mk84) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
+            s2 = gl.where(allowed, s2, float("-inf"))
     # A row with no allowed key yet keeps m = -inf; subtracting 0 instead keeps exp2 at exp2(-inf) = 0
     # rather than exp2(NaN).
     if DEFER_SCALE:
@@ -939,7 +943,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                          stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, CONSUMERS, FOLLOW_TABLE, DEFER_SCALE, False,
-                         False, VARLEN, DROPOUT, FP8)
+                         False, VARLEN, DROPOUT, FP8, HOPPER_ONE_LOOP)
 
 
 @gluon.jit
@@ -1690,7 +1694,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "46169307d8a19a98"
+MODULE_DIGEST = "f907d5c32f33c5cb"
 FACTS = SpecFacts(
     name="natten_morton",
     fingerprint="3a754d4f657e9fcb",

@@ -510,6 +510,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = False
+# Whether its forward's consumers run their masked and unmasked steps in one loop (its step is long: the
+# emitter's HOPPER_ONE_LOOP_LINES).
+HOPPER_ONE_LOOP = gl.constexpr(False)
 
 
 @gluon.jit
@@ -538,7 +541,7 @@ def _hopper_fwd_tile_range(start_m, off_b, off_h, off_hkv, B, H, HKV, Q_LEN, KV_
 @gluon.jit
 def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, qk_scale, off_b, off_h, off_hkv,
                          B, H, HKV, Q_LEN, KV_LEN, inputs, dropout_seed, dropout_offset, dropout_threshold,
-                         dropout_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         dropout_scale, mask_step, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DEFER_SCALE: tl.constexpr,
                          s_layout: tl.constexpr, DROPOUT: tl.constexpr):
@@ -557,10 +560,11 @@ def _hopper_softmax_step(qk, m_i, l_i, start_n, off_m, offs_m, pos_m, sm_scale, 
     sc6 = sc3 - sc5
     s2 = sc6 * LOG2E
     if MASKED:
-        # mask: q >= k
-        mk0 = pos_m[:, None] >= offs_n[None, :]
-        allowed = (mk0) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
-        s2 = gl.where(allowed, s2, float("-inf"))
+        if mask_step:  # a run-time flag in ONE_LOOP's loop, True in a loop of masked steps
+            # mask: q >= k
+            mk0 = pos_m[:, None] >= offs_n[None, :]
+            allowed = (mk0) & (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < KV_LEN)
+            s2 = gl.where(allowed, s2, float("-inf"))
     # normalize: sigmoid. Each key's weight on its own, 1 / (1 + 2^-s2): no row max, no row sum, no rescaling of
     # O. A masked key's s2 = -inf gives 1 / inf = 0, as does exp2 overflowing on a very negative score.
     if DEFER_SCALE:
@@ -597,7 +601,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_oh
                          stride_db, stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN, CuSeqlensQ, CuSeqlensK,
                          TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS, CONSUMERS, FOLLOW_TABLE, DEFER_SCALE, True, False,
-                         VARLEN, DROPOUT, FP8)
+                         VARLEN, DROPOUT, FP8, HOPPER_ONE_LOOP)
 
 
 @gluon.jit
@@ -898,7 +902,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "d9a4a405d21c3844"
+MODULE_DIGEST = "c5f08d46c8077f35"
 FACTS = SpecFacts(
     name="sigmoid_alibi",
     fingerprint="3d459e31007b3b82",

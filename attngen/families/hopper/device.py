@@ -398,13 +398,19 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
                           FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, dtype: gl.constexpr,
                           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                           WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SIGMOID: gl.constexpr,
-                          DROPOUT: gl.constexpr, FP8: gl.constexpr):
+                          DROPOUT: gl.constexpr, FP8: gl.constexpr, ONE_LOOP: gl.constexpr):
     PACK_P: gl.constexpr = _hopper_packs_p(FP8, HEAD_DIM_V_PAD)
     # Invariant on entry to step i: p holds step i-1's probabilities, o all PV products before i-1,
     # already rescaled to m_i. `ring` is the K/V ring's position at this item's step 0, `turn` the
-    # pingpong's issue count then (both carry over from the CTA's earlier work items).
+    # pingpong's issue count then (both carry over from the CTA's earlier work items). ONE_LOOP: the
+    # loop runs the masked and the unmasked steps, the mask code under a branch the whole warpgroup takes
+    # alike (mask_step); otherwise MASKED says which kind all its steps are.
     n_masked = masked_hi - masked_lo
     for i in range(i_lo, i_hi):
+        if ONE_LOOP:
+            mask_step = i < n_masked
+        else:
+            mask_step = True
         stage = (ring + i) % STAGES
         phase = ((ring + i) // STAGES) & 1
         prev = (ring + i - 1) % STAGES
@@ -431,7 +437,8 @@ def _hopper_consumer_loop(o, p, m_i, l_i, i_lo, i_hi, ring, turn, q_smem, k_bufs
             KV_LEN=KV_LEN, inputs=inputs, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
             dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N, MASKED=MASKED, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout, DROPOUT=DROPOUT)
+            BLOCK_N=BLOCK_N, MASKED=MASKED, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout, DROPOUT=DROPOUT,
+            mask_step=mask_step)
         p_next = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N, PACK_P)
 
         o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))
@@ -452,7 +459,7 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
                      FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, WG: gl.constexpr,
                      NUM_CONSUMERS: gl.constexpr, SIGMOID: gl.constexpr, SINK: gl.constexpr, VARLEN: gl.constexpr,
-                     DROPOUT: gl.constexpr, FP8: gl.constexpr):
+                     DROPOUT: gl.constexpr, FP8: gl.constexpr, ONE_LOOP: gl.constexpr):
     # BLOCK_M here is this partition's share of the CTA's query tile; WG says which share.
     dtype: gl.constexpr = q_bufs.dtype
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
@@ -532,25 +539,29 @@ def _hopper_consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 dropout_offset=dropout_offset, dropout_threshold=dropout_threshold, dropout_scale=dropout_scale,
                 HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_PAD=HEAD_DIM_PAD, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED=True, DEFER_SCALE=DEFER_SCALE, s_layout=s_layout,
-                DROPOUT=DROPOUT)
+                DROPOUT=DROPOUT, mask_step=True)
             p = _hopper_p_operand(p_f32, dtype, p_layout, BLOCK_M, BLOCK_N, PACK_P)
 
+            # Steps [1, n_masked) with mask code and [n_masked, n_tiles) without: two loops, each with a copy of
+            # the step, or with ONE_LOOP (a spec whose step is long: the emitter's HOPPER_ONE_LOOP) one loop.
+            masked_end = n_tiles if ONE_LOOP else n_masked
             o, p, m_i, l_i = _hopper_consumer_loop(
-                o, p, m_i, l_i, 1, n_masked, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                o, p, m_i, l_i, 1, masked_end, ring, turn, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                 sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi, gap_at, gap, full_tiles,
                 full_lo, full_hi, item_sm_scale, item_qk_scale, off_b, off_h, off_hkv, B, H, HKV, seq_q_len, seq_kv_len,
                 inputs,
                 dropout_seed, dropout_offset, dropout_threshold, dropout_scale, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, True, FOLLOW_TABLE, DEFER_SCALE, dtype,
-                s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT, FP8)
-            o, p, m_i, l_i = _hopper_consumer_loop(
-                o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn, q_smem, k_bufs, v_bufs, k_ready,
-                k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
-                gap_at, gap, full_tiles, full_lo, full_hi, item_sm_scale, item_qk_scale, off_b, off_h, off_hkv, B, H, HKV,
-                seq_q_len, seq_kv_len, inputs, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-                SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N, STAGES, False,
-                FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT,
-                FP8)
+                s_layout, o_layout, p_layout, WG, NUM_CONSUMERS, SIGMOID, DROPOUT, FP8, ONE_LOOP)
+            if not ONE_LOOP:
+                o, p, m_i, l_i = _hopper_consumer_loop(
+                    o, p, m_i, l_i, gl.maximum(n_masked, 1), n_tiles, ring, turn, q_smem, k_bufs, v_bufs, k_ready,
+                    k_empty, v_ready, v_empty, sched, off_m, offs_m, pos_m, s_zero, masked_tiles, masked_lo, masked_hi,
+                    gap_at, gap, full_tiles, full_lo, full_hi, item_sm_scale, item_qk_scale, off_b, off_h, off_hkv, B,
+                    H, HKV, seq_q_len, seq_kv_len, inputs, dropout_seed, dropout_offset, dropout_threshold,
+                    dropout_scale, SPEC_STEP, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_PAD, HEAD_DIM_V_PAD, BLOCK_M, BLOCK_N,
+                    STAGES, False, FOLLOW_TABLE, DEFER_SCALE, dtype, s_layout, o_layout, p_layout, WG, NUM_CONSUMERS,
+                    SIGMOID, DROPOUT, FP8, False)
 
             # Drain: the last tile's PV.
             last = (ring + n_tiles - 1) % STAGES
@@ -626,7 +637,8 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
                          HEAD_DIM_V_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr,
                          FOLLOW_TABLE: gl.constexpr, DEFER_SCALE: gl.constexpr, SIGMOID: gl.constexpr,
-                         SINK: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FP8: gl.constexpr):
+                         SINK: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, FP8: gl.constexpr,
+                         ONE_LOOP: gl.constexpr):
     # The forward kernel's body (a module's _hopper_fwd_kernel runs it with its spec's functions and inputs;
     # Lse is None in a sigmoid spec's, and `sink_args` the sink's rows (signatures.SINK) in a spec with one).
     # A persistent kernel: one CTA an SM, each taking work items (query tiles of one batch x head:
@@ -640,6 +652,7 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
     # item's), else 1.
     # FP8: float8_e4m3fn q, k and v with their descale factors ((B, HKV) fp32, signatures.FP8_SCALES), and V
     # as V^T (B, HKV, DV, keys); O is bfloat16.
+    # ONE_LOOP: each consumer runs its masked and unmasked steps in one loop (_hopper_consumer_loop).
     NUM_CONSUMERS: gl.constexpr = CONSUMERS
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     n_m = gl.cdiv(Q_LEN, BLOCK_M)
@@ -687,21 +700,21 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
                                 sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
                                 sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 2, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 2, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
                                 KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
@@ -715,14 +728,14 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                                 o_desc, Out, stride_oz, stride_oh, stride_om, Lse, sink_args, work_ids, n_work, n_m,
                                 sm_scale, qk_scale, Rng, dropout_p, QDescale, KDescale, VDescale, stride_db,
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 1, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
                                 KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,
@@ -736,7 +749,7 @@ def _hopper_fwd_pipeline(q_desc, k_desc, v_desc, o_desc, Out, stride_oz, stride_
                                 stride_dh, inputs, table, B, H, HKV, Q_LEN, KV_LEN,
                                 CuSeqlensQ, CuSeqlensK, TOTAL_Q, SPEC_RANGE, SPEC_STEP, HEAD_DIM, HEAD_DIM_V,
                                 HEAD_DIM_PAD, HEAD_DIM_V_PAD, ROWS, BLOCK_N, STAGES, Q_BUFFERS, FOLLOW_TABLE,
-                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8)),
+                                DEFER_SCALE, 0, NUM_CONSUMERS, SIGMOID, SINK, VARLEN, DROPOUT, FP8, ONE_LOOP)),
             (_hopper_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, work_ids, work_counter, n_work, n_m, inputs, table, B, H, HKV, Q_LEN,
                                 KV_LEN, CuSeqlensQ, CuSeqlensK, SPEC_RANGE, BLOCK_M, BLOCK_N, STAGES, Q_BUFFERS,

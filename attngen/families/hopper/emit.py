@@ -47,14 +47,28 @@ HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=
                             corner_names=("start_m", "start_n"), sizes=NO_OFFSET)
 
 
+# A forward step with more than this many lines of score and mask code runs in one loop (ONE_LOOP): two loops
+# hold three copies of the step in each consumer (the peeled first step, the masked and the unmasked loop), and
+# past this size the third copy costs more than the mask's branch. PLACEHOLDER until the GPU says.
+HOPPER_ONE_LOOP_LINES = 12
+
+
+def _code_lines(hook: Hook) -> int:
+    """The lines of code of a hook, comments and blank lines left out."""
+    return sum(1 for line in hook.code.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
 def _hopper_hooks(facts: Analysis) -> dict[str, Hook]:
     """Hooks of the Hopper family's forward: the forward's tile range (one per CTA, whose BLOCK_M rows
     its consumer warpgroups share), and its score and mask in the Gluon spellings; `plain_score` says
-    the spec has no score expression (the kernel may then scale the scores after their row max)."""
+    the spec has no score expression (the kernel may then scale the scores after their row max),
+    `one_loop` that its step is long enough to run in one loop (HOPPER_ONE_LOOP_LINES)."""
     tile_range = _tile_range_hook(facts, "k", "q_off")
-    return {"score": _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc")),
-            "mask": _mask_hook(facts, HOPPER_MASK), "tile_range": tile_range,
+    score = _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc"))
+    mask = _mask_hook(facts, HOPPER_MASK)
+    return {"score": score, "mask": mask, "tile_range": tile_range,
             "plain_score": facts.spec.score is None or facts.spec.score == ir.Score(),
+            "one_loop": _code_lines(score) + _code_lines(mask) > HOPPER_ONE_LOOP_LINES,
             "reads_q_off": _reads(tile_range.code, "q_off")}
 
 
@@ -93,7 +107,8 @@ def _pipeline_arguments(facts: Analysis) -> dict:
                                  "gl.constexpr"),
         "pack_backward": handover({"inputs": p.inputs, "grads": p.grads, "table": p.table}, backward,
                                   "gl.constexpr"),
-        "forward_values": dict(SINK=bool(p.sink), **flags, **({} if p.softmax else {"Lse": None})),
+        "forward_values": dict(SINK=bool(p.sink), ONE_LOOP="HOPPER_ONE_LOOP", **flags,
+                               **({} if p.softmax else {"Lse": None})),
         "backward_values": dict(**flags, **({} if p.softmax else {"lse_desc": None, "delta_desc": None})),
     }
 
@@ -124,7 +139,8 @@ def signatures(p: SpecParams) -> dict[str, Signature]:
         "hopper_range": sig("_hopper_fwd_tile_range", ("start_m", *POSITIONS, *SIZES, "inputs", "table"),
                             ("BLOCK_M", "BLOCK_N", "FOLLOW_TABLE")),
         "hopper_step": sig("_hopper_softmax_step", (
-            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, "inputs", *DROPOUT_STATE),
+            "qk", "m_i", "l_i", "start_n", "off_m", "offs_m", "pos_m", *_HOOK_ARGS, "inputs", *DROPOUT_STATE,
+            "mask_step"),
             (*HEAD_DIMS, "BLOCK_M", "BLOCK_N", "MASKED", "DEFER_SCALE", "s_layout", "DROPOUT")),
         "hopper_fwd_pipeline": Signature.of(device._hopper_fwd_pipeline),
         # The Hopper family's Gluon backward: the kernel (a CTA per key tile of one batch x kv head), the tile
