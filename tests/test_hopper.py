@@ -193,7 +193,7 @@ def test_a_dropout_call_s_backward_walks_64_query_rows_in_every_box(monkeypatch)
 @pytest.mark.parametrize("source, D, dropout, folds", [
     ("causal", 64, False, (True, True)),  # 64-row steps, the plain score: both row terms in the accumulators
     ("causal", 64, True, (False, False)),  # a dropout call scales dP before delta comes off
-    ("alibi_causal", 64, False, (True, False)),  # a score of its own: S^T is not qk_scale * the products
+    ("alibi_causal", 128, False, (False, False)),  # a score of its own: slower folded (H100)
     ("full", 64, False, (False, False)),  # 128-row steps
     ("sigmoid_alibi", 128, False, (False, False)),  # no row terms
     ("attention zero\nscale: 0\nmask: causal\n", 128, False, (True, False)),  # -LSE / 0 is no number
@@ -213,6 +213,23 @@ def test_a_backward_launch_folds_the_row_terms_by_the_rule(monkeypatch, source, 
                                    dropout=(words, 0.1) if dropout else None)
     backward = next(options for _, options in launches if "FOLD_ROWS" in options)
     assert (backward["FOLD_ROWS"], backward["FOLD_LSE"]) == folds
+
+
+@pytest.mark.parametrize("source, one_loop", [
+    ("natten_morton", True),  # 87 lines of mask code
+    ("learned_rel_bias", False),  # 25 lines, but its score gathers table[h, clamp(q - k, ...)]
+    ("causal", False),
+    # random specs 44 (15 lines) and 36 (13) of benchmarks/random_variants.py, timed on an H100
+    ("attention rv44\nparam w = 510\nparam t = 0.5\nmask: not not q - k < w\n"
+     "score: sigmoid(rsqrt(1.0 + abs((k - q) * 0.1))) * (score * t)\n", True),
+    ("attention rv36\nparam t = 0.5\nmask: k < KV_LEN - 2 or q >> 2 >= k >> 2\n"
+     "score: log2(2.0 + abs(score * t))\n", False),
+])
+def test_long_forward_steps_run_in_one_loop(source, one_loop):
+    # The emitter's rule (families/hopper/emit.py, HOPPER_ONE_LOOP_LINES), stated in the module as HOPPER_ONE_LOOP.
+    spec = SPECS / f"{source}.attn" if "\n" not in source else source
+    module = attngen.build(spec, target="h200").module
+    assert bool(module.HOPPER_ONE_LOOP) is one_loop
 
 
 def test_forward_tiles_hold_three_consumers_for_plain_specs_at_head_dim_64(monkeypatch):

@@ -574,7 +574,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 HOPPER_PLAIN_SCORE = False
 # Whether its forward's consumers run their masked and unmasked steps in one loop (its step is long: the
 # emitter's HOPPER_ONE_LOOP_LINES).
-HOPPER_ONE_LOOP = gl.constexpr(True)
+HOPPER_ONE_LOOP = gl.constexpr(False)
 
 
 @gluon.jit
@@ -1021,7 +1021,7 @@ def softmax_scale(D):
 
 
 # The digest of this module's code, which names its custom operators (attngen.emit.module._with_digest).
-MODULE_DIGEST = "d8b61c8101f675fc"
+MODULE_DIGEST = "4440ad948ece3deb"
 FACTS = SpecFacts(
     name="learned_rel_bias",
     fingerprint="62a3b2067d2347f0",

@@ -47,10 +47,14 @@ HOPPER_BWD_SCORE = Spelling(names=TRANSPOSED.names, dims=TRANSPOSED.dims, zeros=
                             corner_names=("start_m", "start_n"), sizes=NO_OFFSET)
 
 
-# A forward step with more than this many lines of score and mask code runs in one loop (ONE_LOOP): two loops
-# hold three copies of the step in each consumer (the peeled first step, the masked and the unmasked loop), and
-# past this size the third copy costs more than the mask's branch. PLACEHOLDER until the GPU says.
-HOPPER_ONE_LOOP_LINES = 12
+# A forward step with more than this many lines of score and mask code runs in one loop (ONE_LOOP) unless its
+# score gathers an input at q and k: two loops hold three copies of the step in each consumer (the peeled first
+# step, the masked and the unmasked loop), far past the SM's instruction caches for a long step. Forward on an
+# H100, B2 H16 N8192 D64, one loop against two (tools/time_catalog.py, two rounds): natten_morton (87 lines)
+# 0.94x the time, random specs of 28, 18 and 15 lines 0.95x, 0.90x and 0.84x; of 13 and 12 lines 1.01-1.02x and
+# 1.07x; learned_rel_bias (25 lines, a gather whose addresses spill) 1.11x. Shorter steps vary both ways (causal
+# 1.00x, sliding_window 0.96x, a chunk mask of 7 lines 0.84x): not taken.
+HOPPER_ONE_LOOP_LINES = 13
 
 
 def _code_lines(hook: Hook) -> int:
@@ -62,13 +66,13 @@ def _hopper_hooks(facts: Analysis) -> dict[str, Hook]:
     """Hooks of the Hopper family's forward: the forward's tile range (one per CTA, whose BLOCK_M rows
     its consumer warpgroups share), and its score and mask in the Gluon spellings; `plain_score` says
     the spec has no score expression (the kernel may then scale the scores after their row max),
-    `one_loop` that its step is long enough to run in one loop (HOPPER_ONE_LOOP_LINES)."""
+    `one_loop` that its step runs in one loop (HOPPER_ONE_LOOP_LINES says when)."""
     tile_range = _tile_range_hook(facts, "k", "q_off")
     score = _score_hook(facts.spec, _emitter(facts, HOPPER_SCORE, "sc"))
     mask = _mask_hook(facts, HOPPER_MASK)
     return {"score": score, "mask": mask, "tile_range": tile_range,
             "plain_score": facts.spec.score is None or facts.spec.score == ir.Score(),
-            "one_loop": _code_lines(score) + _code_lines(mask) > HOPPER_ONE_LOOP_LINES,
+            "one_loop": _code_lines(score) + _code_lines(mask) > HOPPER_ONE_LOOP_LINES and not facts.score_gathers,
             "reads_q_off": _reads(tile_range.code, "q_off")}
 
 

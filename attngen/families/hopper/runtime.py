@@ -37,8 +37,10 @@ HOPPER_DROPOUT_QUERY_ROWS = 64
 # the keep-mask's Philox draws (512 spill stores, full at D=64), and FP8's 192-row tile is not yet measured. Only
 # plain specs take 192 rows (family.py), and they have no tile table to keep the plan's rows for.
 HOPPER_NARROW_FORWARD_ROWS = 128
-# The query rows of a backward step whose row terms start its accumulators (FOLD_ROWS) at most: at 64 rows the
-# broadcast LSE and delta cost 16 registers a thread each (causal D64 B2 H32 N8192 backward 3.65 -> 3.51 ms, H100).
+# The query rows of a backward step whose row terms start its accumulators (FOLD_ROWS) at most. On an H100
+# (tools/hopper/backward_cases.py, ms): causal D64 B2 H32 N8192 3.66-3.68 -> 3.48-3.52, full D128 B2 H16 N8192
+# 5.33-5.43 -> 4.78-4.98, document_causal D64 0.52 -> 0.505; at 128 rows (full D64) 6.34-6.41 -> 6.52. Only the
+# plain score: alibi_causal's steps at D128 went 3.08-3.09 -> 3.19-3.21 with dP^T's fold alone.
 HOPPER_FOLD_ROWS_UP_TO = 64
 # The query rows of one consumer warpgroup of the pingpong forward (a 64-row wgmma accumulator of 4 warps):
 # a tile of block_m rows runs block_m / 64 of them.
@@ -89,11 +91,11 @@ def _hopper_backward_rows(block_m, dropout, table):
 
 def _hopper_folds(block_m, softmax, dropout, plain_score, sm_scale):
     """(FOLD_ROWS, FOLD_LSE) of a backward launch of block_m-row steps: whether they start dP^T's accumulator at
-    -delta (softmax steps of at most HOPPER_FOLD_ROWS_UP_TO rows, not a dropout call's, which scales dP before
-    delta comes off), and S^T's at -LSE / qk_scale (besides, the plain score, whose s2 is qk_scale * S^T, at a
-    finite scale other than 0)."""
-    fold_rows = softmax and not dropout and block_m <= HOPPER_FOLD_ROWS_UP_TO
-    return fold_rows, fold_rows and plain_score and math.isfinite(sm_scale) and sm_scale != 0
+    -delta (softmax steps of the plain score, at most HOPPER_FOLD_ROWS_UP_TO rows, not a dropout call's, which
+    scales dP before delta comes off), and S^T's at -LSE / qk_scale (besides, a finite scale other than 0: the
+    plain score's s2 is qk_scale * S^T)."""
+    fold_rows = softmax and plain_score and not dropout and block_m <= HOPPER_FOLD_ROWS_UP_TO
+    return fold_rows, fold_rows and math.isfinite(sm_scale) and sm_scale != 0
 
 
 def _hopper_consumers(block_m):
