@@ -572,8 +572,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 # Whether the spec has no score expression: its kernel may then scale the scores after their row max.
 HOPPER_PLAIN_SCORE = False
-# Whether its forward's consumers run their masked and unmasked steps in one loop (its step is long: the
-# emitter's HOPPER_ONE_LOOP_LINES).
+# Whether its forward's consumers run their masked and unmasked steps in one loop (the emitter's rule:
+# HOPPER_ONE_LOOP_LINES).
 HOPPER_ONE_LOOP = gl.constexpr(False)
 
 
@@ -740,8 +740,8 @@ def _hopper_bwd_steps(t, i_lo, i_hi, dk, dv, q_bufs, do_bufs, lse_bufs, delta_bu
                                      full_lo, full_hi, BLOCK_M, FOLLOW_TABLE)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-        # The rows' terms start the accumulators where the registers allow (FOLD_ROWS, FOLD_LSE: a subtraction
-        # an element fewer each): the tensor cores then subtract them.
+        # The rows' terms start the accumulators where that measured faster (FOLD_ROWS, FOLD_LSE: runtime.py's
+        # _hopper_folds): the tensor cores then subtract them, a subtraction an element fewer each.
         s_acc = s_zero
         dp_acc = s_zero
         if FOLD_ROWS:

@@ -922,7 +922,7 @@ def _hopper_bwd_pipeline(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     # The backward kernel's body (a module's _hopper_bwd_kernel runs it with its spec's functions and inputs;
     # lse_desc and delta_desc are None in a sigmoid spec's, which has no row terms). FOLD_ROWS: each step's
     # dP^T accumulator starts at -delta, so dS^T = P^T * dP^T; FOLD_LSE: its S^T accumulator starts at
-    # -LSE / qk_scale, so P^T = exp2(qk_scale * S^T) (the runtime's HopperFamily._folds says when).
+    # -LSE / qk_scale, so P^T = exp2(qk_scale * S^T) (runtime.py's _hopper_folds says when).
     # Grid (key tiles, B * HKV). Under causal-like masks key tile 0 has the most query tiles; it starts first.
     start_n = gl.program_id(0)
     off_bhkv = gl.program_id(1)
