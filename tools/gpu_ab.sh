@@ -5,7 +5,8 @@
 # alternately (old, new, old, new) so drift shows as a difference between the two runs of one version.
 #     OLD=.baseline bash tools/gpu_ab.sh            (outputs in $OUT, default device-out)
 # HEAD_DIM (default 128) sets D and DV; SPECS (default every catalog spec) names the specs, FOLDER (default
-# specs) the folder they are in; TAG prefixes the output files, so several comparisons can share one $OUT.
+# specs) the folder they are in; SHAPE (B,H,N; default 2,16,8192) the batch, heads and length; TAG prefixes the
+# output files, so several comparisons can share one $OUT.
 set -u
 OUT=${OUT:-device-out}
 OLD=${OLD:-.baseline}
@@ -16,7 +17,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 FOLDER=${FOLDER:-specs}
 SPECS=${SPECS:-$(ls "$FOLDER"/*.attn | xargs -n1 basename | sed 's/\.attn$//')}
-TIME="tools/time_catalog.py --head-dim $HEAD_DIM --folder $FOLDER"
+SHAPE=${SHAPE:-2,16,8192}
+TIME="tools/time_catalog.py --head-dim $HEAD_DIM --folder $FOLDER --shape $SHAPE"
 T0=$(date +%s)
 for spec in $SPECS; do
   PYTHONPATH="$OLD:${PYTHONPATH:-}" python3 $TIME --warm --only "$spec" > "$OUT/${TAG}warm_old_$spec.log" 2>&1 &

@@ -6,7 +6,8 @@ version of attngen (PYTHONPATH) in the same GPU session to compare two commits s
     PYTHONPATH=.             python tools/time_catalog.py --label new --out new.json
     python tools/time_catalog.py --compare old.json new.json
 
---folder DIR times the specs of another folder (e.g. random specs from benchmarks/random_variants.py --export).
+--folder DIR times the specs of another folder (e.g. random specs from benchmarks/random_variants.py --export);
+--shape B,H,N another batch, head count (K and V's too) and length than B2 H16 N8192.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(B=2, H=16, HKV=16, Q_LEN=8192, KV_LEN=8192, D=128, DV=128)
 
 
-def time_catalog(only: list[str] | None, warm_only: bool = False, head_dim: int = SHAPE["D"],
+def time_catalog(only: list[str] | None, warm_only: bool = False, shape: dict[str, int] = SHAPE,
                  folder: Path = ROOT / "specs") -> dict[str, dict[str, float]]:
     import torch
     from triton.testing import do_bench
@@ -33,7 +34,7 @@ def time_catalog(only: list[str] | None, warm_only: bool = False, head_dim: int 
         if only and path.stem not in only:
             continue
         attn = attngen.build(str(path))
-        s = dict(SHAPE, D=head_dim, DV=head_dim)
+        s = shape
         q, k, v = (torch.randn(s["B"], h, n, s["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for h, n in ((s["H"], s["Q_LEN"]), (s["HKV"], s["KV_LEN"]), (s["HKV"], s["KV_LEN"])))
         inputs = testing.random_inputs(attn.spec, s["B"], s["H"], s["HKV"], s["Q_LEN"], s["KV_LEN"], device="cuda")
@@ -74,17 +75,21 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="only compile and run each spec once")
     parser.add_argument("--head-dim", type=int, default=SHAPE["D"], help="D and DV of q, k and v")
     parser.add_argument("--folder", default=ROOT / "specs", help="the folder of the .attn specs (default specs/)")
+    parser.add_argument("--shape", help="B,H,N: batch, heads (of q, k and v) and length (default 2,16,8192)")
     args = parser.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     import attngen
-    if args.warm:
-        time_catalog(args.only, warm_only=True, head_dim=args.head_dim, folder=args.folder)
-        return
     shape = dict(SHAPE, D=args.head_dim, DV=args.head_dim)
+    if args.shape:
+        B, H, N = (int(x) for x in args.shape.split(","))
+        shape.update(B=B, H=H, HKV=H, Q_LEN=N, KV_LEN=N)
+    if args.warm:
+        time_catalog(args.only, warm_only=True, shape=shape, folder=args.folder)
+        return
     result = {"label": args.label, "attngen": attngen.__file__, "shape": shape,
-              "times": time_catalog(args.only, head_dim=args.head_dim, folder=args.folder)}
+              "times": time_catalog(args.only, shape=shape, folder=args.folder)}
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
