@@ -76,6 +76,14 @@ MASKS = [
     "q >= 3 or causal",
     "causal and q - k < 0",
     "abs(q - k) <= w or q < 3 or k < 3",
+    # The diagonal family with gates on a row (their implied bounds added) and bounds on a column.
+    "q >= 3 and q // 4 == k // 4",
+    "k > 5 and q // 4 == k // 4",
+    "q >= 3 and q <= 12 and (q + 1) // 3 >= k // 3",
+    "q >= 3 and k >= q // 2 and k <= q",
+    "q >= prefix[b] and q // 4 == k // 4",
+    "q >= w and (q + 2) // 3 == (k + 2) // 3 and k < 17",
+    "q >= 10 and q <= 5 and q // 4 == k // 4",
     # Translations (a block at global positions): exact where the mask they translate is.
     "(q + 3) // 4 == (k + 5) // 4 and q + 3 >= k + 5",
     "q + 2 - (k + w) < w and q + 2 >= k + w",
@@ -213,6 +221,10 @@ def test_region_is_exact_where_it_says_so(mask, problem, blocks):
     ("q >= 3 and k >= q - 2 * w", True),  # a plain gate: the bound it implies is added
     ("(k < prefix[b] or causal) and q >= 3", True), ("q >= 3 or causal", True),
     ("q >= 10 and q <= 5 and k < 3", False),  # two gates a tile straddles
+    ("q >= 3 and q // 4 == k // 4", True), ("k > 5 and q // 4 == k // 4", True),  # gated and bounded diagonals
+    ("q >= 3 and q <= 12 and (q + 1) // 3 >= k // 3", True), ("q >= 3 and k >= q // 2 and k <= q", True),
+    ("q >= prefix[b] and q // 4 == k // 4", False),  # a gate's implied bound through a quotient needs a known int
+    ("q >= 10 and q <= 5 and q // 4 == k // 4", False),  # two gates a tile straddles
     ("q // 4 == k // 4 and q - k >= 2", False), ("q < 3 or causal", False),
     ("causal and q - k < 0", False),  # a band of no diagonal, which a tall tile would still visit
     ("(q - k >= 0 and q - k < 3) or (k - q >= 5 and k - q < 7)", False),  # disjoint bands

@@ -48,6 +48,9 @@ EXTRA_MASKS = {
     "chunk_off": "param c = 12\nmask: (q + 5) // c == (k + 5) // c",
     "not_chunk": "mask: not (q // 16 == k // 16) and causal",
     "chunk_lt": "param c = 3\nmask: (q + 1) // c < k // c",  # a bound c * (a + b) (found by fuzzing)
+    # Diagonal masks with gates on rows and bounds on columns: closed form (the gates' implied bounds added).
+    "gated_chunk": "param c = 12\nmask: q >= 3 and q // c == k // c",
+    "bounded_chunk": "mask: k > 5 and (q + 1) // 8 >= k // 8 and q <= 60",
     # Block layouts not aligned with the tiles: the table kernel evaluates one point per block.
     "layout_odd": "input layout: bool[H, *, *]\nmask: layout[h, q // 6, k // 10]",
     "layout_k_only": "input keep: bool[*]\nmask: keep[k // 24] and not keep[k // 8]",

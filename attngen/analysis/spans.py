@@ -335,11 +335,20 @@ def _all_everything(r: Region) -> bool:
 # implies, x >= g + a: then L(y0) = L(max(y0, g)) and the argument above holds on the gated rows. A
 # gate below and one above need g_lo <= g_hi provably (else a tile straddling both opens both).
 #
-# Diagonal (`_diagonal_exact`): every atom reads q and k with coefficients of opposite signs (so each
-# bound is non-decreasing in the other index) and holds on the diagonal q = k at every position
+# Diagonal (`_diagonal_exact`): every atom that reads q and k does so with coefficients of opposite signs
+# (so each bound is non-decreasing in the other index) and holds on the diagonal q = k at every position
 # (`q // c == k // c`, `causal`, `q - k < w`, `(q + 1) // c >= k // c`, `k >= q // 2`). Then L and R do
 # not decrease and every row holds its own index: L(y + 1) <= y + 1 <= R(y) + 1, so rows touch and
-# the union over a tile is [L(y0), R(y1)], the intersection [L(y1), R(y0)].
+# the union over a tile is [L(y0), R(y1)], the intersection [L(y1), R(y0)]. Bounds on x alone (C: x >= a,
+# x <= b) keep this: with L' = max(L, a) and R' = min(R, b) a row is non-empty where L(y) <= b (a run from
+# the start, L not decreasing) and R(y) >= a (a run to the end), so the non-empty rows are one run; two
+# neighbours in it touch (L'(y + 1) <= max(R(y) + 1, a) = R(y) + 1, and <= b); the rows before the run are
+# empty for R(y) < a, so its first row f has L(f) <= f <= R(f - 1) + 1 <= a and L'(y0) = L'(f) = a (the last
+# row likewise), and an empty row in a tile empties [L'(y1), R'(y0)] as it empties the intersection. Plain
+# gates on y (G: y >= g, y <= g) empty the rows on one side, a run again; with the bound each implies added
+# (`_implied_bound`: the bounds of that side with g for y, which needs g, or through a quotient g and its
+# shift, known), a tile straddling g starts at L(g) = L' of the first gated row, as for unit bounds. A gate
+# below and one above need g_lo <= g_hi provably.
 #
 # `or` keeps (E) when both sides are one-sided the same way with no gate at the unbounded end (the
 # union of nested families is nested: `k < prefix[b] or causal`), or when one side is a single gate
@@ -383,7 +392,7 @@ def _atoms_shape(atoms: tuple[Affine, ...], loop: str, params) -> _Shape:
     side = "rows" if not loops else "upper" if loops == {-1} else "lower" if loops == {1} else None
     orient = (next(iter(others)) if len(others) == 1 else None) if others else 0
     exact = (side is not None and orient is not None) or _unit_exact(atoms, loop, params) \
-        or _diagonal_exact(atoms, params)
+        or _diagonal_exact(atoms, loop, params)
     return _Shape(exact, side, orient, gate=len(atoms) == 1 and side == "rows", atoms=atoms)
 
 
@@ -455,39 +464,66 @@ def _unit_exact(atoms, loop: str, params) -> bool:
     return True
 
 
-def _implied_bounds(atoms, loop: str) -> list[Affine]:
-    """For each plain gate y >= g (y <= g) and unit bound x >= y + a (x <= y + b) on the same side, the
-    bound x >= g + a (x <= g + b) it implies: substituting g for y, which the gate makes the extreme row.
-    With them the spans of a tile that straddles the gate start at the gated rows' bound (_unit_exact)."""
-    split = _unit_bounds(atoms, loop)
-    if split is None:
-        return []
-    lowers, uppers, lower_gates, upper_gates = split
-    implied = []
-    for bounds, gates in ((lowers, lower_gates), (uppers, upper_gates)):
-        for gate in gates:
-            if not _is_plain_gate(gate, loop):
-                continue
-            g = _threshold(gate, loop)
-            for atom in bounds:
-                c_loop, c_other, t_loop, _ = _oriented(atom, loop)
-                const = _const_add(atom.const, _const_scale(g, c_other))
-                implied.append(Affine(0, c_loop, const, tk=t_loop) if loop == "k" else Affine(c_loop, 0, const, tq=t_loop))
-    return implied
+def _implied_bound(gate: Affine, atom: Affine, loop: str, params) -> Affine | None:
+    """For a plain gate y >= g (y <= g) and a bound on the looped index x that does not fall as y grows (the
+    indices' coefficients of opposite signs: x >= y + a, `k // c >= q // c`) on the same side (a lower bound
+    for a lower gate), the bound on x alone that they imply: the atom with g for y, which the gate makes the
+    extreme row. None where g cannot go in: the atom reads y in a quotient (or shifted) and g or the shift
+    is not a known int."""
+    c_loop, c_other, t_loop, t_other = _oriented(atom, loop)
+    g = _threshold(gate, loop)
+    if t_other == Term(t_other.var):
+        const = _const_add(atom.const, _const_scale(g, c_other))
+    else:
+        known = [_constant(e, params) for e in (g, t_other.offset)]
+        if None in known:
+            return None
+        const = _const_add(atom.const, _int(c_other * ((known[0] + known[1]) // t_other.div)))
+    return Affine(0, c_loop, const, tk=t_loop) if loop == "k" else Affine(c_loop, 0, const, tq=t_loop)
+
+
+def _gated_pairs(atoms, loop: str):
+    """(gate, bound) for each plain gate on y and each bound on x of the same side whose coefficients of x
+    and y have opposite signs (_implied_bound's pairs)."""
+    for gate in atoms:
+        if not _is_plain_gate(gate, loop):
+            continue
+        lower = _oriented(gate, loop)[1] > 0
+        for atom in atoms:
+            c_loop, c_other = _oriented(atom, loop)[:2]
+            if c_loop * c_other < 0 and (c_loop > 0) == lower:
+                yield gate, atom
+
+
+def _implied_bounds(atoms, loop: str, params) -> list[Affine]:
+    """The bounds _implied_bound derives from the conjunction's gates and bounds: with them the spans of a
+    tile that straddles a gate start at the gated rows' bound (_unit_exact, _diagonal_exact). Each is
+    implied by the conjunction, so adding them is sound for any mask."""
+    implied = (_implied_bound(gate, atom, loop, params) for gate, atom in _gated_pairs(atoms, loop))
+    return [bound for bound in implied if bound is not None]
 
 
 # The longest period `_diagonal_exact` checks position by position.
 _DIAGONAL_PERIOD = 1 << 12
 
 
-def _diagonal_exact(atoms, params) -> bool:
-    """Whether every atom bounds each index by a non-decreasing function of the other (q and k with
-    coefficients of opposite signs) and holds on the diagonal q = k at every position y >= 0 (uniform
-    atoms aside). On the diagonal an atom is f(y) = cq * floor((y + oq) / dq) + ck * floor((y + ok) / dk)
-    + c, with known ints: f(y + P) = f(y) + P * (cq / dq + ck / dk) for the period P = lcm(dq, dk), so f
-    stays >= 0 for every y >= 0 exactly when that trend is >= 0 and f >= 0 on the first period."""
+def _diagonal_exact(atoms, loop: str, params) -> bool:
+    """Whether every atom that reads both q and k bounds each by a non-decreasing function of the other (q and
+    k with coefficients of opposite signs) and holds on the diagonal q = k at every position y >= 0, the
+    others being uniform, bounds on the looped index alone (C) or plain gates on the other one (G) whose
+    implied bounds can be written (_implied_bound), a gate below and one above provably in order. On the
+    diagonal an atom is f(y) = cq * floor((y + oq) / dq) + ck * floor((y + ok) / dk) + c, with known ints:
+    f(y + P) = f(y) + P * (cq / dq + ck / dk) for the period P = lcm(dq, dk), so f stays >= 0 for every
+    y >= 0 exactly when that trend is >= 0 and f >= 0 on the first period."""
+    gates = {"lower": [], "upper": []}
     for atom in atoms:
-        if atom.cq == 0 and atom.ck == 0:
+        c_loop, c_other = _oriented(atom, loop)[:2]
+        if c_other == 0:
+            continue  # uniform, or a bound on the looped index alone
+        if c_loop == 0:
+            if not _is_plain_gate(atom, loop):
+                return False
+            gates["lower" if c_other > 0 else "upper"].append(atom)
             continue
         if atom.cq * atom.ck >= 0:
             return False
@@ -501,6 +537,13 @@ def _diagonal_exact(atoms, params) -> bool:
             return False
         if any(atom.cq * ((y + oq) // dq) + atom.ck * ((y + ok) // dk) + c < 0 for y in range(period)):
             return False
+    if any(_implied_bound(gate, atom, loop, params) is None for gate, atom in _gated_pairs(atoms, loop)):
+        return False
+    for g_lo in gates["lower"]:
+        for g_hi in gates["upper"]:
+            gap = _constant(_const_add(_threshold(g_hi, loop), _threshold(g_lo, loop), -1), params)
+            if gap is None or gap < 0:
+                return False
     return True
 
 
@@ -563,7 +606,7 @@ def _region(mask: ir.Expr | None, loop: str, params, inner: bool = False) -> tup
             return Region(visit, full), _Shape(False, parts=parts)
         shape = _conjunction_shape(parts, loop, params)
         if shape.atoms is not None:
-            for atom in _implied_bounds(shape.atoms, loop):
+            for atom in _implied_bounds(shape.atoms, loop, params):
                 r = _atom_region(atom, loop)
                 visit, full = _intersect(visit, r.visit), _intersect(full, r.full)
         return Region(visit, full, shape.exact or visit is None), shape
