@@ -516,6 +516,38 @@ def test_hopper_head_dims_on_gpu(name, dims):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["causal", "document_causal"])
+def test_work_items_in_groups_of_heads_cover_every_tile_on_gpu(name):
+    # The forward numbers its work items in groups of the heads whose K and V fit the L2 budget (device.py's
+    # _hopper_head_group and _hopper_grouped_item). At D=256 (K and V: 1 KiB a row) over 2048 rows ten
+    # (batch, head) pairs make several groups, the last one short: every item must still run exactly once.
+    from attngen.families.hopper import device
+    B, H, N, D = 2, 5, 2048, 256
+    group = device.HOPPER_L2_GROUP_BYTES.value // (4 * D) // N
+    assert 1 < group < B * H and B * H % group != 0
+    attn = attngen.build(SPECS / f"{name}.attn")
+    q, k, v = testing.random_qkv(B, H, H, N, N, D, D, torch.bfloat16, device="cuda")
+    inputs = testing.random_inputs(attn.spec, B, H, H, N, N, device="cuda")
+    assert attn.forward_family(q, k, v, **inputs) == "hopper"
+    assert attn.backward_family(q, k, v, **inputs) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("D", [64, 128])
+def test_gated_diagonal_masks_follow_closed_form_ranges_on_gpu(D):
+    # A chunk mask with a gate on the rows and a bound on the columns: the analysis proves its spans exact
+    # (the gate's implied bound added), so the Hopper kernels compute them instead of following a table.
+    attn = attngen.build("attention gated_chunks\nparam c = 425\nmask: q >= 3 and k > 5 and q // c == k // c\n")
+    assert attn.module.FACTS.tile_table is False
+    q, k, v = testing.random_qkv(2, 4, 2, 1000, 1100, D, D, torch.bfloat16, device="cuda")
+    assert attn.forward_family(q, k, v) == "hopper" and attn.backward_family(q, k, v) == "hopper"
+    testing.check_against_reference(attn.spec, attn, q, k, v, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000), (1, 4, 4, 129, 300), (1, 4, 2, 257, 700), (1, 2, 1, 1, 5)],
                          ids=lambda s: "x".join(map(str, s)))
