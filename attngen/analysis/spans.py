@@ -454,6 +454,12 @@ def _unit_exact(atoms, loop: str, params) -> bool:
     if (lowers and not all(_is_plain_gate(g, loop) for g in lower_gates)) or \
             (uppers and not all(_is_plain_gate(g, loop) for g in upper_gates)):
         return False
+    return _gates_in_order(lower_gates, upper_gates, loop, params)
+
+
+def _gates_in_order(lower_gates, upper_gates, loop: str, params) -> bool:
+    """Whether each gate below (y >= g_lo) and each gate above (y <= g_hi) are plain gates with g_lo <= g_hi
+    proven: else every row is empty while a tile straddling both opens both."""
     for g_lo in lower_gates:
         for g_hi in upper_gates:
             if not (_is_plain_gate(g_lo, loop) and _is_plain_gate(g_hi, loop)):
@@ -539,12 +545,7 @@ def _diagonal_exact(atoms, loop: str, params) -> bool:
             return False
     if any(_implied_bound(gate, atom, loop, params) is None for gate, atom in _gated_pairs(atoms, loop)):
         return False
-    for g_lo in gates["lower"]:
-        for g_hi in gates["upper"]:
-            gap = _constant(_const_add(_threshold(g_hi, loop), _threshold(g_lo, loop), -1), params)
-            if gap is None or gap < 0:
-                return False
-    return True
+    return _gates_in_order(gates["lower"], gates["upper"], loop, params)
 
 
 def _conjunction_shape(parts: tuple[_Shape, ...], loop: str, params) -> _Shape:

@@ -285,8 +285,8 @@ def _hopper_head_group(n_heads, rows, ROW_BYTES: gl.constexpr):
 def _hopper_grouped_item(item, n_tiles, n_heads, n_group):
     # (tile rank, head) of item `item` of n_heads * n_tiles, the items numbered group by group of n_group
     # heads (the last group holds the heads left over), within a group rank by rank, the group's heads side
-    # by side. Under a grid's or a counter's order the items of one rank, the longest where rank 0 is,
-    # run together: no group ends on one head's longest item alone. n_group = 1 runs head by head.
+    # by side. Taken from a counter in this order, the items of one rank (the longest where rank 0 is) run
+    # together: no group ends on one head's longest item alone. n_group = 1 runs head by head.
     per_group = n_group * n_tiles
     group = item // per_group
     in_group = gl.minimum(n_group, n_heads - group * n_group)
